@@ -1,0 +1,3 @@
+from lit_slowcal.cli import main
+
+main()

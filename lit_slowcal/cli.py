@@ -1,0 +1,200 @@
+"""The main job: ``python -m lit_slowcal fit --config configs/slowcal.yaml``.
+
+A ``LightningCLI`` whose four experiment settings live at the top level of the config, each in one
+place: ``method``, ``num_machines`` (M), ``local_steps`` (K) and ``batch_size`` (b). Everything that
+follows from them is computed here and linked into the model, the data and the trainer:
+
+=================  ==================  ==================
+                   slowcal, local_sgd  minibatch_sgd
+=================  ==================  ==================
+sync period        K                   1
+per-step batch     b                   K * b
+steps per round    K                   1
+=================  ==================  ==================
+
+and R = ceil(60,000 / (M * K * b)) rounds make one epoch for every method.
+"""
+
+from __future__ import annotations
+
+import math
+import netrc
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional
+from urllib.parse import urlparse
+
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+
+from lit_slowcal.data import MNISTDataModule
+from lit_slowcal.model import LogisticRegression
+from lit_slowcal.strategy import PeriodicAveragingStrategy
+
+__all__ = ["SlowcalCLI", "main", "per_step_batch", "steps_per_round"]
+
+Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
+
+
+def steps_per_round(method: str, local_steps: int) -> int:
+    """Optimizer steps between synchronisations: K for the local methods, 1 for Minibatch-SGD."""
+    return 1 if method == "minibatch_sgd" else local_steps
+
+
+def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
+    """Samples per machine per step: b, or K * b for Minibatch-SGD (same samples per round)."""
+    return local_steps * batch_size if method == "minibatch_sgd" else batch_size
+
+
+def _val_check_interval(method: str, local_steps: int, eval_every: int) -> int:
+    return eval_every * steps_per_round(method, local_steps)
+
+
+def wandb_logged_in() -> bool:
+    """Whether W&B has credentials (``WANDB_API_KEY`` or ``wandb login``'s netrc entry), without prompting."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", str(Path.home() / ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class SlowcalCLI(LightningCLI):
+    """LightningCLI with the paper's experiment settings and their derived values linked in."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("model_class", LogisticRegression)
+        kwargs.setdefault("datamodule_class", MNISTDataModule)
+        kwargs.setdefault("seed_everything_default", 1)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": False})
+        defaults = {
+            "strategy": "periodic_averaging",
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "num_sanity_val_steps": 0,
+            "log_every_n_steps": 50,
+            "enable_checkpointing": False,
+        }
+        kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--method", type=Method, default="slowcal", help="slowcal, local_sgd or minibatch_sgd")
+        parser.add_argument("--num_machines", type=PositiveInt, default=16, help="M, machines over all processes")
+        parser.add_argument("--local_steps", type=PositiveInt, default=16, help="K, local steps per round")
+        parser.add_argument("--batch_size", type=PositiveInt, default=1, help="b, samples per machine per local step")
+        parser.add_argument("--eval_every", type=PositiveInt, default=10, help="rounds between test evaluations")
+        parser.add_argument("--run_dir", type=str, default="runs", help="folder of the CSV and W&B logs")
+        parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
+        parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
+        parser.link_arguments("method", "model.method")
+        parser.link_arguments("num_machines", "model.num_machines")
+        parser.link_arguments("num_machines", "data.num_machines")
+        parser.link_arguments(("method", "local_steps", "batch_size"), "data.batch_size", compute_fn=per_step_batch)
+        parser.link_arguments(("method", "local_steps"), "data.steps_per_round", compute_fn=steps_per_round)
+        parser.link_arguments(
+            ("method", "local_steps", "eval_every"), "trainer.val_check_interval", compute_fn=_val_check_interval
+        )
+        parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+
+    def run_name(self) -> str:
+        c = self._get(self.config, "method"), self._get(self.config, "num_machines")
+        k, b, seed = self._get(self.config, "local_steps"), self._get(self.config, "batch_size"), self._get(
+            self.config, "seed_everything"
+        )
+        return f"{c[0]}_M{c[1]}_K{k}_b{b}_seed{seed}"
+
+    def _loggers(self) -> list[Logger]:
+        run_dir = self._get(self.config, "run_dir")
+        name = self.run_name()
+        loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name)]
+        if self._get(self.config, "wandb"):
+            offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
+            if offline:
+                os.environ.setdefault("WANDB_MODE", "offline")
+            version = loggers[0].version
+            wandb_logger = WandbLogger(
+                project=self._get(self.config, "wandb_project"),
+                name=name,
+                save_dir=str(Path(run_dir) / name / f"version_{version}"),
+                offline=offline,
+                config=_flat_config(self.config.get(str(self.subcommand), self.config)),
+            )
+            self._wandb_offline = offline
+            loggers.append(wandb_logger)
+        return loggers
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.subcommand == "fit" and self._get(self.config_init, "trainer").get("logger") in (None, True):
+            kwargs["logger"] = self._loggers()
+        trainer = super().instantiate_trainer(**kwargs)
+        strategy = trainer.strategy
+        if not isinstance(strategy, PeriodicAveragingStrategy):
+            raise ValueError(
+                f"trainer.strategy must be 'periodic_averaging' (or PeriodicAveragingStrategy); got "
+                f"{type(strategy).__name__}. The machines synchronise through it."
+            )
+        strategy.sync_every = steps_per_round(self._get(self.config, "method"), self._get(self.config, "local_steps"))
+        return trainer
+
+    def before_fit(self) -> None:
+        self._start = time.perf_counter()
+
+    def after_fit(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        metrics = self.trainer.callback_metrics
+        get = lambda k: float(metrics[k]) if k in metrics else float("nan")  # noqa: E731
+        data: MNISTDataModule = self.datamodule
+        csv = next((lg for lg in self.trainer.loggers if isinstance(lg, CSVLogger)), None)
+        lines = [
+            "",
+            "lit_slowcal summary",
+            f"  method {self._get(self.config, 'method')}   M={data.num_machines}  K={self._get(self.config, 'local_steps')}"
+            f"  b={self._get(self.config, 'batch_size')}   rounds {self.trainer.strategy.num_syncs}/{data.num_rounds}",
+            f"  final test accuracy {get('test_acc'):.4f}   test loss {get('test_loss'):.4f}",
+            f"  wall time {time.perf_counter() - self._start:.1f} s",
+        ]
+        if csv is not None:
+            lines.append(f"  logs: {csv.log_dir}/metrics.csv")
+        if getattr(self, "_wandb_offline", False):
+            wandb_dir = next(lg for lg in self.trainer.loggers if isinstance(lg, WandbLogger)).save_dir
+            lines.append(f"  W&B (offline): upload later with `wandb sync {wandb_dir}/wandb/offline-run-*`")
+        if data.partition_png is not None:
+            lines.append(f"  class distribution: {data.partition_png}")
+        print("\n".join(lines), flush=True)
+
+
+def _seed(seed: Any) -> int:
+    if isinstance(seed, bool):
+        raise ValueError(f"seed_everything must be an integer (it seeds the data split too), got {seed}")
+    return int(seed)
+
+
+def _flat_config(config: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (config.as_dict() if hasattr(config, "as_dict") else dict(config)).items():
+        if key in ("config", "trainer"):
+            continue
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, (int, float, str, bool)) or v is None:
+                    out[f"{key}.{k}"] = v
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+    return out
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    SlowcalCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

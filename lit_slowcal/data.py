@@ -1,0 +1,271 @@
+"""MNIST split over M machines by class (Dirichlet), streamed as one batch per machine per step.
+
+Every machine i draws from its own distribution D_i: the empirical distribution of its shard. Its
+stream reshuffles and cycles its shard with a generator of its own (seeded from the seed and i), so
+the samples machine i sees do not depend on how machines are laid out over processes. One step
+yields, for each of this rank's m machines, a batch of b samples: tensors ``(m, b, 784)`` and
+``(m, b)``. Images are decoded once and kept normalised in memory: the loop only gathers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lit_slowcal.partition import class_counts, partition, plot_class_distribution
+
+__all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "MNIST_MEAN", "MNIST_STD"]
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+# name -> (IDX magic number, decompressed size in bytes)
+_MNIST_FILES = {
+    "train-images-idx3-ubyte": (2051, 16 + 60000 * 28 * 28),
+    "train-labels-idx1-ubyte": (2049, 8 + 60000),
+    "t10k-images-idx3-ubyte": (2051, 16 + 10000 * 28 * 28),
+    "t10k-labels-idx1-ubyte": (2049, 8 + 10000),
+}
+
+
+def _check_idx_file(path: Path, magic: int, size: int) -> None:
+    actual = path.stat().st_size
+    if actual != size:
+        raise ValueError(f"Corrupt MNIST file {path}: {actual} bytes, expected {size}. Replace it with the original file.")
+    with open(path, "rb") as f:
+        found = int.from_bytes(f.read(4), "big")
+    if found != magic:
+        raise ValueError(f"Corrupt MNIST file {path}: magic number {found}, expected {magic}. Replace it with the original file.")
+
+
+def _prepare_raw_files(root: Path) -> None:
+    """Decompress the shipped ``.gz`` files next to them (torchvision reads only decompressed files)
+    and check every file's size and magic number. Downloads with torchvision when nothing is there."""
+    raw = root / "MNIST" / "raw"
+    missing = []
+    for name, (magic, size) in _MNIST_FILES.items():
+        path, gz = raw / name, raw / f"{name}.gz"
+        if not path.exists() and gz.exists():
+            tmp = path.with_suffix(".tmp")
+            try:
+                with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except (OSError, EOFError) as err:
+                tmp.unlink(missing_ok=True)
+                raise ValueError(f"Corrupt MNIST file {gz}: {err}. Replace it with the original file.") from err
+            tmp.replace(path)
+        if path.exists():
+            _check_idx_file(path, magic, size)
+        else:
+            missing.append(name)
+    if not missing:
+        return
+    from torchvision.datasets import MNIST
+
+    try:
+        MNIST(str(root), train=True, download=True)
+        MNIST(str(root), train=False, download=True)
+    except Exception as err:  # no network, blocked mirror, ...
+        raise FileNotFoundError(
+            f"MNIST files {', '.join(missing)} are missing from {raw} and could not be downloaded ({err}). "
+            f"Put the four MNIST files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+            f"t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) in {raw}, or set data.root to the "
+            f"folder that holds MNIST/raw/."
+        ) from err
+
+
+def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MNIST as normalised float32 tensors ``(N, 784)`` and int64 labels: train x, train y, test x, test y."""
+    from torchvision.datasets import MNIST
+
+    root = Path(root)
+    _prepare_raw_files(root)
+    out = []
+    for train in (True, False):
+        ds = MNIST(str(root), train=train, download=False)
+        x = ds.data.reshape(len(ds.data), -1).to(torch.float32).div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)
+        out += [x, ds.targets.to(torch.int64)]
+    return out[0], out[1], out[2], out[3]
+
+
+class MachineStreams(IterableDataset):
+    """Endless per-machine sample streams, cut into one epoch of ``steps`` steps.
+
+    Machine i's stream is the concatenation of independent random permutations of its shard drawn
+    from ``torch.Generator().manual_seed(seed * 1_000_003 + i)``; step s of epoch e gives machine i the
+    draws ``(e * steps + s) * b ... + b - 1`` of its stream. Iterating yields ``(x, y)`` with shapes
+    ``(m, b, ...)`` and ``(m, b)`` for the machines ``machine_ids`` hosted here.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        shards: list[Tensor],
+        machine_ids: list[int],
+        batch_size: int,
+        steps: int,
+        seed: int,
+    ) -> None:
+        self.x, self.y = x, y
+        self.shards = [shards[i] for i in machine_ids]
+        self.machine_ids = list(machine_ids)
+        self.batch_size = batch_size
+        self.steps = steps
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def indices(self, epoch: int) -> Tensor:
+        """Sample indices of one epoch, shape ``(steps, m, b)``."""
+        per_step = self.batch_size
+        start, count = epoch * self.steps * per_step, self.steps * per_step
+        columns = []
+        for i, shard in zip(self.machine_ids, self.shards):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            n = len(shard)
+            first, last = start // n, (start + count - 1) // n
+            # Permutation k of the stream is the k-th draw from g: generate them all up to `last`
+            # (one vectorised call) and keep the window of this epoch.
+            perms = torch.rand(last + 1, n, generator=g).argsort(dim=1)[first:]
+            stream = shard[perms.reshape(-1)]
+            offset = start - first * n
+            columns.append(stream[offset : offset + count].view(self.steps, per_step))
+        return torch.stack(columns, dim=1)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        idx = self.indices(self.epoch)
+        self.epoch += 1
+        for step in range(self.steps):
+            i = idx[step]
+            yield self.x[i], self.y[i]
+
+
+class MNISTDataModule(pl.LightningDataModule):
+    """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``).
+
+    One epoch is R = ceil(N / (M * steps_per_round * batch_size)) rounds of ``steps_per_round``
+    steps, so that all machines together see about N = 60,000 samples per epoch. Each rank hosts the
+    m = M / world_size consecutive machines ``rank * m ... rank * m + m - 1``. Validation and test
+    use the 10,000 MNIST test images.
+
+    Args:
+        root: folder holding ``MNIST/raw/`` (the repository ships the files in ``data/``).
+        num_machines: M, machines over all processes.
+        batch_size: samples per machine per optimizer step.
+        steps_per_round: optimizer steps per communication round (K for the local methods, 1 for
+            Minibatch-SGD, whose per-step batch is K * b).
+        dirichlet_alpha: concentration of the class split (the paper: 0.1); ``None`` for a stratified IID split.
+        balanced: keep the Dirichlet class skew but give every machine about N / M samples (the official
+            code's variant) instead of the plain split, where shard sizes vary.
+        seed: seeds the partition and every machine's stream.
+        eval_batch_size: batch size of the test set.
+    """
+
+    def __init__(
+        self,
+        root: str = "data",
+        num_machines: int = 16,
+        batch_size: int = 1,
+        steps_per_round: int = 16,
+        dirichlet_alpha: Optional[float] = 0.1,
+        balanced: bool = False,
+        seed: int = 1,
+        eval_batch_size: int = 10_000,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_machines", num_machines),
+            ("batch_size", batch_size),
+            ("steps_per_round", steps_per_round),
+            ("eval_batch_size", eval_batch_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid data.{name}: {value!r} (must be an integer >= 1)")
+        if dirichlet_alpha is not None and not (math.isfinite(dirichlet_alpha) and dirichlet_alpha > 0):
+            raise ValueError(f"Invalid data.dirichlet_alpha: {dirichlet_alpha!r} (must be > 0, or null for IID)")
+        self.root = root
+        self.num_machines = num_machines
+        self.batch_size = batch_size
+        self.steps_per_round = steps_per_round
+        self.dirichlet_alpha = dirichlet_alpha
+        self.balanced = balanced
+        self.seed = seed
+        self.eval_batch_size = eval_batch_size
+        self.shards: list[Tensor] = []
+        self.partition_png: Optional[Path] = None
+        self._train: Optional[MachineStreams] = None
+
+    @property
+    def num_train_samples(self) -> int:
+        return 60_000
+
+    @property
+    def num_rounds(self) -> int:
+        """R = ceil(N / (M * steps_per_round * batch_size))."""
+        return math.ceil(self.num_train_samples / (self.num_machines * self.steps_per_round * self.batch_size))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_rounds * self.steps_per_round
+
+    def _layout(self) -> tuple[int, int]:
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if self.num_machines % world:
+            raise ValueError(
+                f"data.num_machines = {self.num_machines} is not divisible by the number of processes "
+                f"({world}); use a multiple of {world}"
+            )
+        return world, rank
+
+    def setup(self, stage: str) -> None:
+        if self._train is not None:
+            return
+        world, rank = self._layout()
+        x, y, self.test_x, self.test_y = load_mnist(self.root)
+        self.shards = [torch.from_numpy(s) for s in partition(
+            y.numpy(), self.num_machines, self.dirichlet_alpha, balanced=self.balanced, seed=self.seed
+        )]
+        m = self.num_machines // world
+        self._train = MachineStreams(
+            x, y, self.shards, list(range(rank * m, (rank + 1) * m)), self.batch_size, self.steps_per_epoch, self.seed
+        )
+        self._train_labels = y
+        if stage == "fit" and self.trainer is not None and self.trainer.is_global_zero:
+            self._log_partition()
+
+    def class_counts(self):
+        """Class counts per machine, shape ``(M, 10)``."""
+        return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], 10)
+
+    def _log_partition(self) -> None:
+        trainer = self.trainer
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
+        title = f"Class distribution across {self.num_machines} machines ({alpha}{', balanced' if self.balanced else ''})"
+        self.partition_png = folder / "class_distribution.png"
+        figure = plot_class_distribution(self.class_counts(), self.partition_png, title=title)
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):  # WandbLogger
+                logger.log_image(key="class_distribution", images=[str(self.partition_png)])
+            elif hasattr(getattr(logger, "experiment", None), "add_figure"):  # TensorBoardLogger
+                logger.experiment.add_figure("class_distribution", figure)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._train, batch_size=None)
+
+    def _test_loader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.test_x, self.test_y), batch_size=self.eval_batch_size)
+
+    val_dataloader = _test_loader
+    test_dataloader = _test_loader

@@ -1,0 +1,116 @@
+"""Multinomial logistic regression on MNIST, trained on m simulated machines per process.
+
+The three methods of the paper are configurations of the same model: the optimizer is
+``SlowcalSGD`` for ``slowcal`` and ``torch.optim.SGD`` for ``local_sgd`` and ``minibatch_sgd``; how
+often machines synchronise (K or 1) and how large the per-step batch is (b or K * b) are set on the
+strategy and the data, see ``lit_slowcal.cli``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lit_slowcal.optimizer import SlowcalSGD
+from lit_slowcal.simulated import SimulatedMachines
+
+__all__ = ["LogisticRegression", "METHODS"]
+
+Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
+METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
+
+
+class LogisticRegression(pl.LightningModule):
+    """784 -> 10 linear model with cross-entropy, one copy per machine.
+
+    Training batches are ``(x, y)`` of shapes ``(m, b, 784)`` and ``(m, b)``: machine i's loss is the
+    mean cross-entropy of its b samples, and the loss back-propagated is the sum over machines (so
+    each machine's slice gets its own gradient). Validation and test evaluate the synchronised
+    model x (the machines' average) on plain ``(n, 784)`` batches, logging ``test_loss`` and ``test_acc``.
+
+    Args:
+        method: ``slowcal``, ``local_sgd`` or ``minibatch_sgd``.
+        num_machines: M over all processes; each process hosts M / world_size of them.
+        lr: learning rate eta.
+        weight_power: p in alpha_t = (t + 1)^p (SLowcal only).
+        scale_lr_by_weight: use eta * alpha_t as in Algorithm 2 (SLowcal only; the paper's
+            experiments use a constant eta).
+        gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
+        weight_decay: L2 penalty added to every gradient.
+        input_dim, num_classes: the linear model's shape.
+    """
+
+    def __init__(
+        self,
+        method: Method = "slowcal",
+        num_machines: int = 16,
+        lr: float = 0.01,
+        weight_power: float = 1.0,
+        scale_lr_by_weight: bool = False,
+        gamma: Optional[float] = None,
+        weight_decay: float = 0.0,
+        input_dim: int = 784,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
+        if not lr > 0:
+            raise ValueError(f"Invalid model.lr: {lr!r} (must be > 0)")
+        if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
+            raise ValueError(f"Invalid num_machines: {num_machines!r} (must be an integer >= 1)")
+        self.save_hyperparameters()
+        self.machines: Optional[SimulatedMachines] = None
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def configure_model(self) -> None:
+        if self.machines is not None:
+            return
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if self.hparams.num_machines % world:
+            raise ValueError(
+                f"num_machines = {self.hparams.num_machines} is not divisible by the number of processes ({world})"
+            )
+        # Seeded by the trainer's seed_everything: identical x_0 on every rank and machine.
+        template = nn.Linear(self.hparams.input_dim, self.hparams.num_classes)
+        self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        h = self.hparams
+        params = self.machines.parameters()
+        if h.method == "slowcal":
+            return SlowcalSGD(
+                params,
+                lr=h.lr,
+                weight_power=h.weight_power,
+                scale_lr_by_weight=h.scale_lr_by_weight,
+                gamma=h.gamma,
+                weight_decay=h.weight_decay,
+            )
+        return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self.machines(x)  # (m, b, C)
+        per_sample = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+        per_machine = per_sample.view(y.shape).mean(1)
+        self.log("train_loss", per_machine.detach().mean(), on_step=True, prog_bar=True)
+        return per_machine.sum()
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
+        x, y = batch
+        logits = self.machines.forward_averaged(x)
+        self.test_acc(logits, y)
+        self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("test_acc", self.test_acc, prog_bar=True)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch)
