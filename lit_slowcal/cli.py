@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
-from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
-from lit_slowcal.data import MNISTDataModule
+from lit_slowcal.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.model import LogisticRegression
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
@@ -49,8 +48,9 @@ def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
     return local_steps * batch_size if method == "minibatch_sgd" else batch_size
 
 
-def _val_check_interval(method: str, local_steps: int, eval_every: int) -> int:
-    return eval_every * steps_per_round(method, local_steps)
+def _val_check_interval(num_machines: int, local_steps: int, batch_size: int, eval_every: int) -> int:
+    # One training batch is one round; evaluate every `eval_every` rounds and after the last one.
+    return min(eval_every, num_rounds(MNIST_TRAIN_SIZE, num_machines, local_steps, batch_size))
 
 
 def wandb_logged_in() -> bool:
@@ -87,10 +87,10 @@ class SlowcalCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--method", type=Method, default="slowcal", help="slowcal, local_sgd or minibatch_sgd")
-        parser.add_argument("--num_machines", type=PositiveInt, default=16, help="M, machines over all processes")
-        parser.add_argument("--local_steps", type=PositiveInt, default=16, help="K, local steps per round")
-        parser.add_argument("--batch_size", type=PositiveInt, default=1, help="b, samples per machine per local step")
-        parser.add_argument("--eval_every", type=PositiveInt, default=10, help="rounds between test evaluations")
+        parser.add_argument("--num_machines", type=int, default=16, help="M, machines over all processes")
+        parser.add_argument("--local_steps", type=int, default=16, help="K, local steps per round")
+        parser.add_argument("--batch_size", type=int, default=1, help="b, samples per machine per local step")
+        parser.add_argument("--eval_every", type=int, default=10, help="rounds between test evaluations")
         parser.add_argument("--run_dir", type=str, default="runs", help="folder of the CSV and W&B logs")
         parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
         parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
@@ -100,9 +100,17 @@ class SlowcalCLI(LightningCLI):
         parser.link_arguments(("method", "local_steps", "batch_size"), "data.batch_size", compute_fn=per_step_batch)
         parser.link_arguments(("method", "local_steps"), "data.steps_per_round", compute_fn=steps_per_round)
         parser.link_arguments(
-            ("method", "local_steps", "eval_every"), "trainer.val_check_interval", compute_fn=_val_check_interval
+            ("num_machines", "local_steps", "batch_size", "eval_every"),
+            "trainer.val_check_interval",
+            compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+
+    def before_instantiate_classes(self) -> None:
+        for key in ("num_machines", "local_steps", "batch_size", "eval_every"):
+            value = self._get(self.config, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid {key}: {value!r} (must be an integer >= 1)")
 
     def run_name(self) -> str:
         c = self._get(self.config, "method"), self._get(self.config, "num_machines")

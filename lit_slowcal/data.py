@@ -1,10 +1,11 @@
-"""MNIST split over M machines by class (Dirichlet), streamed as one batch per machine per step.
+"""MNIST split over M machines by class (Dirichlet), streamed one communication round at a time.
 
 Every machine i draws from its own distribution D_i: the empirical distribution of its shard. Its
 stream reshuffles and cycles its shard with a generator of its own (seeded from the seed and i), so
-the samples machine i sees do not depend on how machines are laid out over processes. One step
-yields, for each of this rank's m machines, a batch of b samples: tensors ``(m, b, 784)`` and
-``(m, b)``. Images are decoded once and kept normalised in memory: the loop only gathers.
+the samples machine i sees do not depend on how machines are laid out over processes. One training
+batch is one round: for each of the round's steps and each of this rank's m machines, b samples,
+as tensors ``(steps, m, b, 784)`` and ``(steps, m, b)``. Images are decoded once and kept
+normalised in memory: the loop only gathers.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Iterator, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lit_slowcal.partition import class_counts, partition, plot_class_distribution
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "MNIST_MEAN", "MNIST_STD"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+MNIST_TRAIN_SIZE = 60_000
 
 # name -> (IDX magic number, decompressed size in bytes)
 _MNIST_FILES = {
@@ -95,13 +96,28 @@ def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tenso
     return out[0], out[1], out[2], out[3]
 
 
-class MachineStreams(IterableDataset):
-    """Endless per-machine sample streams, cut into one epoch of ``steps`` steps.
+def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
+    """R = ceil(N / (M * steps_per_round * batch_size)): rounds for all machines to see N samples."""
+    return math.ceil(num_samples / (num_machines * steps_per_round * batch_size))
+
+
+class MachineStreams:
+    """Endless per-machine sample streams, served one communication round at a time.
 
     Machine i's stream is the concatenation of independent random permutations of its shard drawn
-    from ``torch.Generator().manual_seed(seed * 1_000_003 + i)``; step s of epoch e gives machine i the
-    draws ``(e * steps + s) * b ... + b - 1`` of its stream. Iterating yields ``(x, y)`` with shapes
-    ``(m, b, ...)`` and ``(m, b)`` for the machines ``machine_ids`` hosted here.
+    from ``torch.Generator().manual_seed(seed * 1_000_003 + i)``. Each item is one round: the next
+    ``steps_per_round * batch_size`` draws of every hosted machine, as tensors of shapes
+    ``(steps_per_round, m, batch_size, ...)`` and ``(steps_per_round, m, batch_size)``. Iterating
+    gives ``rounds`` items (one epoch); the next iteration continues the streams.
+
+    Args:
+        x, y: the whole training set (already normalised).
+        shards: sample indices of every machine (all M of them).
+        machine_ids: the machines hosted here.
+        batch_size: samples per machine per step.
+        steps_per_round: optimizer steps per round.
+        rounds: rounds per epoch.
+        seed: seeds every machine's stream.
     """
 
     def __init__(
@@ -111,50 +127,66 @@ class MachineStreams(IterableDataset):
         shards: list[Tensor],
         machine_ids: list[int],
         batch_size: int,
-        steps: int,
+        steps_per_round: int,
+        rounds: int,
         seed: int,
     ) -> None:
         self.x, self.y = x, y
         self.shards = [shards[i] for i in machine_ids]
         self.machine_ids = list(machine_ids)
         self.batch_size = batch_size
-        self.steps = steps
+        self.steps_per_round = steps_per_round
+        self.rounds = rounds
         self.seed = seed
         self.epoch = 0
 
     def __len__(self) -> int:
-        return self.steps
+        return self.rounds
 
     def indices(self, epoch: int) -> Tensor:
-        """Sample indices of one epoch, shape ``(steps, m, b)``."""
-        per_step = self.batch_size
-        start, count = epoch * self.steps * per_step, self.steps * per_step
+        """Sample indices of one epoch, shape ``(rounds, steps_per_round, m, batch_size)``."""
+        count = self.rounds * self.steps_per_round * self.batch_size  # draws per machine per epoch
+        start = epoch * count
         columns = []
         for i, shard in zip(self.machine_ids, self.shards):
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
             n = len(shard)
             first, last = start // n, (start + count - 1) // n
-            # Permutation k of the stream is the k-th draw from g: generate them all up to `last`
-            # (one vectorised call) and keep the window of this epoch.
+            # Permutation k of the stream is the k-th draw from g: draw them all up to `last` in one
+            # vectorised call and keep this epoch's window.
             perms = torch.rand(last + 1, n, generator=g).argsort(dim=1)[first:]
-            stream = shard[perms.reshape(-1)]
             offset = start - first * n
-            columns.append(stream[offset : offset + count].view(self.steps, per_step))
-        return torch.stack(columns, dim=1)
+            columns.append(shard[perms.reshape(-1)[offset : offset + count]])
+        idx = torch.stack(columns)  # (m, count)
+        return idx.view(len(columns), self.rounds, self.steps_per_round, self.batch_size).permute(1, 2, 0, 3)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         idx = self.indices(self.epoch)
         self.epoch += 1
-        for step in range(self.steps):
-            i = idx[step]
-            yield self.x[i], self.y[i]
+        for r in range(self.rounds):
+            yield self.x[idx[r]], self.y[idx[r]]
+
+
+class _Slices:
+    """Consecutive batches of in-memory tensors: no per-sample indexing or collation."""
+
+    def __init__(self, x: Tensor, y: Tensor, batch_size: int) -> None:
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.y) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for i in range(0, len(self.y), self.batch_size):
+            yield self.x[i : i + self.batch_size], self.y[i : i + self.batch_size]
 
 
 class MNISTDataModule(pl.LightningDataModule):
     """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``).
 
     One epoch is R = ceil(N / (M * steps_per_round * batch_size)) rounds of ``steps_per_round``
-    steps, so that all machines together see about N = 60,000 samples per epoch. Each rank hosts the
+    steps, so that all machines together see about N = 60,000 samples per epoch. Each training batch
+    is one round (see ``MachineStreams``). Each rank hosts the
     m = M / world_size consecutive machines ``rank * m ... rank * m + m - 1``. Validation and test
     use the 10,000 MNIST test images.
 
@@ -205,18 +237,12 @@ class MNISTDataModule(pl.LightningDataModule):
         self.partition_png: Optional[Path] = None
         self._train: Optional[MachineStreams] = None
 
-    @property
-    def num_train_samples(self) -> int:
-        return 60_000
+    num_train_samples = MNIST_TRAIN_SIZE
 
     @property
     def num_rounds(self) -> int:
         """R = ceil(N / (M * steps_per_round * batch_size))."""
-        return math.ceil(self.num_train_samples / (self.num_machines * self.steps_per_round * self.batch_size))
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_rounds * self.steps_per_round
+        return num_rounds(self.num_train_samples, self.num_machines, self.steps_per_round, self.batch_size)
 
     def _layout(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -237,8 +263,9 @@ class MNISTDataModule(pl.LightningDataModule):
             y.numpy(), self.num_machines, self.dirichlet_alpha, balanced=self.balanced, seed=self.seed
         )]
         m = self.num_machines // world
+        machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
-            x, y, self.shards, list(range(rank * m, (rank + 1) * m)), self.batch_size, self.steps_per_epoch, self.seed
+            x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
         )
         self._train_labels = y
         if stage == "fit" and self.trainer is not None and self.trainer.is_global_zero:
@@ -261,11 +288,12 @@ class MNISTDataModule(pl.LightningDataModule):
             elif hasattr(getattr(logger, "experiment", None), "add_figure"):  # TensorBoardLogger
                 logger.experiment.add_figure("class_distribution", figure)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._train, batch_size=None)
+    def train_dataloader(self) -> MachineStreams:
+        # Batches are whole rounds gathered from in-memory tensors: a DataLoader would add nothing.
+        return self._train
 
-    def _test_loader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.test_x, self.test_y), batch_size=self.eval_batch_size)
+    def _test_loader(self) -> "_Slices":
+        return _Slices(self.test_x, self.test_y, self.eval_batch_size)
 
     val_dataloader = _test_loader
     test_dataloader = _test_loader

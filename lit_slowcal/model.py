@@ -28,9 +28,10 @@ METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
 class LogisticRegression(pl.LightningModule):
     """784 -> 10 linear model with cross-entropy, one copy per machine.
 
-    Training batches are ``(x, y)`` of shapes ``(m, b, 784)`` and ``(m, b)``: machine i's loss is the
-    mean cross-entropy of its b samples, and the loss back-propagated is the sum over machines (so
-    each machine's slice gets its own gradient). Validation and test evaluate the synchronised
+    A training batch is one communication round, ``(x, y)`` of shapes ``(steps, m, b, 784)`` and
+    ``(steps, m, b)``; each of its steps is one optimizer step. Machine i's loss is the mean
+    cross-entropy of its b samples, and the loss back-propagated is the sum over machines (so each
+    machine's slice gets its own gradient). A non-finite training loss stops the run at once. Validation and test evaluate the synchronised
     model x (the machines' average) on plain ``(n, 784)`` batches, logging ``test_loss`` and ``test_acc``.
 
     Args:
@@ -65,6 +66,7 @@ class LogisticRegression(pl.LightningModule):
         if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
             raise ValueError(f"Invalid num_machines: {num_machines!r} (must be an integer >= 1)")
         self.save_hyperparameters()
+        self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
@@ -94,13 +96,43 @@ class LogisticRegression(pl.LightningModule):
             )
         return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        logits = self.machines(x)  # (m, b, C)
-        per_sample = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-        per_machine = per_sample.view(y.shape).mean(1)
-        self.log("train_loss", per_machine.detach().mean(), on_step=True, prog_bar=True)
-        return per_machine.sum()
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """One communication round: ``steps`` local steps on every machine, then (in the strategy) the sync.
+
+        ``batch`` holds the round's samples, shapes ``(steps, m, b, 784)`` and ``(steps, m, b)``.
+        """
+        optimizer = self.optimizers()
+        xs, ys = batch
+        losses = torch.empty(len(xs), device=xs.device)
+        for k in range(len(xs)):
+            per_machine = self._machine_losses(xs[k], ys[k])
+            optimizer.zero_grad()
+            self.manual_backward(per_machine.sum())
+            optimizer.step()  # the strategy averages the machines after every K-th step
+            losses[k] = per_machine.detach().mean()
+        round_loss = losses.mean()
+        if not torch.isfinite(round_loss):
+            raise FloatingPointError(
+                f"Training diverged: train loss {round_loss.item()} in round {batch_idx + 1} "
+                f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
+            )
+        strategy = self.trainer.strategy
+        machines = getattr(strategy, "num_machines", self.trainer.world_size * self.machines.num_machines)
+        self.log_dict(
+            {
+                "train_loss": round_loss,
+                "round": float(getattr(strategy, "num_syncs", batch_idx + 1)),
+                "samples_seen": float(xs.shape[0] * xs.shape[2] * machines * (batch_idx + 1)),
+                "floats_communicated": float(getattr(strategy, "floats_communicated", 0) * machines),
+            },
+            on_step=True,
+            on_epoch=False,
+        )
+
+    def _machine_losses(self, x: Tensor, y: Tensor) -> Tensor:
+        """Each machine's mean cross-entropy over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""
+        logits = self.machines(x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
