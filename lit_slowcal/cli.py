@@ -36,6 +36,7 @@ from lit_slowcal.strategy import PeriodicAveragingStrategy
 __all__ = ["SlowcalCLI", "main", "per_step_batch", "steps_per_round"]
 
 Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
+_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
 
 
 def steps_per_round(method: str, local_steps: int) -> int:
@@ -122,12 +123,17 @@ class SlowcalCLI(LightningCLI):
     def _loggers(self) -> list[Logger]:
         run_dir = self._get(self.config, "run_dir")
         name = self.run_name()
-        loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name)]
+        # Every rank must write to the same version folder: the launching process (rank 0) picks the
+        # next free version and its DDP children, started later, inherit it through the environment.
+        version = os.environ.get(_VERSION_ENV)
+        if version is None:
+            version = str(CSVLogger(save_dir=run_dir, name=name).version)
+            os.environ[_VERSION_ENV] = version
+        loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=int(version))]
         if self._get(self.config, "wandb"):
             offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
             if offline:
                 os.environ.setdefault("WANDB_MODE", "offline")
-            version = loggers[0].version
             wandb_logger = WandbLogger(
                 project=self._get(self.config, "wandb_project"),
                 name=name,

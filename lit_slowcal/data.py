@@ -268,16 +268,17 @@ class MNISTDataModule(pl.LightningDataModule):
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
         )
         self._train_labels = y
-        if stage == "fit" and self.trainer is not None and self.trainer.is_global_zero:
-            self._log_partition()
+        if stage == "fit" and self.trainer is not None:
+            folder = self.trainer.log_dir or self.trainer.default_root_dir  # a collective: every rank asks
+            if self.trainer.is_global_zero:
+                self._log_partition(Path(folder))
 
     def class_counts(self):
         """Class counts per machine, shape ``(M, 10)``."""
         return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], 10)
 
-    def _log_partition(self) -> None:
+    def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
         alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
         title = f"Class distribution across {self.num_machines} machines ({alpha}{', balanced' if self.balanced else ''})"
         self.partition_png = folder / "class_distribution.png"
