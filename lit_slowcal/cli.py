@@ -134,6 +134,13 @@ class SlowcalCLI(LightningCLI):
             offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
             if offline:
                 os.environ.setdefault("WANDB_MODE", "offline")
+                if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+                    print(
+                        "W&B: no credentials (WANDB_API_KEY or `wandb login`) found; logging offline. Upload later "
+                        "with `wandb sync <run folder>/wandb/offline-run-*` (the summary prints the folder), "
+                        "or pass --wandb=false to turn W&B off.",
+                        flush=True,
+                    )
             wandb_logger = WandbLogger(
                 project=self._get(self.config, "wandb_project"),
                 name=name,

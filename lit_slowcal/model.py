@@ -43,6 +43,8 @@ class LogisticRegression(pl.LightningModule):
             experiments use a constant eta).
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
         weight_decay: L2 penalty added to every gradient.
+        init: x_0 = 0 (``zeros``, the usual start of a convex problem: results then depend on the
+            seed only through the data) or PyTorch's default random ``nn.Linear`` initialisation.
         input_dim, num_classes: the linear model's shape.
     """
 
@@ -55,12 +57,15 @@ class LogisticRegression(pl.LightningModule):
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
         weight_decay: float = 0.0,
+        init: Literal["zeros", "default"] = "zeros",
         input_dim: int = 784,
         num_classes: int = 10,
     ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
+        if init not in ("zeros", "default"):
+            raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
         if not lr > 0:
             raise ValueError(f"Invalid model.lr: {lr!r} (must be > 0)")
         if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
@@ -78,8 +83,11 @@ class LogisticRegression(pl.LightningModule):
             raise ValueError(
                 f"num_machines = {self.hparams.num_machines} is not divisible by the number of processes ({world})"
             )
-        # Seeded by the trainer's seed_everything: identical x_0 on every rank and machine.
+        # Random init is seeded by seed_everything; rank 0's weights are broadcast at setup anyway.
         template = nn.Linear(self.hparams.input_dim, self.hparams.num_classes)
+        if self.hparams.init == "zeros":
+            nn.init.zeros_(template.weight)
+            nn.init.zeros_(template.bias)
         self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
