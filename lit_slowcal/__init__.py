@@ -6,11 +6,11 @@
 
 from lit_slowcal.optimizer import SlowcalSGD
 
-__all__ = ["SlowcalSGD", "LocalSGDStrategy", "SimulatedMachines", "MNISTDataModule", "LogisticRegression"]
+__all__ = ["SlowcalSGD", "PeriodicAveragingStrategy", "SimulatedMachines", "MNISTDataModule", "LogisticRegression"]
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LocalSGDStrategy": "lit_slowcal.strategy",
+    "PeriodicAveragingStrategy": "lit_slowcal.strategy",
     "SimulatedMachines": "lit_slowcal.simulated",
     "MNISTDataModule": "lit_slowcal.data",
     "LogisticRegression": "lit_slowcal.model",

@@ -1,25 +1,47 @@
 """Runs the CLI in this process (and, through Lightning's launcher, in its DDP children), counting
-all-reduce calls, and saves each rank's final state to OUT/rank{r}.pt.
+the collective calls made during training steps, and saves each rank's final state to OUT/rank{r}.pt.
 
 Usage: python tests/run_cli.py OUT fit --num_machines ... (any CLI arguments)
 """
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-calls = {"all_reduce": 0}
-_all_reduce = dist.all_reduce
+from lit_slowcal.model import LogisticRegression
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce", "gather")
+calls: Counter = Counter()
+in_training = [False]
 
 
-def counting_all_reduce(*args, **kwargs):
-    calls["all_reduce"] += 1
-    return _all_reduce(*args, **kwargs)
+def _counting(name, fn):
+    def wrapper(*args, **kwargs):
+        if in_training[0]:
+            calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
-dist.all_reduce = counting_all_reduce
+for _name in COLLECTIVES:
+    setattr(dist, _name, _counting(_name, getattr(dist, _name)))
+
+_training_step = LogisticRegression.training_step
+
+
+def training_step(self, *args, **kwargs):
+    in_training[0] = True
+    try:
+        return _training_step(self, *args, **kwargs)
+    finally:
+        in_training[0] = False
+
+
+LogisticRegression.training_step = training_step
 
 from lit_slowcal.cli import SlowcalCLI  # noqa: E402
 
@@ -30,8 +52,9 @@ params = dict(cli.model.machines.stacked_parameters())
 state = {
     "params": {k: v.detach().clone() for k, v in params.items()},
     "w": {k: opt.state[p]["w"].clone() for k, p in params.items() if "w" in opt.state[p]},
-    "all_reduce_calls": calls["all_reduce"],
+    "collectives": dict(calls),
     "num_syncs": cli.trainer.strategy.num_syncs,
+    "num_rounds": cli.datamodule.num_rounds,
     "world_size": cli.trainer.world_size,
     "metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()},
 }

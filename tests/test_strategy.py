@@ -1,0 +1,239 @@
+"""PeriodicAveragingStrategy: the sync schedule, what is averaged, process layouts, collective counts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+
+from lit_slowcal import PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
+
+REPO = Path(__file__).resolve().parents[1]
+M, D = 4, 3
+
+
+class Batches:
+    """An iterable of ready batches (a list would be read as several dataloaders)."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def machine_data(steps: int, b: int = 2, seed: int = 0) -> Batches:
+    """Per-step batches (m, b, D), (m, b, 1) with a different linear target on every machine."""
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randn(M, D, 1, generator=g)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(M, b, D, generator=g)
+        batches.append((x, x @ targets))
+    return Batches(batches)
+
+
+class Regression(pl.LightningModule):
+    """M simulated machines fitting their own linear target; automatic optimization, one step per batch."""
+
+    def __init__(self, optimizer: str = "slowcal", lr: float = 0.1, momentum: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.machines = SimulatedMachines(nn.Linear(D, 1), M)
+        self.optimizer, self.lr, self.momentum = optimizer, lr, momentum
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_machine = ((self.machines(x) - y) ** 2).mean(dim=(1, 2))
+        return per_machine.sum()
+
+    def configure_optimizers(self):
+        if self.optimizer == "slowcal":
+            return SlowcalSGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class RecordingStrategy(PeriodicAveragingStrategy):
+    """Records, after every optimizer step, whether all machines hold the same x and the same w."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.records = []
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+        params = list(self.lightning_module.machines.parameters())
+        same_x = all(torch.equal(p, p[:1].expand_as(p)) for p in params)
+        ws = [inner.state[p]["w"] for p in params if "w" in inner.state[p]]
+        same_w = all(torch.equal(w, w[:1].expand_as(w)) for w in ws)
+        self.records.append((same_x, same_w, self.num_syncs))
+        return out
+
+
+def fit(module: pl.LightningModule, strategy: PeriodicAveragingStrategy, steps: int) -> pl.Trainer:
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=machine_data(steps))
+    return trainer
+
+
+def test_registered_under_its_own_name_without_clobbering_ddp():
+    assert StrategyRegistry["periodic_averaging"]["strategy"] is PeriodicAveragingStrategy
+    assert StrategyRegistry["periodic_averaging_spawn"]["init_params"] == {"start_method": "spawn"}
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy
+    trainer = pl.Trainer(strategy="periodic_averaging", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is PeriodicAveragingStrategy
+    assert trainer.strategy.sync_every == 1
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, None])
+def test_sync_every_refused(bad):
+    with pytest.raises(ValueError, match=f"sync_every: {bad!r}"):
+        PeriodicAveragingStrategy(sync_every=bad)
+
+
+def test_post_local_sgd_arguments_refused():
+    with pytest.raises(ValueError, match="model_averaging_period"):
+        PeriodicAveragingStrategy(sync_every=2, model_averaging_period=4)
+
+
+@pytest.mark.parametrize("optimizer", ["slowcal", "sgd"])
+def test_machines_agree_right_after_each_sync_and_differ_between(optimizer):
+    K, steps = 3, 10
+    strategy = RecordingStrategy(sync_every=K)
+    fit(Regression(optimizer), strategy, steps)
+    assert len(strategy.records) == steps
+    for step, (same_x, same_w, num_syncs) in enumerate(strategy.records, start=1):
+        assert num_syncs == step // K
+        synced = step % K == 0
+        assert same_x == synced, f"step {step}: machines' x equal={same_x}, expected {synced}"
+        if optimizer == "slowcal":
+            assert same_w == synced, f"step {step}: machines' w equal={same_w}, expected {synced}"
+
+
+def test_minibatch_sgd_by_parameter_averaging_is_one_step_on_the_averaged_gradient():
+    lr = 0.1
+    module = Regression("sgd", lr=lr).double()
+    x0 = {k: v[0].detach().clone() for k, v in module.machines.stacked_parameters().items()}
+    (x, y), = machine_data(1).batches
+    x, y = x.double(), y.double()
+    # Closed form: the gradient of machine i's mean squared error at the common point x0.
+    w0, b0 = x0["weight"], x0["bias"]
+    residual = x @ w0.T + b0 - y  # (M, b, 1)
+    grad_w = (2 * residual * x).mean(dim=1)  # (M, D)
+    grad_b = (2 * residual).mean(dim=1)  # (M, 1)
+    expected_w = w0 - lr * grad_w.mean(0, keepdim=True)
+    expected_b = b0 - lr * grad_b.mean(0)
+
+    trainer = pl.Trainer(
+        strategy=PeriodicAveragingStrategy(sync_every=1),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=Batches([(x, y)]))
+    params = module.machines.stacked_parameters()
+    for i in range(M):
+        torch.testing.assert_close(params["weight"][i], expected_w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(params["bias"][i], expected_b, rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_buffers_averaged_only_on_request():
+    def run(average_state):
+        strategy = PeriodicAveragingStrategy(sync_every=2, average_state=average_state)
+        module = Regression("sgd", lr=0.05, momentum=0.9)
+        trainer = fit(module, strategy, 4)
+        opt = trainer.optimizers[0]
+        return [opt.state[p]["momentum_buffer"] for p in module.machines.parameters()]
+
+    averaged = run(["momentum_buffer"])
+    assert all(torch.equal(buf, buf[:1].expand_as(buf)) for buf in averaged)
+    local = run([])
+    assert not any(torch.equal(buf, buf[:1].expand_as(buf)) for buf in local)
+
+
+def test_plain_module_one_machine_per_process_is_left_as_is_with_one_process():
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(D, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x[0]), y[0])
+
+        def configure_optimizers(self):
+            return SlowcalSGD(self.parameters(), lr=0.1)
+
+    strategy = PeriodicAveragingStrategy(sync_every=2)
+    module = Plain()
+    fit(module, strategy, 5)
+    assert strategy.num_syncs == 2
+    assert strategy.num_machines == 1
+    # x and w of the one machine: 2 tensors each of 3 + 1 floats, sent twice.
+    assert strategy.floats_communicated == 2 * 2 * (D + 1)
+
+
+def run_cli(out: Path, *args: str) -> list[dict]:
+    # A clean launch: no rendezvous variables left by in-process trainers of other tests.
+    launch_vars = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars and k != "LIT_SLOWCAL_RUN_VERSION"}
+    env["WANDB_MODE"] = "disabled"
+    cmd = [sys.executable, str(REPO / "tests" / "run_cli.py"), str(out), "fit", *args]
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
+
+
+def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path):
+    """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round."""
+    common = [
+        f"--data.root={REPO / 'data'}",
+        "--wandb=false",
+        "--trainer.enable_progress_bar=false",
+        "--method=slowcal",
+        "--num_machines=4",
+        "--local_steps=16",
+        "--batch_size=64",  # R = ceil(60000 / (4 * 16 * 64)) = 15 rounds: a whole epoch
+        "--model.init=default",
+        f"--run_dir={tmp_path / 'runs'}",
+    ]
+    (one,) = run_cli(tmp_path / "one", *common)
+    two = run_cli(tmp_path / "two", *common, "--trainer.devices=2")
+    assert [s["world_size"] for s in two] == [2, 2]
+    for name, expected in one["params"].items():
+        assert expected.shape[0] == 4
+        for rank, state in enumerate(two):
+            got = state["params"][name]
+            assert got.shape[0] == 2
+            torch.testing.assert_close(got, expected[2 * rank : 2 * rank + 2], rtol=0, atol=1e-5)
+            torch.testing.assert_close(state["w"][name], one["w"][name][2 * rank : 2 * rank + 2], rtol=0, atol=1e-5)
+    assert one["num_rounds"] == 15
+    for state in two:
+        assert state["num_syncs"] == 15
+        # Through the backend: one all-reduce per round, nothing else during training.
+        assert state["collectives"] == {"all_reduce": 15}
+    assert one["collectives"] == {}  # a single process needs no collective at all
+    assert abs(one["metrics"]["test_acc"] - two[0]["metrics"]["test_acc"]) < 1e-3
