@@ -39,18 +39,28 @@ Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
 _VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
 
 
+def _check_positive(**values: Any) -> None:
+    # Runs while the command line is parsed (links are computed then): before anything is built.
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {key}: {value!r} (must be an integer >= 1)")
+
+
 def steps_per_round(method: str, local_steps: int) -> int:
     """Optimizer steps between synchronisations: K for the local methods, 1 for Minibatch-SGD."""
+    _check_positive(local_steps=local_steps)
     return 1 if method == "minibatch_sgd" else local_steps
 
 
 def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
     """Samples per machine per step: b, or K * b for Minibatch-SGD (same samples per round)."""
+    _check_positive(local_steps=local_steps, batch_size=batch_size)
     return local_steps * batch_size if method == "minibatch_sgd" else batch_size
 
 
 def _val_check_interval(num_machines: int, local_steps: int, batch_size: int, eval_every: int) -> int:
     # One training batch is one round; evaluate every `eval_every` rounds and after the last one.
+    _check_positive(num_machines=num_machines, local_steps=local_steps, batch_size=batch_size, eval_every=eval_every)
     return min(eval_every, num_rounds(MNIST_TRAIN_SIZE, num_machines, local_steps, batch_size))
 
 
@@ -80,7 +90,7 @@ class SlowcalCLI(LightningCLI):
             "devices": 1,
             "max_epochs": 1,
             "num_sanity_val_steps": 0,
-            "log_every_n_steps": 50,
+            "log_every_n_steps": 1,  # one training batch is one round
             "enable_checkpointing": False,
         }
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
@@ -106,12 +116,6 @@ class SlowcalCLI(LightningCLI):
             compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
-
-    def before_instantiate_classes(self) -> None:
-        for key in ("num_machines", "local_steps", "batch_size", "eval_every"):
-            value = self._get(self.config, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {key}: {value!r} (must be an integer >= 1)")
 
     def run_name(self) -> str:
         c = self._get(self.config, "method"), self._get(self.config, "num_machines")

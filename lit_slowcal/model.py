@@ -142,12 +142,23 @@ class LogisticRegression(pl.LightningModule):
         logits = self.machines(x)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        # Lightning validates every `val_check_interval` rounds; make sure the final x is evaluated
+        # too when the last round is not a multiple of it (Lightning validates when a run stops).
+        trainer = self.trainer
+        last_batch = batch_idx + 1 >= trainer.num_training_batches
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        if last_batch and last_epoch and (batch_idx + 1) % trainer.val_check_batch != 0:
+            trainer.should_stop = True
+
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
         logits = self.machines.forward_averaged(x)
         self.test_acc(logits, y)
         self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
         self.log("test_acc", self.test_acc, prog_bar=True)
+        if self.trainer.state.fn == "fit":
+            self.log("round", float(getattr(self.trainer.strategy, "num_syncs", 0)))
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch)

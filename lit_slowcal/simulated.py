@@ -39,6 +39,9 @@ class SimulatedMachines(nn.Module):
     The loss to back-propagate is the *sum* over machines of each machine's own loss, so that the
     gradient in slice i of every stacked parameter is the gradient of machine i's loss alone.
 
+    Limitation: modules with tied (shared) parameters are not supported by ``forward``:
+    ``torch.func.functional_call`` under ``vmap`` does not restore tied parameters (torch 2.14).
+
     Args:
         module: the model one machine trains. It is copied; its parameters are not used afterwards.
         num_machines: m, the number of machines hosted by this process.
@@ -111,8 +114,14 @@ class SimulatedMachines(nn.Module):
 
     def averaged_module(self) -> nn.Module:
         """A plain copy of the wrapped module holding the averaged parameters (for export)."""
-        module = copy.deepcopy(self.template).to_empty(device=next(iter(self.parameters())).device)
-        module.load_state_dict(self.averaged_state())
+        tensors = [*self.parameters(), *self.buffers()]
+        module = copy.deepcopy(self.template).to_empty(device=tensors[0].device if tensors else "cpu")
+        state = self.averaged_state()
+        # By name rather than load_state_dict: covers non-persistent buffers and tied parameters
+        # (named_parameters lists a shared parameter once, state_dict under every name).
+        with torch.no_grad():
+            for name, t in (*module.named_parameters(), *module.named_buffers()):
+                t.copy_(state[name])
         return module
 
     def extra_repr(self) -> str:

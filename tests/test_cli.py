@@ -1,0 +1,115 @@
+"""The main job end to end: ``python -m lit_slowcal fit --config configs/<method>.yaml`` on a small budget."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+D = 784 * 10 + 10  # logistic regression parameters
+
+
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """No W&B credentials (HOME without .netrc), no rendezvous variables from other tests."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("WANDB_", "LIT_SLOWCAL_"))}
+    env["HOME"] = str(tmp_path / "home")
+    env["NETRC"] = str(tmp_path / "home" / ".netrc")
+    (tmp_path / "home").mkdir(exist_ok=True)
+    return env
+
+
+def lit_slowcal(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lit_slowcal", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    ("method", "floats_per_machine_per_round"),
+    [("slowcal", 2 * D), ("local_sgd", D), ("minibatch_sgd", D)],
+)
+def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats_per_machine_per_round):
+    M, K, b, rounds = 8, 4, 2, 12
+    run_dir = tmp_path / "runs"
+    proc = lit_slowcal(
+        tmp_path,
+        "fit",
+        f"--config=configs/{method}.yaml",
+        f"--num_machines={M}",
+        f"--local_steps={K}",
+        f"--batch_size={b}",
+        "--eval_every=5",
+        f"--trainer.limit_train_batches={rounds}",
+        f"--run_dir={run_dir}",
+        "--trainer.enable_progress_bar=false",
+    )
+    out = proc.stdout + proc.stderr
+    # W&B without an account: offline, with the line telling how to upload later; never a prompt.
+    assert "logging offline" in out and "wandb sync" in out
+    assert f"method {method}" in out and f"M={M}  K={K}  b={b}" in out
+    assert f"rounds {rounds}/{math.ceil(60000 / (M * K * b))}" in out
+
+    (version,) = (run_dir / f"{method}_M{M}_K{K}_b{b}_seed1").iterdir()
+    assert (version / "class_distribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (version / "config.yaml").exists()
+    assert list((version / "wandb").glob("offline-run-*"))
+    rows = read_metrics(version / "metrics.csv")
+
+    train = [r for r in rows if r["train_loss"]]
+    assert [float(r["round"]) for r in train] == list(range(1, rounds + 1))
+    for r in train:
+        n = int(float(r["round"]))
+        assert float(r["samples_seen"]) == n * M * K * b
+        assert float(r["floats_communicated"]) == n * M * floats_per_machine_per_round
+        assert math.isfinite(float(r["train_loss"]))
+    # Evaluated every 5 rounds and after the last one, on the 10,000 test images.
+    evals = [r for r in rows if r["test_acc"]]
+    assert [float(r["round"]) for r in evals] == [5, 10, 12]
+    assert float(evals[-1]["test_acc"]) > 0.6
+    assert float(evals[-1]["test_loss"]) < float(evals[0]["test_loss"]) or float(evals[-1]["test_acc"]) > 0.8
+    summary_acc = float(out.split("final test accuracy")[1].split()[0])
+    assert summary_acc == pytest.approx(float(evals[-1]["test_acc"]), abs=1e-4)
+
+
+def test_print_config_shows_the_four_settings_once(tmp_path):
+    proc = lit_slowcal(tmp_path, "fit", "--config=configs/minibatch_sgd.yaml", "--local_steps=8", "--print_config")
+    config = yaml.safe_load(proc.stdout)
+    assert (config["method"], config["num_machines"], config["local_steps"], config["batch_size"]) == (
+        "minibatch_sgd", 16, 8, 1,
+    )
+    # Derived values are computed, not configurable: they do not appear in the config.
+    assert "batch_size" not in config["data"] and "steps_per_round" not in config["data"]
+    assert "num_machines" not in config["model"] and "method" not in config["model"]
+    assert config["model"]["lr"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method=fedavg"], "method"),
+        (["--local_steps=0"], "local_steps: 0"),
+        (["--num_machines=-4"], "num_machines: -4"),
+        (["--batch_size=0"], "batch_size: 0"),
+        (["--model.lr=-0.1"], "model.lr: -0.1"),
+        (["--data.dirichlet_alpha=0"], "dirichlet_alpha: 0"),
+        (["--data.derived=1"], "derived"),
+    ],
+)
+def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, args, message):
+    proc = lit_slowcal(tmp_path, "fit", "--config=configs/slowcal.yaml", "--wandb=false", *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert "Epoch 0" not in proc.stderr + proc.stdout
