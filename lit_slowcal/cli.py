@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import netrc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -218,7 +219,17 @@ def _flat_config(config: Any) -> dict[str, Any]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    SlowcalCLI(args=args)
+    """``lit-slowcal {fit,validate,test} ...`` (LightningCLI), ``lit-slowcal sweep ...``, ``lit-slowcal report ...``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "sweep":
+        from lit_slowcal.sweep import main as sweep_main
+
+        raise SystemExit(sweep_main(argv[1:]))
+    if argv and argv[0] == "report":
+        from lit_slowcal.report import main as report_main
+
+        raise SystemExit(report_main(argv[1:]))
+    SlowcalCLI(args=argv)
 
 
 if __name__ == "__main__":

@@ -82,18 +82,30 @@ def _prepare_raw_files(root: Path) -> None:
         ) from err
 
 
+_CACHE: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+
 def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """MNIST as normalised float32 tensors ``(N, 784)`` and int64 labels: train x, train y, test x, test y."""
+    """MNIST as normalised float32 tensors ``(N, 784)`` and int64 labels: train x, train y, test x, test y.
+
+    Decoded once per process (runs of a sweep share it); the tensors must not be modified.
+    """
     from torchvision.datasets import MNIST
 
     root = Path(root)
     _prepare_raw_files(root)
+    raw = root / "MNIST" / "raw"
+    key = (str(root.resolve()), *((raw / n).stat().st_mtime_ns for n in _MNIST_FILES))
+    if key in _CACHE:
+        return _CACHE[key]
     out = []
     for train in (True, False):
         ds = MNIST(str(root), train=train, download=False)
         x = ds.data.reshape(len(ds.data), -1).to(torch.float32).div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)
         out += [x, ds.targets.to(torch.int64)]
-    return out[0], out[1], out[2], out[3]
+    _CACHE.clear()
+    _CACHE[key] = (out[0], out[1], out[2], out[3])
+    return _CACHE[key]
 
 
 def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:

@@ -8,6 +8,7 @@ strategy and the data, see ``lit_slowcal.cli``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional
 
 import lightning.pytorch as pl
@@ -19,10 +20,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.simulated import SimulatedMachines
 
-__all__ = ["LogisticRegression", "METHODS"]
+__all__ = ["LogisticRegression", "METHODS", "PAPER_LR"]
 
 Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
 METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
+#: The learning rates the paper's grid search chose for MNIST (Section 6).
+PAPER_LR: dict[str, float] = {"slowcal": 0.01, "local_sgd": 0.01, "minibatch_sgd": 0.1}
 
 
 class LogisticRegression(pl.LightningModule):
@@ -37,7 +40,7 @@ class LogisticRegression(pl.LightningModule):
     Args:
         method: ``slowcal``, ``local_sgd`` or ``minibatch_sgd``.
         num_machines: M over all processes; each process hosts M / world_size of them.
-        lr: learning rate eta.
+        lr: learning rate eta; ``None`` takes the paper's for the method (``PAPER_LR``).
         weight_power: p in alpha_t = (t + 1)^p (SLowcal only).
         scale_lr_by_weight: use eta * alpha_t as in Algorithm 2 (SLowcal only; the paper's
             experiments use a constant eta).
@@ -52,7 +55,7 @@ class LogisticRegression(pl.LightningModule):
         self,
         method: Method = "slowcal",
         num_machines: int = 16,
-        lr: float = 0.01,
+        lr: Optional[float] = None,
         weight_power: float = 1.0,
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
@@ -66,11 +69,14 @@ class LogisticRegression(pl.LightningModule):
             raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
         if init not in ("zeros", "default"):
             raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
-        if not lr > 0:
-            raise ValueError(f"Invalid model.lr: {lr!r} (must be > 0)")
+        if lr is None:
+            lr = PAPER_LR[method]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"Invalid model.lr: {lr!r} (must be a finite number > 0)")
         if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
             raise ValueError(f"Invalid num_machines: {num_machines!r} (must be an integer >= 1)")
         self.save_hyperparameters()
+        self.hparams.lr = float(lr)
         self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
