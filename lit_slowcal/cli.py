@@ -85,6 +85,9 @@ class SlowcalCLI(LightningCLI):
         kwargs.setdefault("datamodule_class", MNISTDataModule)
         kwargs.setdefault("seed_everything_default", 1)
         kwargs.setdefault("save_config_kwargs", {"overwrite": False})
+        # The method picks the optimizer (SlowcalSGD or SGD); a generic --optimizer would bypass it.
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("parser_kwargs", {"prog": "python -m lit_slowcal", "description": "SLowcal-SGD, Local-SGD and Minibatch-SGD on M machines. Subcommands: fit, validate, test, predict; also `sweep` and `report` (see --help of each)."})
         defaults = {
             "strategy": "periodic_averaging",
             "accelerator": "cpu",
@@ -229,7 +232,7 @@ def main(args: Optional[list[str]] = None) -> None:
         from lit_slowcal.report import main as report_main
 
         raise SystemExit(report_main(argv[1:]))
-    SlowcalCLI(args=argv)
+    SlowcalCLI(args=args)
 
 
 if __name__ == "__main__":
