@@ -22,6 +22,7 @@ import netrc
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
@@ -95,7 +96,6 @@ class SlowcalCLI(LightningCLI):
             "max_epochs": 1,
             "num_sanity_val_steps": 0,
             "log_every_n_steps": 1,  # one training batch is one round
-            "enable_checkpointing": False,
         }
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
         super().__init__(*args, **kwargs)
@@ -138,7 +138,7 @@ class SlowcalCLI(LightningCLI):
             version = str(CSVLogger(save_dir=run_dir, name=name).version)
             os.environ[_VERSION_ENV] = version
         loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=int(version))]
-        if self._get(self.config, "wandb"):
+        if self._get(self.config, "wandb") and self.subcommand == "fit":
             offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
             if offline:
                 os.environ.setdefault("WANDB_MODE", "offline")
@@ -161,7 +161,7 @@ class SlowcalCLI(LightningCLI):
         return loggers
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        if self.subcommand == "fit" and self._get(self.config_init, "trainer").get("logger") in (None, True):
+        if self._get(self.config_init, "trainer").get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
         trainer = super().instantiate_trainer(**kwargs)
         strategy = trainer.strategy
@@ -219,6 +219,11 @@ def _flat_config(config: Any) -> dict[str, Any]:
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[key] = value
     return out
+
+
+# Every rank evaluates the same synchronised x on the whole test set: nothing to sync.
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def main(args: Optional[list[str]] = None) -> None:
