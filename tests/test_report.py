@@ -1,0 +1,98 @@
+"""``python -m lit_slowcal report``: figures and the markdown table from a sweep's results file."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from lit_slowcal import report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def record(method, m, k, seed, acc, loss, status="finished", **extra):
+    return {
+        "params": {"local_steps": k, "method": method, "num_machines": m, "seed_everything": seed, **extra},
+        "status": status,
+        "error": None if status == "finished" else "Training diverged: ...",
+        "metrics": {"test_acc": acc, "test_loss": loss, "round": 10.0},
+    }
+
+
+# method, M, K -> (accuracies, losses) over seeds 1, 2, 3
+DATA = {
+    ("slowcal", 16, 4): ([0.90, 0.91, 0.92], [0.30, 0.32, 0.34]),
+    ("slowcal", 16, 8): ([0.89, 0.89, 0.92], [0.40, 0.40, 0.40]),
+    ("local_sgd", 16, 4): ([0.88, 0.90, 0.92], [0.50, 0.55, 0.60]),
+    ("local_sgd", 16, 8): ([0.80, 0.85, 0.90], [0.70, 0.70, 0.70]),
+    ("slowcal", 32, 4): ([0.87, 0.88, 0.89], [0.31, 0.33, 0.35]),
+    ("local_sgd", 32, 4): ([0.90, 0.90, 0.90], [0.20, 0.20, 0.20]),
+}
+
+
+def write_results(path: Path) -> None:
+    records = [
+        record(method, m, k, seed, acc, loss)
+        for (method, m, k), (accs, losses) in DATA.items()
+        for seed, acc, loss in zip((1, 2, 3), accs, losses)
+    ]
+    # A diverged trial is listed, never averaged; local_sgd at M=32, K=8 has no finished seed.
+    records.append(record("local_sgd", 32, 8, 1, None, None, status="diverged"))
+    records.append(record("slowcal", 32, 8, 1, 0.85, 0.45))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_writes_both_figures_and_a_table_of_seed_means(tmp_path, capsys):
+    results = tmp_path / "paper.jsonl"
+    write_results(results)
+    assert report.main([str(results), "--out", str(tmp_path / "docs")]) == 0
+    docs = tmp_path / "docs"
+    # Two panels (M = 16, 32) of 4.2 x 3.6 inches at 120 dpi.
+    assert png_size(docs / "paper_accuracy.png") == (1008, 432)
+    assert png_size(docs / "paper_loss.png") == (1008, 432)
+
+    table = (docs / "paper_results.md").read_text()
+    assert table.startswith("# Results of paper.jsonl\n\n![test accuracy](paper_accuracy.png)")
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows[0] == (
+        "| M | K | SLowcal-SGD acc | Local-SGD acc | SLowcal-SGD loss | Local-SGD loss |"
+    )
+    # Means and sample standard deviations by hand:
+    # slowcal 16/4: acc (0.90+0.91+0.92)/3 = 0.91, std 0.01; loss 0.32, std 0.02
+    # local_sgd 16/4: acc 0.90, std 0.02; loss 0.55, std 0.05
+    assert rows[2] == "| 16 | 4 | **0.9100 ± 0.0100** | 0.9000 ± 0.0200 | 0.3200 ± 0.0200 | 0.5500 ± 0.0500 |"
+    # slowcal 16/8: acc 2.70/3 = 0.90, std sqrt((1e-4 + 1e-4 + 4e-4) / 2) = 0.0173; local_sgd 0.85, std 0.05
+    assert rows[3] == "| 16 | 8 | **0.9000 ± 0.0173** | 0.8500 ± 0.0500 | 0.4000 ± 0.0000 | 0.7000 ± 0.0000 |"
+    assert rows[4] == "| 32 | 4 | 0.8800 ± 0.0100 | **0.9000 ± 0.0000** | 0.3300 ± 0.0200 | 0.2000 ± 0.0000 |"
+    # one seed only: its value, std 0; the diverged local_sgd run is not averaged
+    assert rows[5] == "| 32 | 8 | **0.8500 ± 0.0000** | n/a | 0.4500 ± 0.0000 | n/a |"
+    assert "Not counted (1): local_sgd M=32 K=8 seed=1 diverged." in table
+    assert table.split("\n\n", 3)[3] in capsys.readouterr().out  # the table is printed too
+
+
+def test_aggregate_means_and_refuses_a_second_varying_parameter():
+    records = [record("slowcal", 16, 4, s, a, 0.3) for s, a in ((1, 0.5), (2, 0.7))]
+    cells = report.aggregate(records, "test_acc")
+    assert list(cells) == [(16, 4, "slowcal")]
+    assert cells[16, 4, "slowcal"].mean == pytest.approx(0.6) and cells[16, 4, "slowcal"].n == 2
+    records.append(record("slowcal", 16, 4, 3, 0.9, 0.3, **{"model.lr": 0.1}))
+    with pytest.raises(ValueError, match="model.lr takes several values"):
+        report.aggregate(records, "test_acc")
+    with pytest.raises(ValueError, match="lacks num_machines"):
+        report.aggregate([{"params": {"method": "slowcal", "local_steps": 4}, "status": "finished", "metrics": {}}], "test_acc")
+
+
+def test_report_of_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
+    assert report.main([str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps(record("slowcal", 16, 4, 1, None, None, status="failed")) + "\n")
+    assert report.main([str(empty), "--out", str(tmp_path)]) == 2
+    assert "no finished trial" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))

@@ -1,0 +1,472 @@
+"""``python -m lit_slowcal sweep``: W&B sweep files expanded, checked against the CLI and run here."""
+
+import csv
+import glob
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_slowcal import sweep as sw
+
+REPO = Path(__file__).resolve().parents[1]
+SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
+COMMAND = ["${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml", "${args}"]
+
+
+def config(parameters, method="grid", **extra):
+    return {"method": method, "parameters": parameters, "command": COMMAND, **extra}
+
+
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """No W&B credentials (HOME without .netrc), no W&B or rendezvous variables from elsewhere."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("WANDB_", "LIT_SLOWCAL_"))}
+    (tmp_path / "home").mkdir(exist_ok=True)
+    env.update(HOME=str(tmp_path / "home"), NETRC=str(tmp_path / "home" / ".netrc"))
+    return env
+
+
+@pytest.fixture(scope="module")
+def command_line():
+    return sw.CommandLine()
+
+
+# ---------------------------------------------------------------------------------------- expansion
+
+
+def test_grid_is_the_product_of_values_in_wandb_order():
+    sweep = sw.parse_sweep(config({"model.lr": {"values": [0.01, 0.1]}, "method": {"values": ["slowcal", "local_sgd"]}, "num_machines": {"value": 4}}))
+    assert sweep.param_names == ["method", "model.lr", "num_machines"]  # W&B sorts the names
+    assert [p.distribution for p in sweep.params] == ["categorical", "categorical", "constant"]
+    assert sw.expand_trials(sweep) == [
+        {"method": "slowcal", "model.lr": 0.01, "num_machines": 4},
+        {"method": "slowcal", "model.lr": 0.1, "num_machines": 4},
+        {"method": "local_sgd", "model.lr": 0.01, "num_machines": 4},
+        {"method": "local_sgd", "model.lr": 0.1, "num_machines": 4},
+    ]
+    assert sw.expand_trials(sweep, count=3) == sw.expand_trials(sweep)[:3]
+    assert len(sw.expand_trials(sw.parse_sweep(config(sweep_params(), run_cap=2)))) == 2
+
+
+def sweep_params():
+    return {"local_steps": {"values": [1, 2, 3]}}
+
+
+def test_grid_over_int_range_and_q_uniform_as_wandb_enumerates_them():
+    sweep = sw.parse_sweep(
+        config({"local_steps": {"min": 2, "max": 4}, "model.lr": {"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0.25}})
+    )
+    assert [p.distribution for p in sweep.params] == ["int_uniform", "q_uniform"]  # int min/max -> int_uniform
+    trials = sw.expand_trials(sweep)
+    assert [t["local_steps"] for t in trials[::4]] == [2, 3, 4]  # min..max inclusive
+    assert [t["model.lr"] for t in trials[:4]] == [0.0, 0.25, 0.5, 0.75]  # numpy.arange: max excluded
+    assert len(trials) == 12
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"min": 0.001, "max": 0.3}, "distribution 'uniform' cannot be searched by method: grid"),
+        ({"distribution": "log_uniform_values", "min": 0.001, "max": 0.3}, "'log_uniform_values' cannot be searched"),
+        ({"values": [1, 2], "probabilities": [0.5, 0.5]}, "'categorical_w_probabilities' cannot be searched"),
+    ],
+)
+def test_grid_refuses_continuous_spaces_naming_the_parameter(spec, message):
+    with pytest.raises(ValueError, match="parameters.model.lr") as err:
+        sw.parse_sweep(config({"model.lr": spec}))
+    assert message in str(err.value) and "int_uniform, q_uniform" in str(err.value)
+
+
+def test_random_draws_count_trials_reproducibly_within_their_spaces():
+    sweep = sw.parse_sweep(
+        config(
+            {
+                "model.lr": {"distribution": "log_uniform_values", "min": 1e-3, "max": 0.3},
+                "local_steps": {"min": 1, "max": 64},
+                "method": {"values": ["slowcal", "local_sgd", "minibatch_sgd"]},
+                "model.weight_power": {"min": 0.5, "max": 2.0},
+                "batch_size": {"distribution": "q_uniform", "min": 1, "max": 9, "q": 2},
+                "seed_everything": {"value": 7},
+            },
+            method="random",
+        )
+    )
+    trials = sw.expand_trials(sweep, count=50, seed=3)
+    assert len(trials) == 50 and trials == sw.expand_trials(sweep, count=50, seed=3)
+    assert trials != sw.expand_trials(sweep, count=50, seed=4)
+    assert sw.expand_trials(sweep, count=10, seed=3) == trials[:10]  # a larger count extends the same draws
+    for t in trials:
+        assert 1e-3 <= t["model.lr"] <= 0.3 and isinstance(t["model.lr"], float)
+        assert 1 <= t["local_steps"] <= 64 and isinstance(t["local_steps"], int)
+        assert t["method"] in ("slowcal", "local_sgd", "minibatch_sgd")
+        assert 0.5 <= t["model.weight_power"] <= 2.0
+        assert t["batch_size"] in (0, 2, 4, 6, 8, 10) and isinstance(t["batch_size"], int)  # int q gives ints
+        assert t["seed_everything"] == 7
+    # Log-uniform: about as many draws below the geometric midpoint as above it.
+    below = sum(t["model.lr"] < math.sqrt(1e-3 * 0.3) for t in sw.expand_trials(sweep, count=400, seed=0))
+    assert 150 < below < 250
+    with pytest.raises(ValueError, match="--count N or run_cap"):
+        sw.expand_trials(sweep)
+    assert len(sw.expand_trials(sw.parse_sweep({**config(sweep_params(), method="random"), "run_cap": 2}))) <= 2
+
+
+@pytest.mark.parametrize(
+    ("cfg", "needles"),
+    [
+        ({**config(sweep_params()), "early_stop": 1}, ["'early_stop'", "allowed here: method, parameters"]),
+        (config({"model.lr": {"vals": [0.1]}}), ["parameters.model.lr", "keys given: vals"]),
+        (config({"model.lr": {"values": [0.1], "q": 2}}), ["parameters.model.lr", "unknown key 'q'", "allowed: distribution, values"]),
+        (config({"model.lr": {"distribution": "gaussian"}}), ["'gaussian'", "log_uniform_values", "int_uniform"]),
+        (config({"model.lr": {"distribution": "int_uniform", "min": 0.5, "max": 2}}), ["int_uniform needs integer min and max"]),
+        (config({"model.lr": {"distribution": "log_uniform_values", "min": 0, "max": 1}}), ["needs min > 0"]),
+        (config(sweep_params(), method="bayes"), ["'bayes' needs W&B's server", "allowed here: grid, random"]),
+        (config(sweep_params(), method="hyperband"), ["'hyperband'", "allowed here: grid, random"]),
+        (config({"model": {"parameters": {"lr": {"value": 0.1}}}}), ["parameters.model", "nested parameters"]),
+        ({**config(sweep_params()), "metric": {"name": "val_acc"}}, ["'val_acc'", "test_acc"]),
+        ({**config(sweep_params()), "metric": {"name": "test_acc", "goal": "max"}}, ["'max'", "minimize, maximize"]),
+        ({**config(sweep_params()), "command": ["python", "train.py", "${args}"]}, ["must run lit_slowcal"]),
+        ({**config(sweep_params()), "command": COMMAND[:-1]}, ["exactly one ${args}"]),
+        ({**config(sweep_params()), "command": [*COMMAND[:-1], "${args_json}"]}, ["exactly one ${args}", "${args_json}"]),
+        ({**config(sweep_params()), "command": ["python", "-m", "lit_slowcal", "test", "${args}"]}, ["must be fit"]),
+        ({k: v for k, v in config(sweep_params()).items() if k != "command"}, ["command: required here"]),
+    ],
+)
+def test_refusals_name_the_key_and_the_allowed_values(cfg, needles):
+    with pytest.raises(ValueError) as err:
+        sw.parse_sweep(cfg)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_command_gives_the_base_arguments_around_args():
+    sweep = sw.parse_sweep({**config(sweep_params()), "command": [*COMMAND[:-1], "--eval_every=5", "${args}", "--wandb=false"]})
+    assert sweep.args_before == ["fit", "--config", "configs/paper.yaml", "--eval_every=5"]
+    assert sw.trial_args(sweep, {"local_steps": 2}, ["--run_dir=x"]) == [
+        "fit", "--config", "configs/paper.yaml", "--eval_every=5", "--local_steps=2", "--wandb=false", "--run_dir=x",
+    ]  # fmt: skip
+
+
+def test_trial_arguments_are_formatted_as_the_wandb_agent_formats_them():
+    from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
+
+    sweep = sw.load_sweep(REPO / "sweeps" / "lr.yaml")
+    params = {"method": "slowcal", "model.lr": 1e-05, "num_machines": 16, "seed_everything": 1, "wandb": True}
+    agent = create_sweep_command_args({"args": {k: {"value": v} for k, v in params.items()}})["args"]
+    assert sw.trial_args(sweep, params)[len(sweep.args_before) :] == agent
+    assert "--model.lr=1e-05" in agent and "--wandb=True" in agent
+
+
+# ------------------------------------------------------------------------------- CLI acceptance
+
+
+def wandb_values(param: sw.Param) -> list:
+    s = param.spec
+    if param.distribution == "constant":
+        return [s["value"]]
+    if "values" in s:
+        return list(s["values"])
+    return [s["min"], s["max"]]
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.name for p in SWEEP_FILES])
+def test_every_sweep_parameter_reaches_its_cli_key_as_wandb_passes_it(path, command_line):
+    from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
+
+    sweep = sw.load_sweep(path)
+    assert sweep.args_before[:3] == ["fit", "--config", "configs/paper.yaml"]
+    checked = 0
+    for param in sweep.params:
+        for value in wandb_values(param):
+            (flag,) = create_sweep_command_args({"args": {param.name: {"value": value}}})["args"]
+            cfg = command_line.parse([*sweep.args_before, flag, *sweep.args_after])
+            parsed = cfg[f"fit.{param.name}"]
+            if isinstance(value, str):
+                assert parsed == value, flag
+            else:
+                assert type(parsed) is type(value) and parsed == value, flag
+            checked += 1
+    assert checked == sum(len(wandb_values(p)) for p in sweep.params) > 0
+    # and every trial as a whole (linked settings included), plus the --wandb=false passthrough
+    for trial in sw.expand_trials(sweep):
+        cfg = command_line.parse(sw.trial_args(sweep, trial, ["--wandb=false"]))
+        assert cfg["fit.method"] == trial["method"] and cfg["fit.wandb"] is False
+
+
+def test_paper_sweep_is_the_papers_grid_with_the_papers_learning_rates(command_line):
+    sweep = sw.load_sweep(REPO / "sweeps" / "paper.yaml")
+    trials = sw.expand_trials(sweep)
+    assert len(trials) == 135 and len({sw.trial_key(t) for t in trials}) == 135
+    assert {t["num_machines"] for t in trials} == {16, 32, 64}
+    assert {t["local_steps"] for t in trials} == {4, 8, 16, 32, 64}
+    assert {t["seed_everything"] for t in trials} == {1, 2, 3}
+    cfg = command_line.parse(sw.trial_args(sweep, trials[0]))
+    assert cfg["fit.model.lr"] is None  # unset: LogisticRegression takes PAPER_LR[method]
+    assert cfg["fit.batch_size"] == 1 and cfg["fit.data.dirichlet_alpha"] == 0.1 and cfg["fit.trainer.max_epochs"] == 1
+
+
+def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config({"model.lrate": {"values": [0.1]}})))
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "model.lrate=0.1" in err and "unrecognized arguments: --model.lrate=0.1" in err
+    bad.write_text(yaml.safe_dump(config({"local_steps": {"values": [2, 0]}})))
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl")]) == 2
+    assert "local_steps=0" in capsys.readouterr().err
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------ results file
+
+
+def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "r.jsonl"
+    results = sw.ResultsFile(path)
+    results.put({"params": {"a": 1}, "status": "finished"})
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("killed")
+
+    monkeypatch.setattr(sw.os, "replace", crash)
+    with pytest.raises(OSError):
+        results.put({"params": {"a": 2}, "status": "finished"})
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]  # old file, no temp left
+    monkeypatch.undo()
+    results.put({"params": {"a": 1}, "status": "failed"})  # same trial: replaced, not duplicated
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"params": {"a": 1}, "status": "failed"},
+        {"params": {"a": 2}, "status": "finished"},
+    ]
+    assert sw.ResultsFile(path).get({"a": 2}) == {"params": {"a": 2}, "status": "finished"}
+    path.write_text('{"params": {"a": 1}}\n{"params"\n')
+    with pytest.raises(ValueError, match="line 2"):
+        sw.ResultsFile(path)
+
+
+def test_summary_table_gives_the_best_lr_per_method():
+    sweep = sw.parse_sweep(config({"method": {"values": ["slowcal", "local_sgd"]}, "model.lr": {"values": [0.01, 0.1]}, "seed_everything": {"values": [1, 2]}}))
+
+    def rec(method, lr, seed, acc, status="finished"):
+        return {"params": {"method": method, "model.lr": lr, "seed_everything": seed}, "status": status, "metrics": {"test_acc": acc, "test_loss": None if acc is None else round(1 - acc, 6)}}
+
+    records = [
+        rec("slowcal", 0.01, 1, 0.90), rec("slowcal", 0.01, 2, 0.80),  # mean 0.85
+        rec("slowcal", 0.1, 1, 0.86), rec("slowcal", 0.1, 2, None, "diverged"),  # mean 0.86 (one finished)
+        rec("local_sgd", 0.01, 1, 0.70), rec("local_sgd", 0.01, 2, 0.72),  # mean 0.71
+        rec("local_sgd", 0.1, 1, None, "failed"), rec("local_sgd", 0.1, 2, None, "failed"),
+    ]  # fmt: skip
+    rows = sw.summary_table(sweep, records).splitlines()
+    assert rows[0] == "| method | best lr | test_acc | test_loss | trials at best lr | lrs tried | diverged or failed |"
+    assert rows[2] == "| slowcal | 0.1 | 0.8600 | 0.1400 | 1 | 2 | 1 |"
+    assert rows[3] == "| local_sgd | 0.01 | 0.7100 | 0.2900 | 2 | 2 | 2 |"
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def tiny_sweep(tmp_path: Path, methods=("slowcal", "local_sgd"), lrs=(0.01, 0.1)) -> Path:
+    """2 x 2 trials of 3 rounds each on 4 machines."""
+    cfg = {
+        "method": "grid",
+        "metric": {"name": "test_acc", "goal": "maximize"},
+        "parameters": {
+            "method": {"values": list(methods)},
+            "model.lr": {"values": list(lrs)},
+            "num_machines": {"value": 4},
+            "local_steps": {"value": 2},
+        },
+        "command": [
+            *COMMAND[:-1],
+            "--trainer.limit_train_batches=3",
+            "--eval_every=3",
+            f"--run_dir={tmp_path / 'runs'}",
+            "${args}",
+        ],
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def completed_run_folders(runs: Path) -> dict[tuple[str, float], list[Path]]:
+    """(method, lr) -> version folders whose metrics.csv holds the final evaluation (round 3)."""
+    done: dict[tuple[str, float], list[Path]] = {}
+    for cfg_file in runs.glob("*/version_*/config.yaml"):
+        metrics = cfg_file.parent / "metrics.csv"
+        if not metrics.exists():
+            continue
+        with open(metrics) as f:
+            rows = list(csv.DictReader(f))
+        if any(row.get("test_acc") and float(row["round"]) == 3 for row in rows):
+            cfg = yaml.safe_load(cfg_file.read_text())
+            done.setdefault((cfg["method"], cfg["model"]["lr"]), []).append(cfg_file.parent)
+    return done
+
+
+def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_path, monkeypatch, capsys):
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(yaml_path), "--results", str(results)]
+    env = clean_env(tmp_path)  # W&B on, offline (no account): every trial gets its own offline run
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (results.exists() and results.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before its first trial did"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the W&B service it started
+        proc.wait()
+    first = read_records(results)
+    assert len(first) == 1 and first[0]["status"] == "finished"
+
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "4 trials, 1 already in" in rerun.stdout and "3 to run" in rerun.stdout
+    records = read_records(results)
+    assert records[0] == first[0]  # untouched
+    assert sorted((r["params"]["method"], r["params"]["model.lr"]) for r in records) == [
+        ("local_sgd", 0.01), ("local_sgd", 0.1), ("slowcal", 0.01), ("slowcal", 0.1),
+    ]  # fmt: skip
+    for r in records:
+        assert r["status"] == "finished" and r["error"] is None
+        assert r["metrics"]["round"] == 3 and 0 < r["metrics"]["test_acc"] <= 1 and r["metrics"]["test_loss"] > 0
+        assert r["args"][:3] == ["fit", "--config", "configs/paper.yaml"] and r["wall_time_s"] > 0
+        assert len(list(Path(r["run_dir"]).glob("wandb/offline-run-*"))) == 1  # its own W&B run
+    assert len({r["run_dir"] for r in records}) == 4
+    # Each trial completed in exactly one folder: the one its record names.
+    done = completed_run_folders(tmp_path / "runs")
+    assert sorted(done) == sorted((r["params"]["method"], r["params"]["model.lr"]) for r in records)
+    for r in records:
+        assert done[r["params"]["method"], r["params"]["model.lr"]] == [Path(r["run_dir"])]
+    # The first trial was never started again; at most the trial killed mid-run left a partial folder.
+    all_folders = list((tmp_path / "runs").glob("*/version_*"))
+    assert len(all_folders) - 4 in (0, 1)
+    assert "| slowcal |" in rerun.stdout and "| local_sgd |" in rerun.stdout  # best lr per method
+
+    monkeypatch.chdir(REPO)
+    assert sw.main(cmd[4:]) == 0  # once more, here: nothing left to run
+    assert "4 trials, 4 already in" in capsys.readouterr().out and read_records(results) == records
+
+
+def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    from lit_slowcal.model import LogisticRegression
+
+    training_step = LogisticRegression.training_step
+
+    def failing(self, batch, batch_idx):
+        if self.hparams.method == "local_sgd":
+            raise RuntimeError("machine on fire")
+        return training_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LogisticRegression, "training_step", failing)
+    monkeypatch.chdir(REPO)
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    yaml_path, results = tiny_sweep(tmp_path, lrs=(0.01, 1e38)), tmp_path / "results.jsonl"
+    args = [str(yaml_path), "--results", str(results), "--wandb=false"]
+    assert sw.main(args) == 0
+    by_trial = {(r["params"]["method"], r["params"]["model.lr"]): r for r in read_records(results)}
+    assert by_trial["slowcal", 0.01]["status"] == "finished"
+    assert by_trial["slowcal", 1e38]["status"] == "diverged"
+    assert by_trial["slowcal", 1e38]["error"].startswith("Training diverged: train loss nan in round 1")
+    for lr in (0.01, 1e38):
+        failed = by_trial["local_sgd", lr]
+        assert failed["status"] == "failed" and failed["error"] == "RuntimeError: machine on fire"
+        assert Path(failed["run_dir"]).is_dir()  # its log folder is kept and named
+    out = capsys.readouterr().out
+    assert "1 finished, 1 diverged, 2 failed of 4 trials" in out
+
+    # Not retried by default; retried with --retry-failed (and replaced, not duplicated).
+    monkeypatch.setattr(LogisticRegression, "training_step", training_step)
+    assert sw.main(args) == 0 and "0 to run" in capsys.readouterr().out
+    assert sw.main([*args, "--retry-failed"]) == 0 and "3 to run" in capsys.readouterr().out
+    records = read_records(results)
+    assert len(records) == 4
+    statuses = {(r["params"]["method"], r["params"]["model.lr"]): r["status"] for r in records}
+    assert statuses == {
+        ("slowcal", 0.01): "finished", ("slowcal", 1e38): "diverged",
+        ("local_sgd", 0.01): "finished", ("local_sgd", 1e38): "diverged",
+    }  # fmt: skip
+
+
+def test_dry_run_lists_the_trials_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    sw.ResultsFile(results).put({"params": {"local_steps": 2, "method": "slowcal", "model.lr": 0.1, "num_machines": 4}, "status": "failed"})
+    assert sw.main([str(yaml_path), "--results", str(results), "--dry-run", "--wandb=false"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("4 trials, 1 already in " + str(results) + ", 3 to run")
+    assert [line.split()[:2] for line in lines[1:]] == [
+        ["[1/4]", "pending"], ["[2/4]", "failed"], ["[3/4]", "pending"], ["[4/4]", "pending"],
+    ]  # fmt: skip
+    assert lines[2].endswith("--local_steps=2 --method=slowcal --model.lr=0.1 --num_machines=4 --wandb=false")
+    assert not (tmp_path / "runs").exists() and len(read_records(results)) == 1
+
+
+# ----------------------------------------------------------------------------- W&B agent path
+
+
+def wandb_records(path: Path):
+    """Records of a .wandb file (W&B's LevelDB-style log: 7-byte file header, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, chunk = path.read_bytes(), 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk, pos = chunk + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # full or last piece
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            yield record
+            chunk = b""
+
+
+def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
+    """The agent's command and environment, rebuilt with W&B's own functions, offline (no server)."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+    from wandb.sdk.lib import config_util
+
+    lr_yaml = yaml.safe_load((REPO / "sweeps" / "lr.yaml").read_text())
+    args = {
+        "method": "local_sgd", "model.lr": 0.003, "num_machines": 4, "local_steps": 2, "seed_everything": 1,
+        "trainer.limit_train_batches": 2, "eval_every": 2, "run_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+    args = {k: {"value": v} for k, v in args.items()}
+    param_path = tmp_path / "wandb" / "sweep-sw1" / "config-run1.yaml"
+    param_path.parent.mkdir(parents=True)
+    config_util.save_config_file_from_dict(str(param_path), args)  # as Agent._command_run does
+    macros = {**sweep_utils.create_sweep_command_args({"args": args}), "env": ["/usr/bin/env"], "interpreter": ["python"]}
+    cmd = []
+    for token in map(str, sweep_utils.create_sweep_command(lr_yaml["command"])):
+        cmd += macros[token[2:-1]] if token.startswith("${") else [sys.executable if token == "python" else token]
+    env = clean_env(tmp_path)
+    env.update(WANDB_MODE="offline", WANDB_SWEEP_ID="sw1", WANDB_RUN_ID="run1", WANDB_SWEEP_PARAM_PATH=str(param_path), WANDB_DIR=str(tmp_path))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_file,) = glob.glob(str(tmp_path / "runs" / "local_sgd_M4_K2_b1_seed1" / "version_0" / "wandb" / "offline-run-*-run1" / "run-run1.wandb"))
+    (run,) = [r.run for r in wandb_records(Path(run_file)) if r.WhichOneof("record_type") == "run"]
+    assert run.run_id == "run1" and run.sweep_id == "sw1"  # the agent's run, in the agent's sweep
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["model.lr"] == 0.003 and config["method"] == "local_sgd" and config["num_machines"] == 4
+    assert "Ignoring project 'lit_slowcal' when running a sweep" in proc.stderr  # the sweep's project wins
