@@ -95,6 +95,7 @@ class SlowcalCLI(LightningCLI):
             "devices": 1,
             "max_epochs": 1,
             "num_sanity_val_steps": 0,
+            "check_val_every_n_epoch": None,  # evaluate every `eval_every` rounds, across epochs
             "log_every_n_steps": 1,  # one training batch is one round
         }
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
@@ -137,28 +138,60 @@ class SlowcalCLI(LightningCLI):
         if version is None:
             version = str(CSVLogger(save_dir=run_dir, name=name).version)
             os.environ[_VERSION_ENV] = version
+            self._owns_version_env = True
         loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=int(version))]
         if self._get(self.config, "wandb") and self.subcommand == "fit":
-            offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
-            if offline:
-                os.environ.setdefault("WANDB_MODE", "offline")
-                if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
-                    print(
-                        "W&B: no credentials (WANDB_API_KEY or `wandb login`) found; logging offline. Upload later "
-                        "with `wandb sync <run folder>/wandb/offline-run-*` (the summary prints the folder), "
-                        "or pass --wandb=false to turn W&B off.",
-                        flush=True,
-                    )
-            wandb_logger = WandbLogger(
-                project=self._get(self.config, "wandb_project"),
-                name=name,
-                save_dir=str(Path(run_dir) / name / f"version_{version}"),
-                offline=offline,
-                config=_flat_config(self.config.get(str(self.subcommand), self.config)),
-            )
-            self._wandb_offline = offline
-            loggers.append(wandb_logger)
+            loggers.append(self._wandb_logger(name, str(Path(run_dir) / name / f"version_{version}")))
         return loggers
+
+    def _wandb_logger(self, name: str, save_dir: str) -> WandbLogger:
+        """Online when logged in and reachable, otherwise offline with a note on how to sync later."""
+        launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+        kwargs = dict(
+            project=self._get(self.config, "wandb_project"),
+            name=name,
+            save_dir=save_dir,
+            config=_flat_config(self.config.get(str(self.subcommand), self.config)),
+        )
+        offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
+        if offline:
+            reason = "no credentials (WANDB_API_KEY or `wandb login`) found"
+        elif launcher:
+            # Start the run now, with a bounded wait, so that a missing network falls back to offline
+            # instead of failing later; the run is the one a `wandb agent` sweep prepared, if any.
+            os.environ.setdefault("WANDB_INIT_TIMEOUT", "30")
+            logger = WandbLogger(**kwargs)
+            try:
+                logger.experiment
+                self._wandb_offline = False
+                return logger
+            except Exception as err:  # no network, server down, bad key: never lose the run for it
+                import wandb
+
+                try:
+                    wandb.finish(exit_code=1)
+                finally:
+                    wandb.teardown()  # forget the online settings: the offline run starts afresh
+                reason = f"cannot reach W&B ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+                offline = True
+        if offline:
+            os.environ["WANDB_MODE"] = "offline"
+            if launcher:
+                print(
+                    f"W&B: {reason}; logging offline. Upload later with `wandb sync <run folder>/wandb/offline-run-*` "
+                    "(the summary prints the folder), or pass --wandb=false to turn W&B off.",
+                    flush=True,
+                )
+        self._wandb_offline = offline
+        return WandbLogger(offline=offline, **kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            # Runs started later in this process (a sweep) pick their own version folder.
+            if getattr(self, "_owns_version_env", False):
+                os.environ.pop(_VERSION_ENV, None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         if self._get(self.config_init, "trainer").get("logger") in (None, True):

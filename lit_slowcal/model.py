@@ -131,12 +131,13 @@ class LogisticRegression(pl.LightningModule):
                 f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
             )
         strategy = self.trainer.strategy
+        rounds_done = self.trainer.fit_loop.epoch_loop.total_batch_idx + 1  # over all epochs
         machines = getattr(strategy, "num_machines", self.trainer.world_size * self.machines.num_machines)
         self.log_dict(
             {
                 "train_loss": round_loss,
-                "round": float(getattr(strategy, "num_syncs", batch_idx + 1)),
-                "samples_seen": float(xs.shape[0] * xs.shape[2] * machines * (batch_idx + 1)),
+                "round": float(getattr(strategy, "num_syncs", rounds_done)),
+                "samples_seen": float(xs.shape[0] * xs.shape[2] * machines * rounds_done),
                 "floats_communicated": float(getattr(strategy, "floats_communicated", 0) * machines),
             },
             on_step=True,
@@ -154,7 +155,8 @@ class LogisticRegression(pl.LightningModule):
         trainer = self.trainer
         last_batch = batch_idx + 1 >= trainer.num_training_batches
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
-        if last_batch and last_epoch and (batch_idx + 1) % trainer.val_check_batch != 0:
+        rounds_done = trainer.fit_loop.epoch_loop.total_batch_idx + 1
+        if last_batch and last_epoch and rounds_done % trainer.val_check_batch != 0:
             trainer.should_stop = True
 
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:

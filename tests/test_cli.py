@@ -113,3 +113,23 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, arg
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert "Epoch 0" not in proc.stderr + proc.stdout
+
+
+def test_logged_in_without_network_falls_back_to_offline(tmp_path):
+    """A W&B key but no reachable server: the run goes on, logged offline, and says so."""
+    env = clean_env(tmp_path)
+    env["WANDB_API_KEY"] = "0" * 40
+    env["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # nothing listens on the discard port
+    env["WANDB_INIT_TIMEOUT"] = "5"
+    run_dir = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "lit_slowcal", "fit", "--config=configs/slowcal.yaml",
+        "--trainer.limit_train_batches=2", "--trainer.enable_progress_bar=false", f"--run_dir={run_dir}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "cannot reach W&B" in out and "logging offline" in out
+    (version,) = (run_dir / "slowcal_M16_K16_b1_seed1").iterdir()
+    assert list((version / "wandb").glob("offline-run-*"))
+    assert "final test accuracy" in out
