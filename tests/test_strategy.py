@@ -80,7 +80,8 @@ class RecordingStrategy(PeriodicAveragingStrategy):
         return out
 
 
-def fit(module: pl.LightningModule, strategy: PeriodicAveragingStrategy, steps: int) -> pl.Trainer:
+def fit(module: pl.LightningModule, strategy: PeriodicAveragingStrategy, data) -> pl.Trainer:
+    """Fits on ``data``: a Batches iterable, or a number of steps of machine_data."""
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -91,7 +92,7 @@ def fit(module: pl.LightningModule, strategy: PeriodicAveragingStrategy, steps: 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, train_dataloaders=machine_data(steps))
+    trainer.fit(module, train_dataloaders=machine_data(data) if isinstance(data, int) else data)
     return trainer
 
 
@@ -143,17 +144,7 @@ def test_minibatch_sgd_by_parameter_averaging_is_one_step_on_the_averaged_gradie
     expected_w = w0 - lr * grad_w.mean(0, keepdim=True)
     expected_b = b0 - lr * grad_b.mean(0)
 
-    trainer = pl.Trainer(
-        strategy=PeriodicAveragingStrategy(sync_every=1),
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, train_dataloaders=Batches([(x, y)]))
+    fit(module, PeriodicAveragingStrategy(sync_every=1), Batches([(x, y)]))
     params = module.machines.stacked_parameters()
     for i in range(M):
         torch.testing.assert_close(params["weight"][i], expected_w, rtol=1e-12, atol=1e-12)
