@@ -453,7 +453,10 @@ def _finish_wandb(failed: bool) -> None:
 
 
 def run_trial(args: Sequence[str]) -> dict[str, Any]:
-    """Run ``SlowcalCLI(args=args)`` here; never raises for a failing run (KeyboardInterrupt excepted).
+    """Run ``SlowcalCLI(args=args)`` here; never raises for a failing run.
+
+    Ctrl-C (KeyboardInterrupt) and SIGTERM (Lightning's SIGTERMException) are raised: they stop the
+    sweep, and the interrupted trial is not recorded.
 
     Returns:
         ``status`` (``finished``, ``diverged`` or ``failed``), ``error`` (None or the message),
@@ -461,6 +464,7 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
         ``wall_time_s``.
     """
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from lit_slowcal.cli import SlowcalCLI
 
@@ -476,10 +480,21 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
     with _trial_environment():
         try:
             _TrialCLI(args=list(args))
+        except SIGTERMException:  # Lightning's form of SIGTERM: stop the sweep, not just this trial
+            status = "interrupted"
+            raise
         except FloatingPointError as err:
             status, error = ("diverged" if str(err).startswith("Training diverged") else "failed"), str(err)
-        except (Exception, SystemExit) as err:  # a parser exit is a failed trial too
+        except SystemExit as err:
+            if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits this way after Ctrl-C
+                status = "interrupted"
+                raise KeyboardInterrupt from err
+            status, error = "failed", f"SystemExit: {err}"  # e.g. the parser's exit
+        except Exception as err:
             status, error = "failed", f"{type(err).__name__}: {err}"
+        except BaseException:  # KeyboardInterrupt outside the trainer
+            status = "interrupted"
+            raise
         finally:
             _finish_wandb(failed=status != "finished")
     wall = time.perf_counter() - start
@@ -620,6 +635,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the trials and which are done; run nothing")
     p.add_argument("--retry-failed", action="store_true", help="run failed and diverged trials again")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the trials (default 1: the model is tiny, and extra threads mostly spin, "
+        "badly so when other jobs share the cores; 0 keeps torch's default)",
+    )
+    p.add_argument(
         "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
     )
     return p
@@ -666,25 +688,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  [{i}/{len(trials)}] {state:<20} {' '.join(trial_args(sweep, params, extra))}")
         return 0
 
+    if opts.threads > 0:
+        import torch
+
+        torch.set_num_threads(opts.threads)
     sweep_start = time.perf_counter()
-    group = f"sweep-{sweep.name or opts.sweep.stem}"
-    os.environ.setdefault("WANDB_RUN_GROUP", group)  # online W&B runs of a local sweep appear together
-    for i, params in enumerate(todo, 1):
-        args = trial_args(sweep, params, extra)
-        print(f"\n[{i}/{len(todo)}] {_param_text(params)}", flush=True)
-        outcome = run_trial(args)
-        record = {
-            "params": params,
-            **outcome,
-            "args": args,
-            "ended_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-        results.put(record)
-        value = outcome["metrics"].get(sweep.metric)
-        line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {_fmt(value)} in {outcome['wall_time_s']:.1f} s"
-        if outcome["error"]:
-            line += f" ({outcome['error'].splitlines()[0][:200]})"
-        print(line, flush=True)
+    # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
+    group_set = "WANDB_RUN_GROUP" not in os.environ
+    if group_set:
+        os.environ["WANDB_RUN_GROUP"] = f"sweep-{sweep.name or opts.sweep.stem}"
+    ran = 0
+    try:
+        for i, params in enumerate(todo, 1):
+            args = trial_args(sweep, params, extra)
+            print(f"\n[{i}/{len(todo)}] {_param_text(params)}", flush=True)
+            outcome = run_trial(args)
+            ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            results.put({"params": params, **outcome, "args": args, "ended_at": ended})
+            ran += 1
+            value = outcome["metrics"].get(sweep.metric)
+            line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {_fmt(value)} in {outcome['wall_time_s']:.1f} s"
+            if outcome["error"]:
+                line += f" ({outcome['error'].splitlines()[0][:200]})"
+            print(line, flush=True)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
+        print(
+            f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
+            f"{results_path}. Run the same command again to go on.",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(err, KeyboardInterrupt) else 143
+    finally:
+        if group_set:
+            os.environ.pop("WANDB_RUN_GROUP", None)
     if todo:
         print(f"\n{len(todo)} trials in {time.perf_counter() - sweep_start:.1f} s; results in {results_path}")
     done = [r for r in (results.get(t) for t in trials) if r is not None]

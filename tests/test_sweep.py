@@ -470,3 +470,29 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["model.lr"] == 0.003 and config["method"] == "local_sgd" and config["num_machines"] == 4
     assert "Ignoring project 'lit_slowcal' when running a sweep" in proc.stderr  # the sweep's project wins
+
+
+@pytest.mark.parametrize(("interrupt", "code"), [("ctrl-c", 130), ("sigterm", 143)])
+def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch, capsys, interrupt, code):
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lit_slowcal.model import LogisticRegression
+
+    training_step = LogisticRegression.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if self.hparams.method == "local_sgd":  # the last two trials
+            raise KeyboardInterrupt if interrupt == "ctrl-c" else SIGTERMException()
+        return training_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LogisticRegression, "training_step", interrupted)
+    monkeypatch.chdir(REPO)
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    try:
+        assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == code
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert "sweep interrupted" in capsys.readouterr().err
+    records = read_records(results)
+    assert [(r["params"]["method"], r["status"]) for r in records] == [("slowcal", "finished"), ("slowcal", "finished")]
