@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import netrc
 import os
+import signal
 import sys
 import time
 import warnings
@@ -28,9 +29,12 @@ from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_slowcal.checkpoint import LastCheckpoint
 from lit_slowcal.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.model import LogisticRegression
 from lit_slowcal.strategy import PeriodicAveragingStrategy
@@ -108,6 +112,9 @@ class SlowcalCLI(LightningCLI):
         parser.add_argument("--batch_size", type=int, default=1, help="b, samples per machine per local step")
         parser.add_argument("--eval_every", type=int, default=10, help="rounds between test evaluations")
         parser.add_argument("--run_dir", type=str, default="runs", help="folder of the CSV and W&B logs")
+        parser.add_argument(
+            "--checkpoint_every", type=int, default=10, help="rounds between checkpoints (last.ckpt; 0: epoch ends only)"
+        )
         parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
         parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
         parser.link_arguments("method", "model.method")
@@ -121,6 +128,33 @@ class SlowcalCLI(LightningCLI):
             compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "fit" and self._get(self.config, "ckpt_path") == "last":
+            self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
+
+    def last_checkpoint(self) -> Path:
+        """The newest ``last.ckpt`` of this run (same method, M, K, b and seed) under ``run_dir``.
+
+        ``--ckpt_path last`` continues from it; the continuation logs into a new version folder, so the
+        interrupted run's logs stay as they were.
+        """
+        folder = Path(self._get(self.config, "run_dir")) / self.run_name()
+        found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise FileNotFoundError(
+                f"--ckpt_path last: no checkpoint of run {self.run_name()} in {folder}/version_*/checkpoints/ "
+                f"(checkpoints are written every `checkpoint_every` rounds). Pass a checkpoint file instead."
+            )
+        return found[-1]
+
+    def _checkpoint_callback(self) -> LastCheckpoint:
+        # last.ckpt only, every `checkpoint_every` rounds and when training ends.
+        rounds = self._get(self.config, "checkpoint_every")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"Invalid checkpoint_every: {rounds!r} (must be an integer >= 0)")
+        steps = rounds * steps_per_round(self._get(self.config, "method"), self._get(self.config, "local_steps"))
+        return LastCheckpoint(every_n_train_steps=steps or None)
 
     def run_name(self) -> str:
         c = self._get(self.config, "method"), self._get(self.config, "num_machines")
@@ -194,8 +228,13 @@ class SlowcalCLI(LightningCLI):
                 os.environ.pop(_VERSION_ENV, None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        if self._get(self.config_init, "trainer").get("logger") in (None, True):
+        trainer_config = self._get(self.config_init, "trainer")
+        if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if trainer_config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, self._checkpoint_callback()]
         trainer = super().instantiate_trainer(**kwargs)
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
@@ -204,6 +243,13 @@ class SlowcalCLI(LightningCLI):
                 f"{type(strategy).__name__}. The machines synchronise through it."
             )
         strategy.sync_every = steps_per_round(self._get(self.config, "method"), self._get(self.config, "local_steps"))
+        machines = self._get(self.config, "num_machines")
+        if machines % trainer.world_size:
+            raise ValueError(
+                f"num_machines = {machines} is not divisible by the number of processes ({trainer.world_size} = "
+                f"trainer.devices x trainer.num_nodes); every process hosts num_machines / processes machines. "
+                f"Use a multiple of {trainer.world_size}."
+            )
         return trainer
 
     def before_fit(self) -> None:
@@ -270,7 +316,13 @@ def main(args: Optional[list[str]] = None) -> None:
         from lit_slowcal.report import main as report_main
 
         raise SystemExit(report_main(argv[1:]))
-    SlowcalCLI(args=args)
+    try:
+        SlowcalCLI(args=args)
+    except SIGTERMException:
+        # Lightning stops at the end of the current round and raises SystemExit(None), i.e. status 0;
+        # a terminated job must not look like a finished one.
+        print("Stopped by SIGTERM. Continue with the same command and --ckpt_path last.", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 if __name__ == "__main__":

@@ -151,6 +151,7 @@ class MachineStreams:
         self.rounds = rounds
         self.seed = seed
         self.epoch = 0
+        self.start_round = 0
 
     def __len__(self) -> int:
         return self.rounds
@@ -172,10 +173,15 @@ class MachineStreams:
         idx = torch.stack(columns)  # (m, count)
         return idx.view(len(columns), self.rounds, self.steps_per_round, self.batch_size).permute(1, 2, 0, 3)
 
+    def resume_at(self, epoch: int, rounds_done: int) -> None:
+        """Make the next iteration continue epoch ``epoch`` after its first ``rounds_done`` rounds."""
+        self.epoch, self.start_round = (epoch + 1, 0) if rounds_done >= self.rounds else (epoch, rounds_done)
+
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        idx = self.indices(self.epoch)
-        self.epoch += 1
-        for r in range(self.rounds):
+        epoch, start = self.epoch, self.start_round
+        self.epoch, self.start_round = epoch + 1, 0
+        idx = self.indices(epoch)
+        for r in range(start, self.rounds):
             yield self.x[idx[r]], self.y[idx[r]]
 
 
@@ -300,6 +306,24 @@ class MNISTDataModule(pl.LightningDataModule):
                 logger.log_image(key="class_distribution", images=[str(self.partition_png)])
             elif hasattr(getattr(logger, "experiment", None), "add_figure"):  # TensorBoardLogger
                 logger.experiment.add_figure("class_distribution", figure)
+
+    def state_dict(self) -> dict[str, int]:
+        """The streams' position, saved in checkpoints: the epoch and the rounds trained in it.
+
+        Every machine's stream is a function of (seed, machine, position), so this is all a resumed
+        run needs to draw exactly the samples an uninterrupted run would have drawn.
+        """
+        trainer = self.trainer
+        if trainer is None or self._train is None:
+            return {}
+        return {
+            "epoch": trainer.current_epoch,
+            "rounds_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict and self._train is not None:
+            self._train.resume_at(state_dict["epoch"], state_dict["rounds_done"])
 
     def train_dataloader(self) -> MachineStreams:
         # Batches are whole rounds gathered from in-memory tensors: a DataLoader would add nothing.

@@ -125,13 +125,17 @@ class LogisticRegression(pl.LightningModule):
             optimizer.step()  # the strategy averages the machines after every K-th step
             losses[k] = per_machine.detach().mean()
         round_loss = losses.mean()
-        if not torch.isfinite(round_loss):
-            raise FloatingPointError(
-                f"Training diverged: train loss {round_loss.item()} in round {batch_idx + 1} "
-                f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
-            )
         strategy = self.trainer.strategy
         rounds_done = self.trainer.fit_loop.epoch_loop.total_batch_idx + 1  # over all epochs
+        # One check per round (a single host sync): a non-finite loss, or parameters that became
+        # non-finite in the round's last step, stop the run instead of training on NaNs.
+        finite = torch.isfinite(round_loss) & torch.stack([p.isfinite().all() for p in self.machines.parameters()]).all()
+        if not finite:
+            what = f"train loss {round_loss.item()}" if not torch.isfinite(round_loss) else "non-finite parameters"
+            raise FloatingPointError(
+                f"Training diverged: {what} in round {rounds_done} "
+                f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
+            )
         machines = getattr(strategy, "num_machines", self.trainer.world_size * self.machines.num_machines)
         self.log_dict(
             {

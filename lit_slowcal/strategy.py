@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lit_slowcal.checkpoint import AtomicCheckpointIO
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = ["PeriodicAveragingStrategy"]
@@ -68,6 +69,8 @@ class PeriodicAveragingStrategy(DDPStrategy):
             raise ValueError(
                 "PeriodicAveragingStrategy does its own averaging; do not pass model_averaging_period or ddp_comm_state"
             )
+        # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
+        kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
         self.sync_every = sync_every
         self.average_state = tuple(average_state)
@@ -116,11 +119,25 @@ class PeriodicAveragingStrategy(DDPStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        steps = self._steps.get(id(inner), 0) + 1
+        if id(inner) not in self._steps:
+            self._resume_counters(inner)
+        steps = self._steps[id(inner)] + 1
         self._steps[id(inner)] = steps
         if steps % self.sync_every == 0:
             self.synchronize(inner)
         return output
+
+    def _resume_counters(self, optimizer: Optimizer) -> None:
+        """Start counting from the trainer's step count, so a run resumed from a checkpoint keeps
+        its sync schedule (and its sync and float counts)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        done = trainer.global_step if trainer is not None and len(self._steps) == 0 else 0
+        self._steps[id(optimizer)] = done
+        if done:
+            self.num_syncs = done // self.sync_every
+            tensors, stacked = self._tensors_to_average(optimizer)
+            per_sync = sum(t[0].numel() if s else t.numel() for t, s in zip(tensors, stacked))
+            self.floats_communicated = self.num_syncs * per_sync
 
     def synchronize(self, optimizer: Optimizer) -> None:
         """Replace parameters, floating buffers and iterate state by their average over all M machines."""

@@ -14,8 +14,9 @@ The same YAML works both ways. With a W&B account, ``wandb sweep sweeps/lr.yaml`
    are parsed by ``SlowcalCLI``'s own parser before anything runs (``CommandLine``): a parameter the
    CLI does not take, or a value it refuses, stops the sweep before the first run.
 4. Trials run one after another in this process (``run_trial``: ``SlowcalCLI(args=...)``; MNIST is
-   decoded once). A trial that raises is recorded as ``failed`` (``diverged`` for a non-finite
-   training loss) and the sweep goes on.
+   decoded once; one torch thread by default, see ``--threads``). A trial that raises is recorded
+   as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
+   SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
 5. Every finished trial is added to the results file (JSON lines) at once, by rewriting the file
    atomically (``ResultsFile``): a sweep killed at any moment leaves a readable file, and running
    the same command again skips the trials it holds (a trial is its parameter dict).

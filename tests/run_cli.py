@@ -2,8 +2,13 @@
 the collective calls made during training steps, and saves each rank's final state to OUT/rank{r}.pt.
 
 Usage: python tests/run_cli.py OUT fit --num_machines ... (any CLI arguments)
+
+KILL=SIGNAL:STEP in the environment sends SIGNAL (e.g. SIGKILL, SIGTERM) to this process just before
+its STEP-th local step of this run (1-based): a job killed mid-training.
 """
 
+import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -43,10 +48,28 @@ def training_step(self, *args, **kwargs):
 
 LogisticRegression.training_step = training_step
 
+if os.environ.get("KILL"):
+    _signal, _at = os.environ["KILL"].split(":")
+    _machine_losses = LogisticRegression._machine_losses
+    _calls = [0]
+
+    def machine_losses(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == int(_at):
+            os.kill(os.getpid(), getattr(signal, _signal))  # SIGTERM: Lightning stops after this round
+        return _machine_losses(self, *args, **kwargs)
+
+    LogisticRegression._machine_losses = machine_losses
+
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
+
 from lit_slowcal.cli import SlowcalCLI  # noqa: E402
 
 out = Path(sys.argv[1])
-cli = SlowcalCLI(args=sys.argv[2:])
+try:
+    cli = SlowcalCLI(args=sys.argv[2:])
+except SIGTERMException:
+    raise SystemExit(128 + signal.SIGTERM) from None
 opt = cli.trainer.optimizers[0]
 params = dict(cli.model.machines.stacked_parameters())
 state = {
