@@ -693,6 +693,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch
 
         torch.set_num_threads(opts.threads)
+        # Lightning's launcher sets torch's threads to cores / processes unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
     sweep_start = time.perf_counter()
     # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
     group_set = "WANDB_RUN_GROUP" not in os.environ
