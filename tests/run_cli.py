@@ -5,6 +5,7 @@ Usage: python tests/run_cli.py OUT fit --num_machines ... (any CLI arguments)
 
 KILL=SIGNAL:STEP in the environment sends SIGNAL (e.g. SIGKILL, SIGTERM) to this process just before
 its STEP-th local step of this run (1-based): a job killed mid-training.
+FAIL=RANK:ROUND makes process RANK raise RuntimeError at the start of round ROUND (1-based).
 """
 
 import os
@@ -38,10 +39,14 @@ for _name in COLLECTIVES:
 _training_step = LogisticRegression.training_step
 
 
-def training_step(self, *args, **kwargs):
+def training_step(self, batch, batch_idx, *args, **kwargs):
+    if os.environ.get("FAIL"):
+        rank, at = map(int, os.environ["FAIL"].split(":"))
+        if self.global_rank == rank and batch_idx + 1 == at:
+            raise RuntimeError(f"injected failure on rank {rank} in round {at}")
     in_training[0] = True
     try:
-        return _training_step(self, *args, **kwargs)
+        return _training_step(self, batch, batch_idx, *args, **kwargs)
     finally:
         in_training[0] = False
 

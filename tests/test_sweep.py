@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lit_slowcal import sweep as sw
@@ -366,8 +367,10 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
     from lit_slowcal.model import LogisticRegression
 
     training_step = LogisticRegression.training_step
+    threads = []
 
     def failing(self, batch, batch_idx):
+        threads.append(torch.get_num_threads())
         if self.hparams.method == "local_sgd":
             raise RuntimeError("machine on fire")
         return training_step(self, batch, batch_idx)
@@ -376,6 +379,7 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
     monkeypatch.chdir(REPO)
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
+    torch_threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     yaml_path, results = tiny_sweep(tmp_path, lrs=(0.01, 1e38)), tmp_path / "results.jsonl"
     args = [str(yaml_path), "--results", str(results), "--wandb=false"]
     assert sw.main(args) == 0
@@ -389,6 +393,9 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
         assert Path(failed["run_dir"]).is_dir()  # its log folder is kept and named
     out = capsys.readouterr().out
     assert "1 finished, 1 diverged, 2 failed of 4 trials" in out
+    # One torch thread in every trial (--threads 1, kept although Lightning's launcher resets it), restored after.
+    assert threads and set(threads) == {1}
+    assert torch.get_num_threads() == torch_threads and os.environ.get("OMP_NUM_THREADS") == omp
 
     # Not retried by default; retried with --retry-failed (and replaced, not duplicated).
     monkeypatch.setattr(LogisticRegression, "training_step", training_step)
