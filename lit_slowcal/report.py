@@ -195,7 +195,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot_metric(loss, "final test loss", "MNIST test loss against K", paths[1])
     table = markdown_table(acc, loss, skipped)
     head = f"# Results of {opts.results.name}\n\n![test accuracy]({paths[0].name})\n\n![test loss]({paths[1].name})\n\n"
-    paths[2].write_text(head + table)
+    wall = sum(float(r.get("wall_time_s") or 0.0) for r in records)
+    finished = sum(r.get("status") == "finished" for r in records)
+    tail = (
+        f"\n{len(records)} trials ({finished} finished), {wall / 60:.1f} min of training in all. "
+        f"Made by `python -m lit_slowcal report {opts.results.as_posix()} --out {opts.out.as_posix()}`.\n"
+    )
+    paths[2].write_text(head + table + tail)
     print(table)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

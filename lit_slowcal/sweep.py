@@ -446,6 +446,30 @@ def _trial_environment() -> Iterator[None]:
         os.environ.pop(_VERSION_ENV, None)
 
 
+@contextlib.contextmanager
+def _sweep_environment(threads: int, group: str) -> Iterator[None]:
+    """Torch threads for every trial, and a W&B group for them; both as they were afterwards."""
+    import torch
+
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "WANDB_RUN_GROUP")}
+    saved_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+        # Lightning's launcher sets torch's threads to cores / processes unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
+    os.environ.setdefault("WANDB_RUN_GROUP", group)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _finish_wandb(failed: bool) -> None:
     # WandbLogger reuses a run left open; the next trial must start its own.
     wandb = sys.modules.get("wandb")
@@ -689,41 +713,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  [{i}/{len(trials)}] {state:<20} {' '.join(trial_args(sweep, params, extra))}")
         return 0
 
-    if opts.threads > 0:
-        import torch
-
-        torch.set_num_threads(opts.threads)
-        # Lightning's launcher sets torch's threads to cores / processes unless OMP_NUM_THREADS is set.
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
-    sweep_start = time.perf_counter()
-    # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
-    group_set = "WANDB_RUN_GROUP" not in os.environ
-    if group_set:
-        os.environ["WANDB_RUN_GROUP"] = f"sweep-{sweep.name or opts.sweep.stem}"
-    ran = 0
-    try:
-        for i, params in enumerate(todo, 1):
-            args = trial_args(sweep, params, extra)
-            print(f"\n[{i}/{len(todo)}] {_param_text(params)}", flush=True)
-            outcome = run_trial(args)
-            ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            results.put({"params": params, **outcome, "args": args, "ended_at": ended})
-            ran += 1
-            value = outcome["metrics"].get(sweep.metric)
-            line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {_fmt(value)} in {outcome['wall_time_s']:.1f} s"
-            if outcome["error"]:
-                line += f" ({outcome['error'].splitlines()[0][:200]})"
-            print(line, flush=True)
-    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
-        print(
-            f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
-            f"{results_path}. Run the same command again to go on.",
-            file=sys.stderr,
-        )
-        return 130 if isinstance(err, KeyboardInterrupt) else 143
-    finally:
-        if group_set:
-            os.environ.pop("WANDB_RUN_GROUP", None)
+    sweep_start, ran = time.perf_counter(), 0
+    with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
+        try:
+            for i, params in enumerate(todo, 1):
+                args = trial_args(sweep, params, extra)
+                print(f"\n[{i}/{len(todo)}] {_param_text(params)}", flush=True)
+                outcome = run_trial(args)
+                ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                results.put({"params": params, **outcome, "args": args, "ended_at": ended})
+                ran += 1
+                value = outcome["metrics"].get(sweep.metric)
+                line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {_fmt(value)} in {outcome['wall_time_s']:.1f} s"
+                if outcome["error"]:
+                    line += f" ({outcome['error'].splitlines()[0][:200]})"
+                print(line, flush=True)
+        except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
+            print(
+                f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
+                f"{results_path}. Run the same command again to go on.",
+                file=sys.stderr,
+            )
+            return 130 if isinstance(err, KeyboardInterrupt) else 143
     if todo:
         print(f"\n{len(todo)} trials in {time.perf_counter() - sweep_start:.1f} s; results in {results_path}")
     done = [r for r in (results.get(t) for t in trials) if r is not None]

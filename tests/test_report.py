@@ -74,7 +74,8 @@ def test_report_writes_both_figures_and_a_table_of_seed_means(tmp_path, capsys):
     # one seed only: its value, std 0; the diverged local_sgd run is not averaged
     assert rows[5] == "| 32 | 8 | **0.8500 ± 0.0000** | n/a | 0.4500 ± 0.0000 | n/a |"
     assert "Not counted (1): local_sgd M=32 K=8 seed=1 diverged." in table
-    assert table.split("\n\n", 3)[3] in capsys.readouterr().out  # the table is printed too
+    assert "\n20 trials (19 finished), 0.0 min of training in all." in table
+    assert "\n".join(rows) in capsys.readouterr().out  # the table is printed too
 
 
 def test_aggregate_means_and_refuses_a_second_varying_parameter():
