@@ -45,7 +45,8 @@ def command_line():
 
 
 def test_grid_is_the_product_of_values_in_wandb_order():
-    sweep = sw.parse_sweep(config({"model.lr": {"values": [0.01, 0.1]}, "method": {"values": ["slowcal", "local_sgd"]}, "num_machines": {"value": 4}}))
+    params = {"model.lr": {"values": [0.01, 0.1]}, "method": {"values": ["slowcal", "local_sgd"]}, "num_machines": {"value": 4}}
+    sweep = sw.parse_sweep(config(params))
     assert sweep.param_names == ["method", "model.lr", "num_machines"]  # W&B sorts the names
     assert [p.distribution for p in sweep.params] == ["categorical", "categorical", "constant"]
     assert sw.expand_trials(sweep) == [
@@ -255,10 +256,12 @@ def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
 
 
 def test_summary_table_gives_the_best_lr_per_method():
-    sweep = sw.parse_sweep(config({"method": {"values": ["slowcal", "local_sgd"]}, "model.lr": {"values": [0.01, 0.1]}, "seed_everything": {"values": [1, 2]}}))
+    params = {"method": {"values": ["slowcal", "local_sgd"]}, "model.lr": {"values": [0.01, 0.1]}, "seed_everything": {"values": [1, 2]}}
+    sweep = sw.parse_sweep(config(params))
 
     def rec(method, lr, seed, acc, status="finished"):
-        return {"params": {"method": method, "model.lr": lr, "seed_everything": seed}, "status": status, "metrics": {"test_acc": acc, "test_loss": None if acc is None else round(1 - acc, 6)}}
+        metrics = {"test_acc": acc, "test_loss": None if acc is None else round(1 - acc, 6)}
+        return {"params": {"method": method, "model.lr": lr, "seed_everything": seed}, "status": status, "metrics": metrics}
 
     records = [
         rec("slowcal", 0.01, 1, 0.90), rec("slowcal", 0.01, 2, 0.80),  # mean 0.85
@@ -413,7 +416,8 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
 def test_dry_run_lists_the_trials_and_runs_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
-    sw.ResultsFile(results).put({"params": {"local_steps": 2, "method": "slowcal", "model.lr": 0.1, "num_machines": 4}, "status": "failed"})
+    failed = {"local_steps": 2, "method": "slowcal", "model.lr": 0.1, "num_machines": 4}
+    sw.ResultsFile(results).put({"params": failed, "status": "failed"})
     assert sw.main([str(yaml_path), "--results", str(results), "--dry-run", "--wandb=false"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("4 trials, 1 already in " + str(results) + ", 3 to run")
@@ -468,10 +472,12 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
     for token in map(str, sweep_utils.create_sweep_command(lr_yaml["command"])):
         cmd += macros[token[2:-1]] if token.startswith("${") else [sys.executable if token == "python" else token]
     env = clean_env(tmp_path)
-    env.update(WANDB_MODE="offline", WANDB_SWEEP_ID="sw1", WANDB_RUN_ID="run1", WANDB_SWEEP_PARAM_PATH=str(param_path), WANDB_DIR=str(tmp_path))
+    env.update(WANDB_MODE="offline", WANDB_SWEEP_ID="sw1", WANDB_RUN_ID="run1", WANDB_SWEEP_PARAM_PATH=str(param_path))
+    env["WANDB_DIR"] = str(tmp_path)  # the agent sets it to its working folder
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_file,) = glob.glob(str(tmp_path / "runs" / "local_sgd_M4_K2_b1_seed1" / "version_0" / "wandb" / "offline-run-*-run1" / "run-run1.wandb"))
+    run_folder = tmp_path / "runs" / "local_sgd_M4_K2_b1_seed1" / "version_0"
+    (run_file,) = glob.glob(str(run_folder / "wandb" / "offline-run-*-run1" / "run-run1.wandb"))
     (run,) = [r.run for r in wandb_records(Path(run_file)) if r.WhichOneof("record_type") == "run"]
     assert run.run_id == "run1" and run.sweep_id == "sw1"  # the agent's run, in the agent's sweep
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
