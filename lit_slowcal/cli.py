@@ -100,7 +100,7 @@ class SlowcalCLI(LightningCLI):
             "max_epochs": 1,
             "num_sanity_val_steps": 0,
             "check_val_every_n_epoch": None,  # evaluate every `eval_every` rounds, across epochs
-            "log_every_n_steps": 1,  # one training batch is one round
+            "log_every_n_steps": 10,  # rounds: one training batch is one round
         }
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
         super().__init__(*args, **kwargs)
