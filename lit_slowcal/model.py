@@ -118,14 +118,14 @@ class LogisticRegression(pl.LightningModule):
         """
         optimizer = self.optimizers()
         xs, ys = batch
-        losses = torch.empty(len(xs), device=xs.device)
+        losses = []
         for k in range(len(xs)):
             per_machine = self._machine_losses(xs[k], ys[k])
             optimizer.zero_grad()
             self.manual_backward(per_machine.sum())
             optimizer.step()  # the strategy averages the machines after every K-th step
-            losses[k] = per_machine.detach().mean()
-        round_loss = losses.mean()
+            losses.append(per_machine.detach())
+        round_loss = torch.stack(losses).mean()
         strategy = self.trainer.strategy
         rounds_done = self.trainer.fit_loop.epoch_loop.total_batch_idx + 1  # over all epochs
         # One check per round (a single host sync): a non-finite loss, or parameters that became

@@ -321,3 +321,27 @@ def test_optimizer_on_stacked_params_equals_independent_training(opt_name, kind)
                 p = dict(c.named_parameters())[name]
                 assert opt.state[stacked]["step"] == c_opt.state[p]["step"] == steps
                 torch.testing.assert_close(opt.state[stacked]["w"][i], c_opt.state[p]["w"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_fast_path_equals_the_vmap_path(bias):
+    """nn.Linear takes a batched-matmul path; outputs and gradients equal the generic vmap path."""
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 3, bias=bias).double()
+    fast = SimulatedMachines(linear, 4)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn_like(p))
+    generic = SimulatedMachines(linear, 4)
+    generic._linear = False  # force vmap + functional_call
+    generic.load_state_dict(fast.state_dict())
+    assert fast._linear and not generic._linear
+    x = torch.randn(4, 5, 2, 7, dtype=torch.float64)  # extra batch dimensions, like nn.Linear allows
+    out_fast, out_generic = fast(x), generic(x)
+    assert out_fast.shape == (4, 5, 2, 3)
+    torch.testing.assert_close(out_fast, out_generic, rtol=0, atol=1e-12)
+    out_fast.square().sum().backward()
+    out_generic.square().sum().backward()
+    for p, q in zip(fast.parameters(), generic.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+        assert p.grad.stride() == p.stride()  # gradient in the parameter's own layout
