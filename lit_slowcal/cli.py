@@ -17,7 +17,6 @@ and R = ceil(60,000 / (M * K * b)) rounds make one epoch for every method.
 
 from __future__ import annotations
 
-import math
 import netrc
 import os
 import signal

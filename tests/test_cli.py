@@ -3,7 +3,6 @@
 import csv
 import gzip
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -11,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import REPO, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
 D = 784 * 10 + 10  # logistic regression parameters
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
     """No W&B credentials (HOME without .netrc), no rendezvous variables from other tests."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("WANDB_", "LIT_SLOWCAL_"))}
+    env = subprocess_env()
     env["HOME"] = str(tmp_path / "home")
     env["NETRC"] = str(tmp_path / "home" / ".netrc")
     (tmp_path / "home").mkdir(exist_ok=True)

@@ -1,6 +1,5 @@
 """Tests for lit_slowcal.data: loading MNIST, per-machine streams and the data module."""
 
-import gzip
 import math
 import shutil
 from pathlib import Path

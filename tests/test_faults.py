@@ -1,16 +1,14 @@
 """Failures end runs promptly and clearly: divergence, and a crashed process in a 2-process job."""
 
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers import REPO, subprocess_env
 
 from lit_slowcal.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few seconds)
 
 
@@ -32,9 +30,7 @@ def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, mon
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_crashed_process_ends_the_other_within_a_bound(tmp_path, failing_rank):
-    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("LIT_SLOWCAL_")}
-    env.update(WANDB_MODE="disabled", FAIL=f"{failing_rank}:3")
+    env = subprocess_env(WANDB_MODE="disabled", FAIL=f"{failing_rank}:3")
     args = [
         f"--config={REPO / 'configs' / 'slowcal.yaml'}", f"--data.root={REPO / 'data'}", "--wandb=false",
         "--trainer.enable_progress_bar=false", "--num_machines=4", "--trainer.devices=2", f"--run_dir={tmp_path}",

@@ -1,24 +1,19 @@
 """Exact resume: a run killed mid-training and resumed with ``--ckpt_path last`` ends bitwise where an
 uninterrupted run ends (parameters, optimizer state, metrics), for SLowcal-SGD and Local-SGD."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
 K = 4
 
 
 def run(tmp_path: Path, out: str, method: str, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
-    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("LIT_SLOWCAL_", "KILL"))}
-    env["WANDB_MODE"] = "disabled"
-    if kill:
-        env["KILL"] = kill
+    env = subprocess_env(WANDB_MODE="disabled", **({"KILL": kill} if kill else {}))
     args = [
         f"--config={REPO / 'configs' / (method + '.yaml')}",
         f"--data.root={REPO / 'data'}",

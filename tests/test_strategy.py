@@ -1,6 +1,5 @@
 """PeriodicAveragingStrategy: the sync schedule, what is averaged, process layouts, collective counts."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +8,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import REPO, subprocess_env
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
 from lit_slowcal import PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
 
-REPO = Path(__file__).resolve().parents[1]
 M, D = 4, 3
 
 
@@ -188,10 +187,7 @@ def test_plain_module_one_machine_per_process_is_left_as_is_with_one_process():
 
 
 def run_cli(out: Path, *args: str) -> list[dict]:
-    # A clean launch: no rendezvous variables left by in-process trainers of other tests.
-    launch_vars = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in launch_vars and k != "LIT_SLOWCAL_RUN_VERSION"}
-    env["WANDB_MODE"] = "disabled"
+    env = subprocess_env(WANDB_MODE="disabled")
     cmd = [sys.executable, str(REPO / "tests" / "run_cli.py"), str(out), "fit", *args]
     proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import subprocess_env
 
 from lit_slowcal import sweep as sw
 
@@ -29,8 +30,7 @@ def config(parameters, method="grid", **extra):
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
     """No W&B credentials (HOME without .netrc), no W&B or rendezvous variables from elsewhere."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("WANDB_", "LIT_SLOWCAL_"))}
+    env = subprocess_env()
     (tmp_path / "home").mkdir(exist_ok=True)
     env.update(HOME=str(tmp_path / "home"), NETRC=str(tmp_path / "home" / ".netrc"))
     return env
