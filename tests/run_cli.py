@@ -6,6 +6,7 @@ Usage: python tests/run_cli.py OUT fit --num_machines ... (any CLI arguments)
 KILL=SIGNAL:STEP in the environment sends SIGNAL (e.g. SIGKILL, SIGTERM) to this process just before
 its STEP-th local step of this run (1-based): a job killed mid-training.
 FAIL=RANK:ROUND makes process RANK raise RuntimeError at the start of round ROUND (1-based).
+INIT_NOISE_RANK=RANK perturbs the initial weights on process RANK only (before the strategy's setup).
 """
 
 import os
@@ -52,6 +53,19 @@ def training_step(self, batch, batch_idx, *args, **kwargs):
 
 
 LogisticRegression.training_step = training_step
+
+_configure_model = LogisticRegression.configure_model
+
+
+def configure_model(self):
+    _configure_model(self)
+    if os.environ.get("INIT_NOISE_RANK") == str(self.global_rank):
+        with torch.no_grad():
+            for p in self.machines.parameters():
+                p.add_(1.0)
+
+
+LogisticRegression.configure_model = configure_model
 
 if os.environ.get("KILL"):
     _signal, _at = os.environ["KILL"].split(":")

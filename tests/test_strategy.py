@@ -186,8 +186,8 @@ def test_plain_module_one_machine_per_process_is_left_as_is_with_one_process():
     assert strategy.floats_communicated == 2 * 2 * (D + 1)
 
 
-def run_cli(out: Path, *args: str) -> list[dict]:
-    env = subprocess_env(WANDB_MODE="disabled")
+def run_cli(out: Path, *args: str, **env_vars: str) -> list[dict]:
+    env = subprocess_env(WANDB_MODE="disabled", **env_vars)
     cmd = [sys.executable, str(REPO / "tests" / "run_cli.py"), str(out), "fit", *args]
     proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -195,7 +195,8 @@ def run_cli(out: Path, *args: str) -> list[dict]:
 
 
 def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path):
-    """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round."""
+    """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round,
+    and the initial weights are rank 0's on every rank."""
     common = [
         f"--data.root={REPO / 'data'}",
         "--wandb=false",
@@ -208,7 +209,8 @@ def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path):
         f"--run_dir={tmp_path / 'runs'}",
     ]
     (one,) = run_cli(tmp_path / "one", *common)
-    two = run_cli(tmp_path / "two", *common, "--trainer.devices=2")
+    # Rank 1 starts from other weights: the broadcast at setup must give it rank 0's.
+    two = run_cli(tmp_path / "two", *common, "--trainer.devices=2", INIT_NOISE_RANK="1")
     assert [s["world_size"] for s in two] == [2, 2]
     for name, expected in one["params"].items():
         assert expected.shape[0] == 4
