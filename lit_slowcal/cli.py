@@ -91,7 +91,11 @@ class SlowcalCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": False})
         # The method picks the optimizer (SlowcalSGD or SGD); a generic --optimizer would bypass it.
         kwargs.setdefault("auto_configure_optimizers", False)
-        kwargs.setdefault("parser_kwargs", {"prog": "python -m lit_slowcal", "description": "SLowcal-SGD, Local-SGD and Minibatch-SGD on M machines. Subcommands: fit, validate, test, predict; also `sweep` and `report` (see --help of each)."})
+        description = (
+            "SLowcal-SGD, Local-SGD and Minibatch-SGD on M machines. Subcommands: fit, validate, test, "
+            "predict; also `sweep` and `report` (see --help of each)."
+        )
+        kwargs.setdefault("parser_kwargs", {"prog": "python -m lit_slowcal", "description": description})
         defaults = {
             "strategy": "periodic_averaging",
             "accelerator": "cpu",
@@ -156,11 +160,12 @@ class SlowcalCLI(LightningCLI):
         return LastCheckpoint(every_n_train_steps=steps or None)
 
     def run_name(self) -> str:
-        c = self._get(self.config, "method"), self._get(self.config, "num_machines")
-        k, b, seed = self._get(self.config, "local_steps"), self._get(self.config, "batch_size"), self._get(
-            self.config, "seed_everything"
+        """``<method>_M<M>_K<K>_b<b>_seed<seed>``: the run's folder under ``run_dir``."""
+        get = lambda key: self._get(self.config, key)  # noqa: E731
+        return (
+            f"{get('method')}_M{get('num_machines')}_K{get('local_steps')}_b{get('batch_size')}"
+            f"_seed{get('seed_everything')}"
         )
-        return f"{c[0]}_M{c[1]}_K{k}_b{b}_seed{seed}"
 
     def _loggers(self) -> list[Logger]:
         run_dir = self._get(self.config, "run_dir")
