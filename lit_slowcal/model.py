@@ -139,7 +139,8 @@ class LogisticRegression(pl.LightningModule):
             )
         # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds (and
         # after the epoch's last), with the train loss averaged over the rounds since the last log.
-        self._loss_since_log = self._loss_since_log + torch.stack([round_loss.detach().double(), torch.ones((), dtype=torch.float64, device=round_loss.device)])
+        one_round = torch.stack([round_loss.detach().double(), round_loss.new_ones((), dtype=torch.float64)])
+        self._loss_since_log = self._loss_since_log.to(one_round.device) + one_round  # on the loss's device
         if rounds_done % self.trainer.log_every_n_steps and batch_idx + 1 < self.trainer.num_training_batches:
             return
         loss_sum, rounds = self._loss_since_log
