@@ -67,7 +67,7 @@ _ENV_AT_START = dict(os.environ)
 
 def make_data(num_machines: int, local_steps: int, batch_size: int, root: str):
     """An MNISTDataModule set up as a single-process Trainer would, and the seconds that took."""
-    from lit_slowcal.data import MNISTDataModule
+    from lit_slowcal.experiments.data import MNISTDataModule
 
     start = time.perf_counter()
     data = MNISTDataModule(
@@ -145,7 +145,7 @@ def lightning_epoch(data, local_steps: int, lr: float = LR):
     """One epoch through Trainer.fit; returns (epoch seconds, fit seconds, steps, W, bias)."""
     from lightning.pytorch import Trainer
 
-    from lit_slowcal.model import LogisticRegression
+    from lit_slowcal.experiments.model import LogisticRegression
     from lit_slowcal.strategy import PeriodicAveragingStrategy
 
     data.train_dataloader().epoch = 0  # rewind: every run sees epoch 0's samples

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lit_slowcal._validation import check_int
+
 __all__ = ["SimulatedMachines"]
 
 
@@ -56,9 +58,7 @@ class SimulatedMachines(nn.Module):
 
     def __init__(self, module: nn.Module, num_machines: int) -> None:
         super().__init__()
-        if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
-            raise ValueError(f"Invalid num_machines: {num_machines!r} (must be an integer >= 1)")
-        self.num_machines = num_machines
+        self.num_machines = check_int("num_machines", num_machines)
         self._param_names = [name for name, _ in module.named_parameters()]
         self._buffer_names = [name for name, _ in module.named_buffers()]
         for name, p in module.named_parameters():

@@ -1,31 +1,27 @@
-"""Periodic averaging of parameters and optimizer state: Local-SGD and SLowcal-SGD on DDP ranks.
+"""Lightning's ``Trainer`` with periodic averaging: ``Trainer(strategy="periodic_averaging")``.
 
-``PeriodicAveragingStrategy`` is a ``DDPStrategy`` without the gradient all-reduce. Each process
+``PeriodicAveragingStrategy`` is a ``DDPStrategy`` without the gradient all-reduce: each process
 (and each simulated machine inside it, see ``SimulatedMachines``) steps its optimizer on its own
-data; every ``sync_every`` optimizer steps the parameter server's aggregation of Algorithm 2 runs:
-parameters, floating buffers and the optimizer's iterate state (``SlowcalSGD``'s w) are replaced by
-their average over all M = world_size x m machines, in one all-reduce per synchronisation.
+data, and a ``PeriodicAverager`` per optimizer averages the machines every ``sync_every`` optimizer
+steps. The strategy only wires the averager in: all averaging logic lives in
+``lit_slowcal.averaging``, shared with plain torch loops and Fabric.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
-import torch
-import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.fabric.strategies import _StrategyRegistry
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
-from typing_extensions import override
 
+from lit_slowcal._validation import check_int
+from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
 from lit_slowcal.checkpoint import AtomicCheckpointIO
-from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = ["PeriodicAveragingStrategy"]
 
@@ -40,21 +36,17 @@ class PeriodicAveragingStrategy(DDPStrategy):
     ``sync_every=1`` and SGD it is Minibatch-SGD (averaging parameters after one SGD step from a
     common point equals one step on the averaged gradient).
 
-    What is averaged at a synchronisation:
-
-    * every parameter of the optimizer's param groups, and every floating-point buffer of the model;
-    * the optimizer's per-parameter state tensors named by ``optimizer.averaged_state``
-      (``("w",)`` for ``SlowcalSGD``) plus those named in ``average_state`` (e.g.
-      ``["momentum_buffer"]`` for SGD with momentum, on request).
-
-    Parameters of ``SimulatedMachines`` modules are averaged over their leading (machine) dimension
-    and then over the processes, so M = world_size x m machines take part with equal weight.
-    All tensors of one device and dtype are flattened into one buffer: one collective per
-    synchronisation, none at all with a single process.
+    What is averaged, and how it is communicated, is ``PeriodicAverager``'s: parameters, floating
+    buffers and the optimizer state the optimizer declares (``averaged_state``), plus the keys in
+    ``average_state``; ``SimulatedMachines`` are averaged over their machine dimension and the
+    processes, so M = world_size x m machines take part with equal weight. Rank 0's weights are
+    broadcast at setup, so all machines start from the same point.
 
     Args:
-        sync_every: K, the number of optimizer steps between synchronisations (>= 1).
+        sync_every: K, the number of optimizer steps between synchronisations (>= 1). It can also
+            be set after construction (``trainer.strategy.sync_every = 16``).
         average_state: extra optimizer state keys to average besides ``optimizer.averaged_state``.
+        bucket_cap_mb: largest flattened buffer of one all-reduce (``PeriodicAverager``).
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -64,7 +56,9 @@ class PeriodicAveragingStrategy(DDPStrategy):
 
     strategy_name = "periodic_averaging"
 
-    def __init__(self, sync_every: int = 1, average_state: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
+    ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
                 "PeriodicAveragingStrategy does its own averaging; do not pass model_averaging_period or ddp_comm_state"
@@ -74,9 +68,8 @@ class PeriodicAveragingStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.sync_every = sync_every
         self.average_state = tuple(average_state)
-        self.num_syncs = 0
-        self.floats_communicated = 0
-        self._steps: dict[int, int] = {}
+        self.bucket_cap_mb = bucket_cap_mb
+        self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
 
     @property
     def sync_every(self) -> int:
@@ -84,32 +77,43 @@ class PeriodicAveragingStrategy(DDPStrategy):
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid sync_every: {value!r} (must be an integer >= 1)")
-        self._sync_every = value
+        self._sync_every = check_int("sync_every", value)
+        for averager in getattr(self, "averagers", {}).values():
+            averager.sync_every = value
+
+    def _averager(self, optimizer: Optimizer) -> PeriodicAverager:
+        return PeriodicAverager(
+            self.lightning_module, optimizer, self.sync_every, average_state=self.average_state,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )  # fmt: skip
 
     @property
     def machines_per_rank(self) -> int:
         """m: machines hosted by this process (1 unless the model holds ``SimulatedMachines``)."""
-        sims = [mod.num_machines for mod in self._modules_to_average() if isinstance(mod, SimulatedMachines)]
-        if len(set(sims)) > 1:
-            raise ValueError(f"All SimulatedMachines of a model must host the same number of machines, got {sims}")
-        return sims[0] if sims else 1
+        return machines_per_process(self.lightning_module) if self.lightning_module is not None else 1
 
     @property
     def num_machines(self) -> int:
         """M = world_size x m."""
         return self.world_size * self.machines_per_rank
 
-    @override
+    @property
+    def num_syncs(self) -> int:
+        """Synchronisations so far (of the first optimizer)."""
+        return next(iter(self.averagers.values())).num_syncs if self.averagers else 0
+
+    @property
+    def floats_communicated(self) -> int:
+        """Floats one machine has sent so far (all optimizers' averagers)."""
+        return sum(a.floats_communicated for a in self.averagers.values())
+
     def configure_ddp(self) -> None:
         # No DistributedDataParallel wrapper: gradients stay local. Start every rank from rank 0's
         # weights (x_0 = w_0 identical on all machines); simulated machines are identical copies already.
-        log.debug(f"{self.__class__.__name__}: broadcasting initial weights, no gradient synchronisation")
+        log.debug(f"{type(self).__name__}: broadcasting initial weights, no gradient synchronisation")
         if self.world_size > 1:
-            _sync_module_states(self.lightning_module)
+            broadcast_module(self.lightning_module, src=0)
 
-    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -118,108 +122,32 @@ class PeriodicAveragingStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if id(inner) not in self._steps:
-            self._resume_counters(inner)
-        steps = self._steps[id(inner)] + 1
-        self._steps[id(inner)] = steps
-        if steps % self.sync_every == 0:
-            self.synchronize(inner)
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        averager = self.averagers.get(id(inner))
+        if averager is None:
+            averager = self.averagers[id(inner)] = self._averager(inner)
+            # A run resumed from a checkpoint keeps its sync schedule (and its sync and float counts).
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            # global_step does not count this step yet (Lightning increments it after the strategy's step).
+            if trainer is not None and len(self.averagers) == 1 and trainer.global_step > 0:
+                averager.resume(trainer.global_step)
+        averager.step()
         return output
 
-    def _resume_counters(self, optimizer: Optimizer) -> None:
-        """Start counting from the trainer's step count, so a run resumed from a checkpoint keeps
-        its sync schedule (and its sync and float counts)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        done = trainer.global_step if trainer is not None and len(self._steps) == 0 else 0
-        self._steps[id(optimizer)] = done
-        if done:
-            self.num_syncs = done // self.sync_every
-            tensors, stacked = self._tensors_to_average(optimizer)
-            per_sync = sum(t[0].numel() if s else t.numel() for t, s in zip(tensors, stacked))
-            self.floats_communicated = self.num_syncs * per_sync
-
     def synchronize(self, optimizer: Optimizer) -> None:
-        """Replace parameters, floating buffers and iterate state by their average over all M machines."""
-        tensors, stacked = self._tensors_to_average(optimizer)
-        local = [t.mean(0) if s else t for t, s in zip(tensors, stacked)]
-        self.floats_communicated += sum(t.numel() for t in local)
-        averaged = self._all_reduce_mean(local)
-        with torch.no_grad():
-            for t, s, avg in zip(tensors, stacked, averaged):
-                if s:
-                    t.copy_(avg.unsqueeze(0).expand_as(t))
-                elif avg is not t:
-                    t.copy_(avg)
-        self.num_syncs += 1
-
-    def _modules_to_average(self) -> Iterable[nn.Module]:
-        return self.lightning_module.modules() if self.lightning_module is not None else ()
-
-    def _tensors_to_average(self, optimizer: Optimizer) -> tuple[list[Tensor], list[bool]]:
-        """The floating tensors to average, and whether each has a leading machine dimension.
-
-        A tensor is stacked when it belongs to a ``SimulatedMachines`` module, or is the optimizer
-        state of such a parameter (elementwise state has the parameter's shape).
-        """
-        stacked_ids: set[int] = set()
-        for module in self._modules_to_average():
-            if isinstance(module, SimulatedMachines):
-                stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
-        keys = tuple(getattr(optimizer, "averaged_state", ())) + self.average_state
-        seen: set[int] = set()
-        tensors: list[Tensor] = []
-        stacked: list[bool] = []
-
-        def add(t: Tensor, owner: Tensor) -> None:
-            if id(t) not in seen and t.is_floating_point():
-                seen.add(id(t))
-                tensors.append(t)
-                stacked.append(id(owner) in stacked_ids)
-
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                add(p, p)
-                state = optimizer.state.get(p, {})
-                for key in keys:
-                    if isinstance(state.get(key), Tensor):
-                        add(state[key], p)
-        for b in self.lightning_module.buffers():
-            add(b, b)
-        return tensors, stacked
-
-    def _all_reduce_mean(self, tensors: list[Tensor]) -> list[Tensor]:
-        if self.world_size == 1 or not dist.is_available() or not dist.is_initialized():
-            return tensors
-        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(tensors):
-            buckets.setdefault((t.device, t.dtype), []).append(i)
-        flats, works = [], []
-        for idx in buckets.values():
-            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-            flats.append((idx, flat))
-            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
-        for w in works:
-            w.wait()
-        out: list[Tensor] = list(tensors)
-        for idx, flat in flats:
-            flat.div_(self.world_size)
-            offset = 0
-            for i in idx:
-                n = tensors[i].numel()
-                out[i] = flat[offset : offset + n].view_as(tensors[i])
-                offset += n
-        return out
+        """Average now (outside the schedule), for ``optimizer``'s parameters and state."""
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self.averagers.setdefault(id(inner), self._averager(inner)).sync()
 
     @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         for name, start_method in (("periodic_averaging", "popen"), ("periodic_averaging_spawn", "spawn")):
             strategy_registry.register(
                 name,
                 cls,
                 description=f"Local updates averaged every K steps (parameters and optimizer state), '{start_method}'",
                 start_method=start_method,
+                override=True,
             )
 
 

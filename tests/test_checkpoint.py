@@ -4,7 +4,8 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lit_slowcal.checkpoint import AtomicCheckpointIO, LastCheckpoint
+from lit_slowcal import AtomicCheckpointIO
+from lit_slowcal.experiments.checkpointing import LastCheckpoint
 
 
 def test_save_replaces_the_file_whole(tmp_path):

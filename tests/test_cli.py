@@ -135,8 +135,8 @@ BAD_INPUT = [
 def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, monkeypatch, capsys, args, expected):
     from torchvision.datasets import MNIST
 
-    from lit_slowcal.cli import main
-    from lit_slowcal.model import LogisticRegression
+    from lit_slowcal.experiments.main import main
+    from lit_slowcal.experiments.model import LogisticRegression
 
     def no_download(self):
         raise OSError("no network in this test")

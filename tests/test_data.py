@@ -1,4 +1,4 @@
-"""Tests for lit_slowcal.data: loading MNIST, per-machine streams and the data module."""
+"""Tests for lit_slowcal.experiments.data: loading MNIST, per-machine streams and the data module."""
 
 import math
 import shutil
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torchvision
 
-import lit_slowcal.data as data_module
-from lit_slowcal.data import MNIST_MEAN, MNIST_STD, MachineStreams, MNISTDataModule, load_mnist
-from lit_slowcal.partition import plot_class_distribution
+import lit_slowcal.experiments.data as data_module
+from lit_slowcal.experiments.data import MNIST_MEAN, MNIST_STD, MachineStreams, MNISTDataModule, load_mnist
+from lit_slowcal.experiments.partition import plot_class_distribution
 
 DATA = Path(__file__).parents[1] / "data"
 FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]

@@ -7,14 +7,14 @@ import time
 import pytest
 from helpers import REPO, subprocess_env
 
-from lit_slowcal.cli import main
+from lit_slowcal.experiments.main import main
 
 BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few seconds)
 
 
 @pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd"])
 def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, method):
-    from lit_slowcal.model import LogisticRegression
+    from lit_slowcal.experiments.model import LogisticRegression
 
     rounds = []
     step = LogisticRegression.training_step

@@ -1,11 +1,11 @@
-"""Tests for lit_slowcal.partition on synthetic MNIST-shaped labels (10 classes x 6000)."""
+"""Tests for lit_slowcal.experiments.partition on synthetic MNIST-shaped labels (10 classes x 6000)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from lit_slowcal.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
 
 N, C = 60_000, 10
 

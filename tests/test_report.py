@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_slowcal import report
+from lit_slowcal.experiments import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

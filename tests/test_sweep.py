@@ -17,7 +17,7 @@ import torch
 import yaml
 from helpers import subprocess_env
 
-from lit_slowcal import sweep as sw
+from lit_slowcal.experiments import sweep as sw
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -367,7 +367,7 @@ def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_
 
 
 def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    from lit_slowcal.model import LogisticRegression
+    from lit_slowcal.experiments.model import LogisticRegression
 
     training_step = LogisticRegression.training_step
     threads = []
@@ -489,7 +489,7 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
 def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch, capsys, interrupt, code):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.model import LogisticRegression
+    from lit_slowcal.experiments.model import LogisticRegression
 
     training_step = LogisticRegression.training_step
 

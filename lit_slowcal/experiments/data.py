@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lit_slowcal.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "MNIST_MEAN", "MNIST_STD"]
 

@@ -33,9 +33,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_slowcal.checkpoint import LastCheckpoint
-from lit_slowcal.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
-from lit_slowcal.model import LogisticRegression
+from lit_slowcal.experiments.checkpointing import LastCheckpoint
+from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
+from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["SlowcalCLI", "main", "per_step_batch", "steps_per_round"]
@@ -309,17 +309,8 @@ warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on ep
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """``lit-slowcal {fit,validate,test} ...`` (LightningCLI), ``lit-slowcal sweep ...``, ``lit-slowcal report ...``."""
-    argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "sweep":
-        from lit_slowcal.sweep import main as sweep_main
-
-        raise SystemExit(sweep_main(argv[1:]))
-    if argv and argv[0] == "report":
-        from lit_slowcal.report import main as report_main
-
-        raise SystemExit(report_main(argv[1:]))
+def run(args: Optional[list[str]] = None) -> None:
+    """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143."""
     try:
         SlowcalCLI(args=args)
     except SIGTERMException:
@@ -330,4 +321,4 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -3,7 +3,7 @@
 The three methods of the paper are configurations of the same model: the optimizer is
 ``SlowcalSGD`` for ``slowcal`` and ``torch.optim.SGD`` for ``local_sgd`` and ``minibatch_sgd``; how
 often machines synchronise (K or 1) and how large the per-step batch is (b or K * b) are set on the
-strategy and the data, see ``lit_slowcal.cli``.
+strategy and the data, see ``lit_slowcal.experiments.cli``.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # W&B's pattern for parameter
 _LAUNCHERS = {"${env}", "/usr/bin/env", "env", "${interpreter}", "${program}", "-m", "lit_slowcal", "lit-slowcal"}
 _PYTHON = re.compile(r"^(.*/)?python[0-9.]*$")
 _ENVVAR = re.compile(r"\$\{envvar:([A-Z0-9_]*)\}")
-_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"  # lit_slowcal.cli keeps a run's version folder here
+_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"  # lit_slowcal.experiments.cli keeps a run's version folder here
 
 
 def _is_number(value: Any) -> bool:
@@ -403,7 +403,7 @@ class CommandLine:
     """
 
     def __init__(self) -> None:
-        from lit_slowcal.cli import SlowcalCLI
+        from lit_slowcal.experiments.cli import SlowcalCLI
 
         class _Built(Exception):
             pass
@@ -491,7 +491,7 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.cli import SlowcalCLI
+    from lit_slowcal.experiments.cli import SlowcalCLI
 
     started: list[Any] = []
 

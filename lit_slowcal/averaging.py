@@ -1,0 +1,338 @@
+"""Periodic averaging of a model and its optimizer state over machines, with or without a framework.
+
+``PeriodicAverager`` is the parameter server of Local-SGD and SLowcal-SGD (Algorithm 2 of the
+paper): every ``sync_every`` optimizer steps it replaces, on every machine, the parameters, the
+floating-point buffers and the optimizer state the optimizer declares by their average over all
+M machines. A machine is a process of the process group, or one of the m machines a
+``SimulatedMachines`` module hosts in a process (M = processes x m, each with equal weight).
+
+It needs only torch. It attaches to a plain training loop (an optimizer step hook, or explicit
+``step()`` calls), to Fabric (``PeriodicAveragingFabricStrategy``) and to Lightning's ``Trainer``
+(``PeriodicAveragingStrategy``); those adapters only call ``step()``.
+
+The optimizer protocol
+----------------------
+What a synchronisation does with an optimizer is declared by the optimizer, never special-cased
+here. Every attribute is optional; ``torch.optim.SGD`` declares nothing and gets plain Local-SGD.
+
+``averaged_state: Sequence[str]``
+    Per-parameter state keys (``optimizer.state[p][key]``, floating tensors) averaged together with
+    the parameters. ``SlowcalSGD`` declares ``("w",)``: its iterate w is averaged with its query point x.
+    State not named here stays per machine (e.g. SGD's momentum, or SCAFFOLD's control variates).
+``pre_sync() -> None``
+    Called on every machine just before the average (e.g. compute what the round sends).
+``post_sync() -> None``
+    Called just after the average (e.g. fold the averaged values into per-machine state).
+
+The averager's own ``average_state`` argument adds keys for optimizers that do not declare them
+(``average_state=["momentum_buffer"]`` averages SGD's momentum too).
+
+Communication: the tensors are grouped by device and dtype and flattened into buckets of at most
+``bucket_cap_mb`` megabytes; each bucket is one all-reduce (a small model: one collective per
+device and dtype per synchronisation). At most two buckets are in flight, so a synchronisation
+needs at most two buckets of extra memory, not a second copy of the model. A tensor larger than a
+bucket is reduced in place. With one process nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.simulated import SimulatedMachines
+
+__all__ = ["PeriodicAverager", "broadcast_module", "machines_per_process"]
+
+Modules = Union[nn.Module, Sequence[nn.Module]]
+
+
+class PeriodicAverager:
+    """Average parameters, floating buffers and declared optimizer state over all machines every K steps.
+
+    Args:
+        module: the model (or a list of modules) whose floating buffers are averaged and whose
+            ``SimulatedMachines`` submodules hold machines stacked along dimension 0.
+        optimizer: the optimizer stepping the machines; its parameters and declared state (see the
+            module docstring) are averaged.
+        sync_every: K, optimizer steps between synchronisations (>= 1).
+        process_group: the processes to average over; ``None``: the default group when
+            ``torch.distributed`` is initialised, else this process alone.
+        average_state: extra per-parameter optimizer state keys to average.
+        bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
+        start_step: optimizer steps already taken (a resumed run keeps its sync schedule).
+
+    Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
+
+        optimizer = SlowcalSGD(model.parameters(), lr=0.01)
+        with PeriodicAverager(model, optimizer, sync_every=16):  # syncs after every 16th step
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+
+    or call ``averager.step()`` after each ``optimizer.step()`` instead of attaching it.
+    """
+
+    def __init__(
+        self,
+        module: Modules,
+        optimizer: Optimizer,
+        sync_every: int,
+        *,
+        process_group: Optional[Any] = None,
+        average_state: Sequence[str] = (),
+        bucket_cap_mb: float = 25.0,
+        start_step: int = 0,
+    ) -> None:
+        self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
+        if not all(isinstance(m, nn.Module) for m in self.modules):
+            raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")
+        # Wrappers (Lightning's or Fabric's optimizer) expose the torch optimizer as `.optimizer`.
+        while not isinstance(optimizer, Optimizer) and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
+            optimizer = optimizer.optimizer
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"Invalid optimizer: {optimizer!r} (a torch.optim.Optimizer)")
+        self.optimizer = optimizer
+        self.sync_every = sync_every
+        if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
+            raise ValueError(f"Invalid average_state: {average_state!r} (a sequence of state key names)")
+        self.average_state = tuple(average_state)
+        check_number("bucket_cap_mb", bucket_cap_mb)
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self.process_group = process_group
+        self.steps = 0
+        self.num_syncs = 0
+        self.floats_communicated = 0  # per machine, over all synchronisations
+        self._hook: Optional[Any] = None
+        if start_step:
+            self.resume(start_step)
+
+    # -- schedule ----------------------------------------------------------------------------
+
+    @property
+    def sync_every(self) -> int:
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        self._sync_every = check_int("sync_every", value)
+
+    def step(self) -> bool:
+        """Count one optimizer step; synchronise when it is the K-th since the last one. Returns whether it did."""
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    def resume(self, steps: int) -> None:
+        """Continue a schedule after ``steps`` optimizer steps (the counts of the syncs they held included)."""
+        check_int("steps", steps, minimum=0)
+        self.steps = steps
+        self.num_syncs = steps // self.sync_every
+        self.floats_communicated = self.num_syncs * self.floats_per_sync()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps, "num_syncs": self.num_syncs, "floats_communicated": self.floats_communicated}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state["steps"])
+        self.num_syncs = int(state["num_syncs"])
+        self.floats_communicated = int(state["floats_communicated"])
+
+    # -- attaching to a loop -----------------------------------------------------------------
+
+    def attach(self) -> "PeriodicAverager":
+        """Call ``step()`` after every ``optimizer.step()`` (an optimizer step post-hook). Returns self."""
+        if self._hook is None:
+            self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
+        return self
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self) -> "PeriodicAverager":
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # -- machines ----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Processes averaged over (1 without an initialised process group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def machines_per_process(self) -> int:
+        """m: machines hosted by this process (1 unless the model holds ``SimulatedMachines``)."""
+        return machines_per_process(self.modules)
+
+    @property
+    def num_machines(self) -> int:
+        """M = processes x m."""
+        return self.world_size * self.machines_per_process
+
+    def floats_per_sync(self) -> int:
+        """Floats one machine sends per synchronisation (the averaged tensors of one machine)."""
+        return sum(t[0].numel() if s else t.numel() for t, s in self._tensors())
+
+    # -- the synchronisation -----------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Synchronise now: ``optimizer.pre_sync()``, the average over all machines, ``optimizer.post_sync()``."""
+        pre = getattr(self.optimizer, "pre_sync", None)
+        if callable(pre):
+            pre()
+        tensors = self._tensors()
+        self.floats_communicated += sum(t[0].numel() if s else t.numel() for t, s in tensors)
+        with torch.no_grad():
+            self._average(tensors)
+        post = getattr(self.optimizer, "post_sync", None)
+        if callable(post):
+            post()
+        self.num_syncs += 1
+
+    def broadcast(self, src: int = 0) -> None:
+        """Give every process the parameters, buffers and averaged state of group rank ``src``.
+
+        Makes every machine start from the same point x_0, as the algorithms assume (machines
+        simulated in one process are identical copies already). No-op with one process.
+        """
+        extra = [t for t, _ in self._tensors()]
+        broadcast_module(self.modules, src, process_group=self.process_group, extra=extra)
+
+    def _tensors(self) -> list[tuple[Tensor, bool]]:
+        """The floating tensors to average, each with whether it has a leading machine dimension.
+
+        A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
+        optimizer state of such a parameter with the parameter's shape.
+        """
+        stacked_ids: set[int] = set()
+        for module in _all_modules(self.modules):
+            if isinstance(module, SimulatedMachines):
+                stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+        keys = tuple(dict.fromkeys((*getattr(self.optimizer, "averaged_state", ()), *self.average_state)))
+        seen: set[int] = set()
+        out: list[tuple[Tensor, bool]] = []
+
+        def add(t: Tensor, owner: Tensor) -> None:
+            if id(t) not in seen and t.is_floating_point():
+                seen.add(id(t))
+                out.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
+
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                add(p, p)
+                state = self.optimizer.state.get(p, {})
+                for key in keys:
+                    if isinstance(state.get(key), Tensor):
+                        add(state[key], p)
+        for module in self.modules:
+            for b in module.buffers():
+                add(b, b)
+        return out
+
+    def _average(self, tensors: list[tuple[Tensor, bool]]) -> None:
+        world = self.world_size
+        if world == 1:
+            for t, s in tensors:
+                if s:
+                    t.copy_(t.mean(0, keepdim=True).expand_as(t))
+            return
+        pending: list[tuple[list[tuple[Tensor, bool]], Optional[Tensor], Any]] = []
+        for bucket in self._buckets(tensors):
+            if len(pending) == 2:
+                self._finish(*pending.pop(0), world)
+            t, s = bucket[0]
+            if len(bucket) == 1 and not s and t.is_contiguous():  # reduce in place: no copy at all
+                pending.append((bucket, None, dist.all_reduce(t, group=self.process_group, async_op=True)))
+                continue
+            flat = torch.cat([(t.mean(0) if s else t).reshape(-1) for t, s in bucket])
+            pending.append((bucket, flat, dist.all_reduce(flat, group=self.process_group, async_op=True)))
+        for item in pending:
+            self._finish(*item, world)
+
+    @staticmethod
+    def _finish(bucket: list[tuple[Tensor, bool]], flat: Optional[Tensor], work: Any, world: int) -> None:
+        work.wait()
+        if flat is None:
+            bucket[0][0].div_(world)
+            return
+        flat.div_(world)
+        offset = 0
+        for t, s in bucket:
+            n = t[0].numel() if s else t.numel()
+            avg = flat[offset : offset + n].view(t.shape[1:] if s else t.shape)
+            t.copy_(avg.unsqueeze(0).expand_as(t) if s else avg)
+            offset += n
+
+    def _buckets(self, tensors: list[tuple[Tensor, bool]]) -> list[list[tuple[Tensor, bool]]]:
+        """Tensors grouped by (device, dtype), in order, cut where a bucket would exceed the cap."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, bool]]] = {}
+        for t, s in tensors:
+            by_kind.setdefault((t.device, t.dtype), []).append((t, s))
+        buckets: list[list[tuple[Tensor, bool]]] = []
+        for items in by_kind.values():
+            current: list[tuple[Tensor, bool]] = []
+            size = 0
+            for t, s in items:
+                nbytes = (t[0].numel() if s else t.numel()) * t.element_size()
+                if current and size + nbytes > self.bucket_cap_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+                current.append((t, s))
+                size += nbytes
+            if current:
+                buckets.append(current)
+        return buckets
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
+            f"steps={self.steps}, num_syncs={self.num_syncs})"
+        )
+
+
+def _all_modules(modules: Modules) -> Iterable[nn.Module]:
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        yield from module.modules()
+
+
+def machines_per_process(modules: Modules) -> int:
+    """m: machines the ``SimulatedMachines`` of ``modules`` host in this process (1 without any)."""
+    sims = {m.num_machines for m in _all_modules(modules) if isinstance(m, SimulatedMachines)}
+    if len(sims) > 1:
+        raise ValueError(f"All SimulatedMachines of a model must host the same number of machines, got {sorted(sims)}")
+    return sims.pop() if sims else 1
+
+
+def broadcast_module(
+    modules: Modules, src: int = 0, *, process_group: Optional[Any] = None, extra: Sequence[Tensor] = ()
+) -> None:
+    """Copy group rank ``src``'s parameters and buffers (and the ``extra`` tensors) to every process.
+
+    No-op without an initialised process group of more than one process.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return
+    group = process_group if process_group is not None else dist.group.WORLD
+    src_rank = dist.get_global_rank(group, src)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in [modules] if isinstance(modules, nn.Module) else modules:
+            for t in (*module.parameters(), *module.buffers(), *extra):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    dist.broadcast(t, src=src_rank, group=process_group)
