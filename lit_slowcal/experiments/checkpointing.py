@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lit_slowcal._lightning import last_saved_step, save_last_checkpoint
+
 __all__ = ["LastCheckpoint"]
 
 
@@ -24,6 +26,9 @@ class LastCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning 2.6's ModelCheckpoint.on_train_end writes last.ckpt only when none was written
+        # during the run (earlier versions not at all); a run whose last steps came after the last
+        # every_n_train_steps save needs one more, or validate/test would load a stale model.
         super().on_train_end(trainer, pl_module)
-        if trainer.global_step != self._last_global_step_saved:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if trainer.global_step != last_saved_step(self):
+            save_last_checkpoint(self, trainer)

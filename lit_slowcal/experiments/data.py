@@ -20,6 +20,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lit_slowcal._lightning import batches_done_in_epoch
+from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "MNIST_MEAN", "MNIST_STD"]
@@ -239,10 +241,13 @@ class MNISTDataModule(pl.LightningDataModule):
             ("steps_per_round", steps_per_round),
             ("eval_batch_size", eval_batch_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid data.{name}: {value!r} (must be an integer >= 1)")
-        if dirichlet_alpha is not None and not (math.isfinite(dirichlet_alpha) and dirichlet_alpha > 0):
-            raise ValueError(f"Invalid data.dirichlet_alpha: {dirichlet_alpha!r} (must be > 0, or null for IID)")
+            check_int(f"data.{name}", value)
+        if dirichlet_alpha is not None and not (
+            is_number(dirichlet_alpha) and math.isfinite(dirichlet_alpha) and dirichlet_alpha > 0
+        ):
+            raise ValueError(
+                f"Invalid data.dirichlet_alpha: {dirichlet_alpha!r} (must be a finite number > 0, or null for IID)"
+            )
         self.root = root
         self.num_machines = num_machines
         self.batch_size = batch_size
@@ -318,7 +323,7 @@ class MNISTDataModule(pl.LightningDataModule):
             return {}
         return {
             "epoch": trainer.current_epoch,
-            "rounds_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+            "rounds_done": batches_done_in_epoch(trainer),
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:

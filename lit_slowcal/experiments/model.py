@@ -8,7 +8,6 @@ strategy and the data, see ``lit_slowcal.experiments.cli``.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
 import lightning.pytorch as pl
@@ -17,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lit_slowcal._lightning import batches_between_validations, batches_started
+from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -71,10 +72,8 @@ class LogisticRegression(pl.LightningModule):
             raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
         if lr is None:
             lr = PAPER_LR[method]
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ValueError(f"Invalid model.lr: {lr!r} (must be a finite number > 0)")
-        if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
-            raise ValueError(f"Invalid num_machines: {num_machines!r} (must be an integer >= 1)")
+        check_number("model.lr", lr)
+        check_int("num_machines", num_machines)
         self.save_hyperparameters()
         self.hparams.lr = float(lr)
         self.automatic_optimization = False  # one training batch is a whole round of local steps
@@ -85,7 +84,10 @@ class LogisticRegression(pl.LightningModule):
     def configure_model(self) -> None:
         if self.machines is not None:
             return
-        world = self.trainer.world_size if self._trainer is not None else 1
+        try:
+            world = self.trainer.world_size
+        except RuntimeError:  # not attached to a Trainer (built and configured by hand)
+            world = 1
         if self.hparams.num_machines % world:
             raise ValueError(
                 f"num_machines = {self.hparams.num_machines} is not divisible by the number of processes ({world})"
@@ -127,7 +129,7 @@ class LogisticRegression(pl.LightningModule):
             losses.append(per_machine.detach())
         round_loss = torch.stack(losses).mean()
         strategy = self.trainer.strategy
-        rounds_done = self.trainer.fit_loop.epoch_loop.total_batch_idx + 1  # over all epochs
+        rounds_done = batches_started(self.trainer)  # over all epochs, this one included
         # One check per round (a single host sync): a non-finite loss, or parameters that became
         # non-finite in the round's last step, stop the run instead of training on NaNs.
         finite = torch.isfinite(round_loss) & torch.stack([p.isfinite().all() for p in self.machines.parameters()]).all()
@@ -174,8 +176,8 @@ class LogisticRegression(pl.LightningModule):
         trainer = self.trainer
         last_batch = batch_idx + 1 >= trainer.num_training_batches
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
-        rounds_done = trainer.fit_loop.epoch_loop.total_batch_idx + 1
-        if last_batch and last_epoch and rounds_done % trainer.val_check_batch != 0:
+        every = batches_between_validations(trainer)  # None: validation is time based
+        if last_batch and last_epoch and (every is None or batches_started(trainer) % every != 0):
             trainer.should_stop = True
 
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:

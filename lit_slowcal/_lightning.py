@@ -1,0 +1,86 @@
+"""Every Lightning internal that lit_slowcal relies on, behind one small function each.
+
+Lightning gives no stability promise for underscored names or for its loop objects
+(``trainer.fit_loop...``); they have changed between minor releases. Keeping all of them here means
+one file to read when Lightning is upgraded, and ``tests/test_lightning_internals.py`` checks each
+one against the installed Lightning, so a rename fails there, by name, instead of deep inside a run.
+No other module of the package may use these names (that test enforces it too).
+
+Each function says why the internal is needed and which public alternative was considered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+__all__ = [
+    "batches_between_validations",
+    "batches_done_in_epoch",
+    "batches_started",
+    "last_saved_step",
+    "save_last_checkpoint",
+]
+
+
+def batches_started(trainer: pl.Trainer) -> int:
+    """Training batches started so far over all epochs, the current one included.
+
+    Internal: ``trainer.fit_loop.epoch_loop.total_batch_idx``. The public counter,
+    ``trainer.global_step``, counts optimizer steps, and a LightningModule with manual optimization
+    may take several per batch (or a strategy may count them its own way); ``batch_idx`` restarts
+    every epoch. Counting batches in the module itself was considered: it would duplicate
+    Lightning's own progress tracking and need saving in checkpoints to survive a resume, which
+    the loop's counter already does.
+    """
+    return trainer.fit_loop.epoch_loop.total_batch_idx + 1
+
+
+def batches_done_in_epoch(trainer: pl.Trainer) -> int:
+    """Training batches of the current epoch whose training step has finished.
+
+    Internal: ``trainer.fit_loop.epoch_loop.batch_progress.current.processed``. It is what a data
+    source saves in a checkpoint to resume its stream mid-epoch. Counting the items a dataloader
+    has yielded was considered: Lightning fetches one batch ahead, so that count is one too high
+    whenever a checkpoint is written; the public ``batch_idx`` is only given to hooks, not to
+    ``LightningDataModule.state_dict``.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def batches_between_validations(trainer: pl.Trainer) -> int | float | None:
+    """Every how many training batches Lightning validates during fit.
+
+    ``inf`` when an epoch's length is unknown, ``None`` when validation is time based (Lightning
+    2.6's ``val_check_interval="HH:MM:SS"``).
+
+    Internal: ``trainer.val_check_batch``, set by Lightning once the train dataloader is known.
+    The public ``trainer.val_check_interval`` is what the user passed: an int number of batches or
+    a float fraction of an epoch, whose conversion to batches (and its rounding) would have to be
+    copied from Lightning.
+    """
+    return trainer.val_check_batch
+
+
+def last_saved_step(callback: ModelCheckpoint) -> int:
+    """``trainer.global_step`` at which ``callback`` last wrote a checkpoint (0 before any).
+
+    Internal: ``ModelCheckpoint._last_global_step_saved``. The public ``last_model_path`` says
+    which file, not at which step; reading the step back out of the file would mean loading it.
+    """
+    return callback._last_global_step_saved
+
+
+def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> None:
+    """Have ``callback`` write its ``last`` checkpoint now, exactly as it does on its own schedule.
+
+    Internals: ``ModelCheckpoint._monitor_candidates`` and ``ModelCheckpoint._save_last_checkpoint``.
+    The public ``trainer.save_checkpoint(path)`` was considered: it writes the file but leaves the
+    callback's state (``last_model_path``, the last saved step, versioned ``last-v1`` names,
+    removal of the previous file, logger notification) behind, and that state goes into every
+    later checkpoint and decides what ``--ckpt_path last`` resumes from.
+    """
+    candidates: dict[str, Any] = callback._monitor_candidates(trainer)
+    callback._save_last_checkpoint(trainer, candidates)
