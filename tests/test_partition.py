@@ -160,17 +160,22 @@ def test_iid_with_uneven_classes_and_gaps():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_machines=0), r"num_machines .* got 0"),
-        (dict(num_machines=101), r"num_machines .*\(100\), got 101"),
-        (dict(num_machines=2.0), r"num_machines .* got 2.0"),
-        (dict(alpha=0.0), r"alpha must be a positive number or None \(IID\), got 0.0"),
-        (dict(alpha=-1), r"alpha .* got -1"),
-        (dict(alpha=float("inf")), r"alpha .* got inf"),
-        (dict(alpha=float("nan")), r"alpha .* got nan"),
-        (dict(alpha="0.1"), r"alpha .* got 0.1"),
-        (dict(min_size=-1), r"min_size must be a non-negative integer, got -1"),
+        (dict(num_machines=0), r"Invalid num_machines: 0 \(must be an integer between 1 and"),
+        (dict(num_machines=101), r"Invalid num_machines: 101 .*number of samples \(100\)\)"),
+        (dict(num_machines=2.0), r"Invalid num_machines: 2.0 \(must be an integer"),
+        (dict(num_machines=True), r"Invalid num_machines: True"),
+        (dict(alpha=0.0), r"Invalid alpha: 0.0 \(must be a finite number > 0, or None for IID\)"),
+        (dict(alpha=-1), r"Invalid alpha: -1 "),
+        (dict(alpha=float("inf")), r"Invalid alpha: inf "),
+        (dict(alpha=float("nan")), r"Invalid alpha: nan "),
+        (dict(alpha="0.1"), r"Invalid alpha: '0.1' "),
+        (dict(alpha=np.float32(-0.5)), r"Invalid alpha: -0.5 "),
+        (dict(min_size=-1), r"Invalid min_size: -1 \(must be an integer >= 0\)"),
         (dict(min_size=11), r"min_size=11 is impossible: 10 machines x 11 samples > 100"),
-        (dict(max_retries=-1), r"max_retries must be a non-negative integer, got -1"),
+        (dict(max_retries=-1), r"Invalid max_retries: -1 \(must be an integer >= 0\)"),
+        (dict(balanced="yes"), r"Invalid balanced: 'yes' \(must be a bool\)"),
+        (dict(seed=-1), r"Invalid seed: -1 \(must be an integer >= 0\)"),
+        (dict(seed=1.5), r"Invalid seed: 1.5 "),
         (
             dict(labels=np.zeros((10, 10), dtype=int)),
             r"labels must be a 1-D array, got shape \(10, 10\)",
@@ -187,14 +192,23 @@ def test_bad_arguments(kwargs, match):
         partition(args.pop("labels"), args.pop("num_machines"), args.pop("alpha"), **args)
 
 
+def test_numpy_scalars_are_accepted(labels):
+    plain = partition(labels, 16, 0.1, seed=3, min_size=1, max_retries=5)
+    numpy = partition(
+        labels, np.int64(16), np.float64(0.1), seed=np.int32(3), min_size=np.int8(1), max_retries=np.uint8(5)
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(plain, numpy))
+
+
 def test_class_counts_small_example():
     y = np.array([0, 2, 2, 1, 0, 2, 1])
     shards = [np.array([0, 1, 2]), np.array([3, 6]), np.array([4, 5]), np.array([], dtype=np.int64)]
     expected = np.array([[1, 0, 2], [0, 2, 0], [1, 0, 1], [0, 0, 0]])
     np.testing.assert_array_equal(class_counts(y, shards), expected)
     np.testing.assert_array_equal(class_counts(y, shards, num_classes=5)[:, 3:], np.zeros((4, 2)))
-    with pytest.raises(ValueError, match=r"num_classes .* = 3, got 2"):
+    with pytest.raises(ValueError, match=r"Invalid num_classes: 2 \(must be an integer >= max\(labels\) \+ 1 = 3\)"):
         class_counts(y, shards, num_classes=2)
+    np.testing.assert_array_equal(class_counts(y, shards, num_classes=np.int64(3)), expected)
 
 
 def test_plot_class_distribution(labels, tmp_path):

@@ -9,11 +9,12 @@ distributed run computes the same split without communicating.
 from __future__ import annotations
 
 import math
-import numbers
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+from lit_slowcal._validation import check_int, is_int, is_number
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -96,33 +97,27 @@ def partition(
     """
     y = _check_labels(labels)
     n = y.size
-    if not _is_int(num_machines) or not 1 <= num_machines <= n:
+    num_machines, alpha, min_size, max_retries, seed = (
+        _plain(v) for v in (num_machines, alpha, min_size, max_retries, seed)
+    )
+    if not is_int(num_machines) or not 1 <= num_machines <= n:
         raise ValueError(
-            f"num_machines must be an integer between 1 and the number of samples ({n}), "
-            f"got {num_machines}"
+            f"Invalid num_machines: {num_machines!r} (must be an integer between 1 and the number "
+            f"of samples ({n}))"
         )
-    if alpha is not None and (
-        not isinstance(alpha, numbers.Real)
-        or isinstance(alpha, bool)
-        or not math.isfinite(alpha)
-        or alpha <= 0
-    ):
-        raise ValueError(f"alpha must be a positive number or None (IID), got {alpha}")
-    if not _is_int(min_size) or min_size < 0:
-        raise ValueError(f"min_size must be a non-negative integer, got {min_size}")
+    if alpha is not None and not (is_number(alpha) and math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"Invalid alpha: {alpha!r} (must be a finite number > 0, or None for IID)")
+    check_int("min_size", min_size, minimum=0)
     if min_size * num_machines > n:
         raise ValueError(
             f"min_size={min_size} is impossible: {num_machines} machines x {min_size} "
             f"samples > {n} samples"
         )
-    if not _is_int(max_retries) or max_retries < 0:
-        raise ValueError(f"max_retries must be a non-negative integer, got {max_retries}")
+    check_int("max_retries", max_retries, minimum=0)
     if not isinstance(balanced, (bool, np.bool_)):
-        raise ValueError(f"balanced must be a bool, got {balanced!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+        raise ValueError(f"Invalid balanced: {balanced!r} (must be a bool)")
+    check_int("seed", seed, minimum=0)  # np.random.default_rng takes no negative seed
 
-    num_machines = int(num_machines)
     rng = np.random.default_rng(seed)
     # Indices of every class present, each shuffled once: the pools all modes draw from.
     pools = [rng.permutation(np.flatnonzero(y == c)) for c in np.unique(y)]
@@ -234,11 +229,10 @@ def class_counts(
     """
     y = _check_labels(labels)
     smallest = int(y.max()) + 1
-    if num_classes is None:
-        num_classes = smallest
-    elif not _is_int(num_classes) or num_classes < smallest:
+    num_classes = smallest if num_classes is None else _plain(num_classes)
+    if not is_int(num_classes) or num_classes < smallest:
         raise ValueError(
-            f"num_classes must be an integer >= max(labels) + 1 = {smallest}, got {num_classes}"
+            f"Invalid num_classes: {num_classes!r} (must be an integer >= max(labels) + 1 = {smallest})"
         )
     counts = np.zeros((len(shards), int(num_classes)), dtype=np.int64)
     for k, shard in enumerate(shards):
@@ -329,8 +323,12 @@ def plot_class_distribution(
     return fig
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python int or float it holds (so ``np.int64(4)`` is an integer here);
+    anything else unchanged. ``np.bool_`` stays itself, and is refused where a number is wanted."""
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    return value
 
 
 def _check_labels(labels: np.ndarray | Sequence[int]) -> np.ndarray:
