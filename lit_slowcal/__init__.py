@@ -2,27 +2,27 @@
 
 The core, importable with torch and lightning alone:
 
-* ``SlowcalSGD`` -- the optimizer of SLowcal-SGD (Dahan & Levy, NeurIPS 2024), torch only;
+* ``SlowcalSGD`` -- the optimizer of SLowcal-SGD (Dahan & Levy, NeurIPS 2024);
 * ``PeriodicAverager`` -- averages parameters, floating buffers and declared optimizer state over
   all machines every K optimizer steps; framework-free (a plain torch loop, Fabric, Lightning);
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
-* ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy (``strategy="periodic_averaging"``),
-  a thin adapter over ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` for Fabric;
-* ``AtomicCheckpointIO`` and ``atomic_write`` -- files that are whole or absent.
+* ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy, a thin adapter over
+  ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` the same for Fabric;
+* ``AtomicCheckpointIO`` and ``atomic_write`` / ``atomic_path`` -- files that are whole or absent.
 
-Importing ``lit_slowcal`` registers ``"periodic_averaging"`` (and ``"periodic_averaging_spawn"``)
-with Lightning's Trainer and Fabric. The paper's MNIST experiment (data, model, CLI, sweeps,
-report) is an application on top of this core, ``lit_slowcal.experiments``, with its own extra
-dependencies: ``pip install "lit_slowcal[experiments]"``.
+``import lit_slowcal`` needs torch only: the Lightning pieces load on first use, and the names
+``strategy="periodic_averaging"`` (and ``"periodic_averaging_spawn"``) are registered with the
+Trainer and with Fabric as soon as Lightning is imported, before or after this package.
+
+The paper's MNIST experiment (data, model, CLI, sweeps, report) is an application on top of this
+core, ``lit_slowcal.experiments``, with extra dependencies: ``pip install "lit_slowcal[experiments]"``.
 """
 
+from lit_slowcal import _registration
 from lit_slowcal.averaging import PeriodicAverager
-from lit_slowcal.checkpoint import AtomicCheckpointIO
-from lit_slowcal.fabric import PeriodicAveragingFabricStrategy
 from lit_slowcal.files import atomic_path, atomic_write
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.simulated import SimulatedMachines
-from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -35,3 +35,25 @@ __all__ = [
     "atomic_write",
 ]
 __version__ = "0.2.0"
+
+# The pieces that import Lightning, loaded on first use.
+_LAZY = {
+    "PeriodicAveragingStrategy": "lit_slowcal.strategy",
+    "PeriodicAveragingFabricStrategy": "lit_slowcal.fabric",
+    "AtomicCheckpointIO": "lit_slowcal.checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lit_slowcal' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted({*globals(), *_LAZY})
+
+
+_registration.install()

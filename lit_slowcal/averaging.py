@@ -109,7 +109,7 @@ class PeriodicAverager:
         self.steps = 0
         self.num_syncs = 0
         self.floats_communicated = 0  # per machine, over all synchronisations
-        self._hook: Optional[Any] = None
+        self._hooks: list[Any] = []
         if start_step:
             self.resume(start_step)
 
@@ -149,15 +149,31 @@ class PeriodicAverager:
     # -- attaching to a loop -----------------------------------------------------------------
 
     def attach(self) -> "PeriodicAverager":
-        """Call ``step()`` after every ``optimizer.step()`` (an optimizer step post-hook). Returns self."""
-        if self._hook is None:
-            self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
+        """Call ``step()`` after every ``optimizer.step()`` (optimizer step hooks). Returns self.
+
+        An optimizer subclass whose ``step`` calls ``super().step()`` runs torch's step hooks at both
+        levels; a pre-hook/post-hook pair counts nesting so that one ``optimizer.step()`` is one step.
+        """
+        if self._hooks:
+            return self
+        depth = [0]
+
+        def pre(*_: Any) -> None:
+            depth[0] += 1
+
+        def post(*_: Any) -> None:
+            depth[0] -= 1
+            if depth[0] == 0:
+                self.step()
+
+        self._hooks = [self.optimizer.register_step_pre_hook(pre), self.optimizer.register_step_post_hook(post)]
         return self
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Stop counting ``optimizer.step()`` calls (undo ``attach``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def __enter__(self) -> "PeriodicAverager":
         return self.attach()

@@ -1,0 +1,106 @@
+"""``strategy="periodic_averaging"`` for Lightning's Trainer and Fabric, without importing Lightning here.
+
+Importing Lightning costs seconds (and, through torchmetrics, pulls torchvision and matplotlib where
+they are installed), which users of ``SlowcalSGD`` or ``PeriodicAverager`` alone should not pay.
+So ``import lit_slowcal`` registers the strategy names only when Lightning's strategy registries
+are loaded: at once if they already are, otherwise through a post-import hook on
+``lightning.pytorch.strategies`` and ``lightning.fabric.strategies`` (a ``sys.meta_path`` finder
+that runs the registration right after those modules execute). The registered entries are small
+factories that import ``lit_slowcal.strategy`` / ``lit_slowcal.fabric`` when a Trainer or Fabric
+asks for the name.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import warnings
+from types import ModuleType
+from typing import Any, Callable
+
+_DESCRIPTION = "Local updates averaged every K steps (parameters and optimizer state)"
+
+
+def trainer_strategy(**kwargs: Any) -> Any:
+    from lit_slowcal.strategy import PeriodicAveragingStrategy
+
+    return PeriodicAveragingStrategy(**kwargs)
+
+
+def fabric_strategy(**kwargs: Any) -> Any:
+    from lit_slowcal.fabric import PeriodicAveragingFabricStrategy
+
+    return PeriodicAveragingFabricStrategy(**kwargs)
+
+
+def _register_trainer(module: ModuleType) -> None:
+    registry = module.StrategyRegistry
+    for name, start_method in (("periodic_averaging", "popen"), ("periodic_averaging_spawn", "spawn")):
+        if name not in registry:
+            registry.register(
+                name, trainer_strategy, description=f"{_DESCRIPTION}, '{start_method}'", start_method=start_method
+            )
+
+
+def _register_fabric(module: ModuleType) -> None:
+    registry = module.STRATEGY_REGISTRY
+    if "periodic_averaging" not in registry:
+        registry.register("periodic_averaging", fabric_strategy, description=_DESCRIPTION)
+
+
+_HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    "lightning.pytorch.strategies": _register_trainer,
+    "lightning.fabric.strategies": _register_fabric,
+}
+
+
+def _run(name: str, module: ModuleType) -> None:
+    hook = _HOOKS.pop(name, None)
+    if hook is None:
+        return
+    try:
+        hook(module)
+    except Exception as err:  # never break the user's import of Lightning
+        warnings.warn(f"lit_slowcal could not register strategy 'periodic_averaging' with {name}: {err}", stacklevel=2)
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, then the registration."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _run(self._name, module)
+
+    def __getattr__(self, attr: str) -> Any:  # resources, get_source, ...: the real loader's
+        return getattr(self._loader, attr)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _HOOKS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, fullname)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Register now where Lightning's registries are loaded; otherwise when they are."""
+    for name in list(_HOOKS):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "StrategyRegistry" if "pytorch" in name else "STRATEGY_REGISTRY"):
+            _run(name, module)
+    if _HOOKS and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,309 @@
+"""PeriodicAverager without a framework: plain torch loops, Fabric, the optimizer protocol, buckets."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import REPO, subprocess_env
+from torch import nn
+
+from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
+
+sys.path.insert(0, str(REPO / "examples"))
+import torch_loop  # noqa: E402
+
+STEPS, K, M = 24, 4, 4
+
+
+def run_example(script: str, tmp_path, *args: str) -> dict:
+    out = tmp_path / f"{script}-{'-'.join(a.strip('-') for a in args)}.pt"
+    cmd = [sys.executable, str(REPO / "examples" / script), *args, f"--steps={STEPS}", f"--sync-every={K}", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_close(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k].double() - b[k].double()).abs().max().item()
+        assert diff <= tol, f"{k}: max difference {diff:.3g} > {tol:g}"
+
+
+class _Steps:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+class _LeastSquares(pl.LightningModule):
+    """The example's problem through Lightning's Trainer: M machines simulated in one process."""
+
+    def __init__(self, optimizer: str, lr: float = 0.02):
+        super().__init__()
+        self.machines = SimulatedMachines(torch_loop.initial_model(), M)
+        self.optimizer_name, self.lr = optimizer, lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.machines(x) - y) ** 2).mean(dim=(1, 2)).sum()
+
+    def configure_optimizers(self):
+        return torch_loop.make_optimizer(self.optimizer_name, self.machines.parameters(), self.lr)
+
+
+def lightning_run(optimizer: str) -> dict:
+    x, y = torch_loop.make_data(M, STEPS, 4)
+    model = _LeastSquares(optimizer)
+    trainer = pl.Trainer(
+        strategy=PeriodicAveragingStrategy(sync_every=K), accelerator="cpu", devices=1, max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, _Steps(x, y))
+    assert trainer.strategy.num_syncs == STEPS // K
+    return {k: v.detach() for k, v in model.machines.averaged_state().items()}
+
+
+@pytest.mark.parametrize("optimizer", ["slowcal", "sgd"])
+def test_plain_torch_loop_on_two_processes_equals_one_process_and_the_trainer(optimizer, tmp_path):
+    two = run_example("torch_loop.py", tmp_path, "--processes=2", f"--machines={M}", f"--optimizer={optimizer}")
+    one = run_example("torch_loop.py", tmp_path, "--processes=1", f"--machines={M}", f"--optimizer={optimizer}")
+    assert_close(two, one, 1e-6)
+    assert_close(two, lightning_run(optimizer), 1e-6)
+    # The machines' data differ, so training moved x far from x_0: the comparison is not vacuous.
+    assert (one["weight"] - torch_loop.initial_model().weight.detach()).abs().max() > 0.5
+
+
+def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
+    fabric = run_example("fabric_loop.py", tmp_path, "--processes=2", "--dtype=float64")
+    plain = run_example("torch_loop.py", tmp_path, "--processes=1", "--machines=2", "--dtype=float64")
+    assert_close(fabric, plain, 1e-12)
+
+
+@pytest.mark.parametrize("imports", ["import lit_slowcal, lightning as L", "import lightning as L, lit_slowcal"])
+def test_fabric_and_trainer_know_the_strategy_name_after_import_lit_slowcal(imports):
+    code = (
+        f"{imports}\n"
+        "t = L.Trainer(strategy='periodic_averaging', accelerator='cpu', devices=1, logger=False)\n"
+        "f = L.Fabric(strategy='periodic_averaging', accelerator='cpu', devices=1)\n"
+        "s = lit_slowcal.PeriodicAveragingStrategy(sync_every=16)\n"
+        "print(type(t.strategy).__name__, t.strategy.sync_every, type(f.strategy).__name__, s.sync_every)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-4:] == ["PeriodicAveragingStrategy", "1", "PeriodicAveragingFabricStrategy", "16"]
+
+
+def test_import_lit_slowcal_loads_no_experiment_dependency():
+    # Not even Lightning (which loads torchmetrics, and through it torchvision and matplotlib where
+    # installed): the Lightning pieces load on first use.
+    code = (
+        "import sys, lit_slowcal\n"
+        "print(sorted(m for m in ('wandb', 'matplotlib', 'torchvision', 'jsonargparse', 'torchmetrics', 'yaml',"
+        " 'lightning', 'lit_slowcal.experiments') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
+# -- the optimizer protocol ------------------------------------------------------------------
+
+
+class ProtocolSGD(torch.optim.SGD):
+    """SGD declaring the protocol: "shared" is averaged, "own" stays per machine; hooks are logged."""
+
+    averaged_state = ("shared",)
+
+    def __init__(self, params, log):
+        super().__init__(params, lr=0.1)
+        self.log = log
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state.setdefault("shared", torch.zeros_like(p)).add_(p)
+                state.setdefault("own", torch.zeros_like(p)).add_(p)
+
+    def pre_sync(self):
+        p = self.param_groups[0]["params"][0]
+        self.log.append(("pre", p.detach().clone()))
+
+    def post_sync(self):
+        p = self.param_groups[0]["params"][0]
+        self.log.append(("post", p.detach().clone()))
+
+
+def _machines(m=3, dtype=torch.float64):
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Linear(2, 1).to(dtype), m)
+    machines.register_buffer("stat", torch.arange(m, dtype=dtype).reshape(m, 1))  # a floating buffer
+    return machines
+
+
+def _step(machines, optimizer, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(machines.num_machines, 3, 2, generator=g, dtype=torch.float64)
+    optimizer.zero_grad()
+    (machines(x) ** 2).sum().backward()
+    optimizer.step()
+
+
+def test_the_protocol_declares_what_is_averaged_and_hooks_run_around_the_average():
+    # Once an SGD exists, torch has wrapped SGD.step with its hooks, so ProtocolSGD.step (which calls
+    # super().step()) runs the step hooks twice per step: the averager must still count one step.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    log = []
+    machines = _machines()
+    optimizer = ProtocolSGD(machines.parameters(), log)
+    averager = PeriodicAverager(machines, optimizer, sync_every=2).attach()
+    _step(machines, optimizer, 0)
+    assert log == [] and averager.num_syncs == 0
+    _step(machines, optimizer, 1)
+    before = {n: t.detach().clone() for n, t in machines.named_parameters()}
+    assert [kind for kind, _ in log] == ["pre", "post"] and averager.num_syncs == 1
+    w = machines.weight
+    pre, post = log[0][1], log[1][1]
+    assert not torch.equal(pre[0], pre[1])  # machines differed before the average
+    assert torch.allclose(post, pre.mean(0, keepdim=True).expand_as(pre), atol=1e-15, rtol=0)
+    assert torch.equal(before["weight"], w.detach())
+    state = optimizer.state[w]
+    assert torch.equal(state["shared"][0], state["shared"][1])  # declared: averaged
+    assert not torch.equal(state["own"][0], state["own"][1])  # not declared: per machine
+    assert torch.equal(machines.stat, torch.ones(3, 1, dtype=torch.float64))  # buffers averaged (mean of 0, 1, 2)
+    # floats one machine sends per sync: weight 2 + bias 1, "shared" 2 + 1, buffer 1
+    assert averager.floats_per_sync() == 7 and averager.floats_communicated == 7
+
+
+def test_torch_sgd_and_slowcal_need_no_special_case():
+    machines = _machines()
+    sgd = torch.optim.SGD(machines.parameters(), lr=0.1, momentum=0.9)
+    PeriodicAverager(machines, sgd, sync_every=1).attach()
+    _step(machines, sgd, 0)
+    buf = sgd.state[machines.weight]["momentum_buffer"]
+    assert not torch.equal(buf[0], buf[1])  # SGD declares nothing: momentum stays local
+    PeriodicAverager(machines, sgd, sync_every=1, average_state=["momentum_buffer"]).sync()
+    assert torch.equal(buf[0], buf[1])  # unless asked for
+
+    machines = _machines()
+    slowcal = SlowcalSGD(machines.parameters(), lr=0.1)
+    averager = PeriodicAverager(machines, slowcal, sync_every=1).attach()
+    _step(machines, slowcal, 0)
+    w = slowcal.state[machines.weight]["w"]
+    assert torch.equal(w[0], w[2]) and torch.equal(machines.weight[0], machines.weight[2])
+    assert averager.floats_per_sync() == 2 * 3 + 1  # x and w of 3 floats each, the buffer
+
+
+def test_state_dict_resume_and_bad_values():
+    machines = _machines()
+    optimizer = torch.optim.SGD(machines.parameters(), lr=0.1)
+    averager = PeriodicAverager(machines, optimizer, sync_every=4)
+    for _ in range(10):
+        averager.step()
+    other = PeriodicAverager(machines, optimizer, sync_every=4, start_step=10)
+    assert other.state_dict() == averager.state_dict() == {"steps": 10, "num_syncs": 2, "floats_communicated": 8}
+    with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
+        PeriodicAverager(machines, optimizer, sync_every=0)
+    with pytest.raises(ValueError, match=r"Invalid bucket_cap_mb: -1"):
+        PeriodicAverager(machines, optimizer, sync_every=1, bucket_cap_mb=-1)
+    with pytest.raises(TypeError, match="Invalid optimizer"):
+        PeriodicAverager(machines, object(), sync_every=1)
+
+
+def test_buckets_group_by_dtype_and_respect_the_cap():
+    a32, b32, c32 = torch.zeros(100), torch.zeros(300), torch.zeros(50)
+    d64 = torch.zeros(10, dtype=torch.float64)
+    averager = PeriodicAverager(nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1), 1)
+    averager.bucket_cap_bytes = 1600  # 400 float32
+    buckets = averager._buckets([(a32, False), (d64, False), (b32, False), (c32, False)])
+    assert [[t.numel() for t, _ in b] for b in buckets] == [[100, 300], [50], [10]]
+
+
+def _bucket_worker(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(rank)  # every process starts elsewhere: the average is not trivial
+    big = nn.Linear(1000, 300)  # 300,300 floats = 1.2 MB, more than the cap below
+    small = SimulatedMachines(nn.Linear(3, 2), 2)
+    with torch.no_grad():
+        small.weight.add_(torch.arange(2.0).view(2, 1, 1) + 10 * rank)
+    model = nn.ModuleList([big, small])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    sizes, in_place = [], []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        in_place.append(tensor.data_ptr() == big.weight.data_ptr())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    PeriodicAverager(model, optimizer, sync_every=1, bucket_cap_mb=0.5).sync()
+    dist.all_reduce = all_reduce
+    gathered = [None] * world
+    dist.all_gather_object(gathered, before)
+    if rank == 0:
+        torch.save({"sizes": sizes, "in_place": in_place, "before": gathered, "after": [p.detach() for p in model.parameters()]}, out)
+    dist.destroy_process_group()
+
+
+def test_two_processes_average_in_bounded_buckets(tmp_path):
+    out = str(tmp_path / "buckets.pt")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_bucket_worker, args=(2, os.path.join(tmp, "rendezvous"), out), nprocs=2, join=True)
+    result = torch.load(out)
+    cap = int(0.5 * 2**20)
+    # The big weight (1.2 MB) is reduced in place; everything else fits in buckets under the cap.
+    assert result["in_place"].count(True) == 1
+    assert all(size <= cap for size, whole in zip(result["sizes"], result["in_place"]) if not whole)
+    assert len(result["sizes"]) == 2  # big.weight alone, then one bucket for the rest
+    before0, before1 = result["before"]
+    for i, after in enumerate(result["after"]):
+        # mean over machines inside each process, then over the processes
+        mine = [b[i].mean(0) if b[i].dim() == 3 else b[i] for b in (before0, before1)]
+        expected = (mine[0] + mine[1]) / 2
+        expected = expected.expand_as(after) if after.dim() == 3 else expected
+        assert torch.allclose(after, expected, atol=1e-6, rtol=0), i
+
+
+def test_no_core_module_imports_the_app_and_there_are_no_cycles():
+    import ast
+
+    package = REPO / "lit_slowcal"
+    graph = {}
+    for path in package.rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[module] = {d for d in deps if d in {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in package.rglob("*.py")}}
+    core = [m for m in graph if not m.startswith("lit_slowcal.experiments") and m != "lit_slowcal.__main__"]
+    wrong = {m: sorted(d for d in graph[m] if d.startswith("lit_slowcal.experiments")) for m in core}
+    assert not any(wrong.values()), f"core modules import the app: {wrong}"
+
+    def visit(m, stack):
+        if m in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(m):] + [m])}")
+        for d in graph.get(m, ()):
+            if d != "lit_slowcal" and not m.startswith(d + "."):  # a module importing its own package
+                visit(d, stack + [m])
+
+    for m in graph:
+        visit(m, [])
