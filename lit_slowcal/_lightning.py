@@ -42,10 +42,10 @@ def batches_done_in_epoch(trainer: pl.Trainer) -> int:
     """Training batches of the current epoch whose training step has finished.
 
     Internal: ``trainer.fit_loop.epoch_loop.batch_progress.current.processed``. It is what a data
-    source saves in a checkpoint to resume its stream mid-epoch. Counting the items a dataloader
-    has yielded was considered: Lightning fetches one batch ahead, so that count is one too high
-    whenever a checkpoint is written; the public ``batch_idx`` is only given to hooks, not to
-    ``LightningDataModule.state_dict``.
+    source saves in a checkpoint to resume its stream mid-epoch. Counting in the data source the
+    items it has yielded was considered: that count runs one ahead whenever Lightning fetches a
+    batch early (it does for a source without ``len``), and a resumed run would then skip a batch;
+    the public ``batch_idx`` is only given to hooks, not to ``LightningDataModule.state_dict``.
     """
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
@@ -53,8 +53,8 @@ def batches_done_in_epoch(trainer: pl.Trainer) -> int:
 def batches_between_validations(trainer: pl.Trainer) -> int | float | None:
     """Every how many training batches Lightning validates during fit.
 
-    ``inf`` when an epoch's length is unknown, ``None`` when validation is time based (Lightning
-    2.6's ``val_check_interval="HH:MM:SS"``).
+    ``inf`` when an epoch's length is unknown, ``None`` when validation is time based (a
+    ``val_check_interval`` given as a duration, which recent Lightning releases accept).
 
     Internal: ``trainer.val_check_batch``, set by Lightning once the train dataloader is known.
     The public ``trainer.val_check_interval`` is what the user passed: an int number of batches or

@@ -314,6 +314,8 @@ def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
         ("dirichlet_alpha", -1),
         ("dirichlet_alpha", float("nan")),
         ("dirichlet_alpha", float("inf")),
+        ("dirichlet_alpha", "0.1"),
+        ("dirichlet_alpha", True),
     ],
 )
 def test_constructor_rejects_bad_values(field, value):
