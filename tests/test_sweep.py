@@ -239,7 +239,7 @@ def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
     def crash(src, dst):
         raise OSError("killed")
 
-    monkeypatch.setattr(sw.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
         results.put({"params": {"a": 2}, "status": "finished"})
     assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]  # old file, no temp left
@@ -253,6 +253,27 @@ def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
     path.write_text('{"params": {"a": 1}}\n{"params"\n')
     with pytest.raises(ValueError, match="line 2"):
         sw.ResultsFile(path)
+
+
+def test_results_file_keeps_its_permission_bits(tmp_path):
+    path = tmp_path / "r.jsonl"
+    results = sw.ResultsFile(path)
+    results.put({"params": {"a": 1}, "status": "finished"})
+    path.chmod(0o640)
+    results.put({"params": {"a": 2}, "status": "finished"})
+    assert path.stat().st_mode & 0o7777 == 0o640
+    assert len(sw.ResultsFile(path).records) == 2
+
+
+@pytest.mark.parametrize(
+    ("module", "absent"),
+    [("lit_slowcal.experiments.sweep", "lit_slowcal.experiments.cli"), ("lit_slowcal.experiments.cli", "lit_slowcal.experiments.sweep")],
+)
+def test_sweep_reaches_the_cli_only_to_run_trials_and_the_cli_never_imports_sweep(module, absent):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({absent!r})))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"importing {module} imports {proc.stdout.strip()}"
 
 
 def test_summary_table_gives_the_best_lr_per_method():

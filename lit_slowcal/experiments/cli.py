@@ -27,45 +27,48 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
+from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_slowcal._validation import check_int, is_int
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["SlowcalCLI", "main", "per_step_batch", "steps_per_round"]
+__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "per_step_batch", "run", "steps_per_round"]
 
 Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
-_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
+#: The run's version folder, chosen by the launching process and inherited by its DDP children.
+RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
 
-
-def _check_positive(**values: Any) -> None:
-    # Runs while the command line is parsed (links are computed then): before anything is built.
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {key}: {value!r} (must be an integer >= 1)")
+# As link functions (see add_arguments_to_parser), the three below check the settings while the
+# command line is parsed: before anything is built.
 
 
 def steps_per_round(method: str, local_steps: int) -> int:
     """Optimizer steps between synchronisations: K for the local methods, 1 for Minibatch-SGD."""
-    _check_positive(local_steps=local_steps)
+    check_int("local_steps", local_steps)
     return 1 if method == "minibatch_sgd" else local_steps
 
 
 def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
     """Samples per machine per step: b, or K * b for Minibatch-SGD (same samples per round)."""
-    _check_positive(local_steps=local_steps, batch_size=batch_size)
+    check_int("local_steps", local_steps)
+    check_int("batch_size", batch_size)
     return local_steps * batch_size if method == "minibatch_sgd" else batch_size
 
 
 def _val_check_interval(num_machines: int, local_steps: int, batch_size: int, eval_every: int) -> int:
     # One training batch is one round; evaluate every `eval_every` rounds and after the last one.
-    _check_positive(num_machines=num_machines, local_steps=local_steps, batch_size=batch_size, eval_every=eval_every)
+    check_int("num_machines", num_machines)
+    check_int("local_steps", local_steps)
+    check_int("batch_size", batch_size)
+    check_int("eval_every", eval_every)
     return min(eval_every, num_rounds(MNIST_TRAIN_SIZE, num_machines, local_steps, batch_size))
 
 
@@ -106,7 +109,26 @@ class SlowcalCLI(LightningCLI):
             "log_every_n_steps": 10,  # rounds: one training batch is one round
         }
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        finally:
+            # Runs started later in this process (a sweep) pick their own version folder. With
+            # run=False the caller trains later, and its DDP children still need the variable.
+            if getattr(self, "_owns_version_env", False) and getattr(self, "subcommand", None) is not None:
+                os.environ.pop(RUN_VERSION_ENV, None)
+
+    def run_config(self, *, initialized: bool = False) -> Namespace:
+        """This run's configuration: the subcommand's section (``fit``, ...) when one runs, else all of it.
+
+        ``initialized`` gives the one with the classes instantiated (``config_init``).
+        """
+        config = self.config_init if initialized else self.config
+        subcommand = getattr(self, "subcommand", None)
+        return config[subcommand] if subcommand else config
+
+    def setting(self, key: str, default: Any = None) -> Any:
+        """A value of this run's configuration by its (dotted) key: ``setting("model.lr")``."""
+        return self.run_config().get(key, default)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--method", type=Method, default="slowcal", help="slowcal, local_sgd or minibatch_sgd")
@@ -133,7 +155,7 @@ class SlowcalCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
 
     def before_instantiate_classes(self) -> None:
-        if self.subcommand == "fit" and self._get(self.config, "ckpt_path") == "last":
+        if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
             self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
 
     def last_checkpoint(self) -> Path:
@@ -142,7 +164,7 @@ class SlowcalCLI(LightningCLI):
         ``--ckpt_path last`` continues from it; the continuation logs into a new version folder, so the
         interrupted run's logs stay as they were.
         """
-        folder = Path(self._get(self.config, "run_dir")) / self.run_name()
+        folder = Path(self.setting("run_dir")) / self.run_name()
         found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
         if not found:
             raise FileNotFoundError(
@@ -153,32 +175,30 @@ class SlowcalCLI(LightningCLI):
 
     def _checkpoint_callback(self) -> LastCheckpoint:
         # last.ckpt only, every `checkpoint_every` rounds and when training ends.
-        rounds = self._get(self.config, "checkpoint_every")
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-            raise ValueError(f"Invalid checkpoint_every: {rounds!r} (must be an integer >= 0)")
-        steps = rounds * steps_per_round(self._get(self.config, "method"), self._get(self.config, "local_steps"))
+        rounds = check_int("checkpoint_every", self.setting("checkpoint_every"), minimum=0)
+        steps = rounds * steps_per_round(self.setting("method"), self.setting("local_steps"))
         return LastCheckpoint(every_n_train_steps=steps or None)
 
     def run_name(self) -> str:
         """``<method>_M<M>_K<K>_b<b>_seed<seed>``: the run's folder under ``run_dir``."""
-        get = lambda key: self._get(self.config, key)  # noqa: E731
+        get = self.setting
         return (
             f"{get('method')}_M{get('num_machines')}_K{get('local_steps')}_b{get('batch_size')}"
             f"_seed{get('seed_everything')}"
         )
 
     def _loggers(self) -> list[Logger]:
-        run_dir = self._get(self.config, "run_dir")
+        run_dir = self.setting("run_dir")
         name = self.run_name()
         # Every rank must write to the same version folder: the launching process (rank 0) picks the
         # next free version and its DDP children, started later, inherit it through the environment.
-        version = os.environ.get(_VERSION_ENV)
+        version = os.environ.get(RUN_VERSION_ENV)
         if version is None:
             version = str(CSVLogger(save_dir=run_dir, name=name).version)
-            os.environ[_VERSION_ENV] = version
+            os.environ[RUN_VERSION_ENV] = version
             self._owns_version_env = True
         loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=int(version))]
-        if self._get(self.config, "wandb") and self.subcommand == "fit":
+        if self.setting("wandb") and self.subcommand == "fit":
             loggers.append(self._wandb_logger(name, str(Path(run_dir) / name / f"version_{version}")))
         return loggers
 
@@ -186,10 +206,10 @@ class SlowcalCLI(LightningCLI):
         """Online when logged in and reachable, otherwise offline with a note on how to sync later."""
         launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
         kwargs = dict(
-            project=self._get(self.config, "wandb_project"),
+            project=self.setting("wandb_project"),
             name=name,
             save_dir=save_dir,
-            config=_flat_config(self.config.get(str(self.subcommand), self.config)),
+            config=_flat_config(self.run_config()),
         )
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
         if offline:
@@ -223,16 +243,8 @@ class SlowcalCLI(LightningCLI):
         self._wandb_offline = offline
         return WandbLogger(offline=offline, **kwargs)
 
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        finally:
-            # Runs started later in this process (a sweep) pick their own version folder.
-            if getattr(self, "_owns_version_env", False):
-                os.environ.pop(_VERSION_ENV, None)
-
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        trainer_config = self._get(self.config_init, "trainer")
+        trainer_config = self.run_config(initialized=True).get("trainer")
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
         callbacks = trainer_config.get("callbacks") or []
@@ -246,8 +258,8 @@ class SlowcalCLI(LightningCLI):
                 f"trainer.strategy must be 'periodic_averaging' (or PeriodicAveragingStrategy); got "
                 f"{type(strategy).__name__}. The machines synchronise through it."
             )
-        strategy.sync_every = steps_per_round(self._get(self.config, "method"), self._get(self.config, "local_steps"))
-        machines = self._get(self.config, "num_machines")
+        strategy.sync_every = steps_per_round(self.setting("method"), self.setting("local_steps"))
+        machines = self.setting("num_machines")
         if machines % trainer.world_size:
             raise ValueError(
                 f"num_machines = {machines} is not divisible by the number of processes ({trainer.world_size} = "
@@ -269,8 +281,8 @@ class SlowcalCLI(LightningCLI):
         lines = [
             "",
             "lit_slowcal summary",
-            f"  method {self._get(self.config, 'method')}   M={data.num_machines}  K={self._get(self.config, 'local_steps')}"
-            f"  b={self._get(self.config, 'batch_size')}   rounds {self.trainer.strategy.num_syncs}/{data.num_rounds}",
+            f"  method {self.setting('method')}   M={data.num_machines}  K={self.setting('local_steps')}"
+            f"  b={self.setting('batch_size')}   rounds {self.trainer.strategy.num_syncs}/{data.num_rounds}",
             f"  final test accuracy {get('test_acc'):.4f}   test loss {get('test_loss'):.4f}",
             f"  wall time {time.perf_counter() - self._start:.1f} s",
         ]
@@ -285,9 +297,9 @@ class SlowcalCLI(LightningCLI):
 
 
 def _seed(seed: Any) -> int:
-    if isinstance(seed, bool):
-        raise ValueError(f"seed_everything must be an integer (it seeds the data split too), got {seed}")
-    return int(seed)
+    if not is_int(seed):
+        raise ValueError(f"Invalid seed_everything: {seed!r} (must be an integer: it seeds the data split too)")
+    return seed
 
 
 def _flat_config(config: Any) -> dict[str, Any]:

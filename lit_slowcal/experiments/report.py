@@ -5,6 +5,8 @@ final test accuracy (and test loss) against K, one panel per M, one line per met
 seeds with a min-max band, K on a log2 axis. Writes ``<name>_accuracy.png``, ``<name>_loss.png``
 and ``<name>_results.md`` (rows M, K; per method mean ± std over seeds), ``<name>`` being the
 results file's stem. Only finished trials count; diverged and failed ones are listed under the table.
+Each output is written atomically (``lit_slowcal.files``): a report stopped midway leaves the previous
+files whole.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lit_slowcal.files import atomic_path, atomic_write
 
 __all__ = ["Cell", "aggregate", "load_results", "main", "markdown_table", "plot_metric"]
 
@@ -95,7 +99,10 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
 
 
 def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str, path: str | Path) -> None:
-    """Metric against K (log2 axis), one panel per M, mean line and min-max band per method."""
+    """Metric against K (log2 axis), one panel per M, mean line and min-max band per method.
+
+    The figure's format is the suffix of ``path`` (PNG without one); the file is replaced atomically.
+    """
     from matplotlib.figure import Figure
 
     ms = sorted({m for m, _, _ in cells})
@@ -124,7 +131,10 @@ def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str
     axes[0].legend()
     n = max((c.n for c in cells.values()), default=0)
     fig.suptitle(f"{title} (mean over {n} seeds, band: min to max)")
-    fig.savefig(path, dpi=120)
+    # The temporary file's suffix is not the target's: the format is given, not inferred.
+    fmt = Path(path).suffix[1:].lower() or "png"
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=fmt)
 
 
 def markdown_table(
@@ -201,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"\n{len(records)} trials ({finished} finished), {wall / 60:.1f} min of training in all. "
         f"Made by `python -m lit_slowcal report {opts.results.as_posix()} --out {opts.out.as_posix()}`.\n"
     )
-    paths[2].write_text(head + table + tail)
+    with atomic_write(paths[2], encoding="utf-8") as f:
+        f.write(head + table + tail)
     print(table)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -1,0 +1,286 @@
+"""Running a sweep here, trial after trial: ``python -m lit_slowcal sweep sweeps/lr.yaml`` (``main``).
+
+1. The sweep file is read and checked (``spec``) and expanded into trials (``trials``).
+2. Every trial's arguments are parsed by ``SlowcalCLI``'s own parser before anything runs
+   (``CommandLine``): a parameter the CLI does not take, or a value it refuses, stops the sweep
+   before the first run.
+3. Trials run one after another in this process (``run_trial``: ``SlowcalCLI(args=...)``; MNIST is
+   decoded once; one torch thread by default, see ``--threads``). A trial that raises is recorded
+   as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
+   SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
+4. Every finished trial is added to the results file at once (``results``); a rerun of the same
+   command skips the trials it holds. Failed and diverged trials are retried only with ``--retry-failed``.
+5. The sweep ends with a markdown table (``table``).
+
+The training CLI is imported only when a sweep checks or runs trials; it never imports this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from lit_slowcal.experiments.sweep.results import ResultsFile
+from lit_slowcal.experiments.sweep.spec import load_sweep
+from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
+from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
+
+__all__ = ["CommandLine", "main", "run_trial"]
+
+
+class CommandLine:
+    """``SlowcalCLI``'s parser, built once without instantiating anything, to check trial arguments.
+
+    Parsing runs exactly what ``SlowcalCLI(args=...)`` runs before it builds the model: the config
+    file, every option's type and the linked settings (K >= 1, ...). About 0.2 s to build, 0.04 s a parse.
+    """
+
+    def __init__(self) -> None:
+        from lit_slowcal.experiments.cli import SlowcalCLI
+
+        class _Built(Exception):
+            pass
+
+        class _ParserOnly(SlowcalCLI):
+            def parse_arguments(self, parser: Any, args: Any) -> None:
+                raise _Built(self)
+
+        # Parsers that raise ArgumentError instead of printing usage and exiting: the main parser
+        # and, through their own keyword arguments, each subcommand's.
+        no_exit = {"exit_on_error": False}
+        subcommands = {name: dict(no_exit) for name in SlowcalCLI.subcommands()}
+        try:
+            _ParserOnly(args=[], parser_kwargs={"prog": "python -m lit_slowcal", **no_exit, **subcommands})
+        except _Built as built:
+            cli = built.args[0]
+        self.parser = cli.parser
+
+    def parse(self, args: Sequence[str]) -> Any:
+        """The parsed configuration (a jsonargparse Namespace; keys such as ``fit.model.lr``).
+
+        Raises:
+            ValueError: with the parser's message when the CLI refuses the arguments.
+        """
+        try:
+            return self.parser.parse_args(list(args))
+        except argparse.ArgumentError as err:
+            raise ValueError(str(err)) from None
+        except SystemExit as err:  # an option that prints and exits (--help, --print_config) among them
+            raise ValueError(f"the CLI exits (status {err.code}) instead of running the trial") from None
+
+
+@contextlib.contextmanager
+def _trial_environment() -> Iterator[None]:
+    # LightningCLI warns when given args while sys.argv has some (ours: the sweep's); and the CLI
+    # remembers its run folder version in the environment for its DDP children: each trial needs a fresh one.
+    from lit_slowcal.experiments.cli import RUN_VERSION_ENV
+
+    argv = sys.argv
+    sys.argv = argv[:1]
+    os.environ.pop(RUN_VERSION_ENV, None)
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        os.environ.pop(RUN_VERSION_ENV, None)
+
+
+@contextlib.contextmanager
+def _sweep_environment(threads: int, group: str) -> Iterator[None]:
+    """Torch threads for every trial, and a W&B group for them; both as they were afterwards."""
+    import torch
+
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "WANDB_RUN_GROUP")}
+    saved_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+        # Lightning's launcher sets torch's threads to cores / processes unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
+    os.environ.setdefault("WANDB_RUN_GROUP", group)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _finish_wandb(failed: bool) -> None:
+    # WandbLogger reuses a run left open; the next trial must start its own.
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
+def run_trial(args: Sequence[str]) -> dict[str, Any]:
+    """Run ``SlowcalCLI(args=args)`` here; never raises for a failing run.
+
+    Ctrl-C (KeyboardInterrupt) and SIGTERM (Lightning's SIGTERMException) are raised: they stop the
+    sweep, and the interrupted trial is not recorded.
+
+    Returns:
+        ``status`` (``finished``, ``diverged`` or ``failed``), ``error`` (None or the message),
+        ``metrics`` (final ``trainer.callback_metrics``), ``run_dir`` (the CSV log folder) and
+        ``wall_time_s``.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lit_slowcal.experiments.cli import SlowcalCLI
+
+    started: list[Any] = []
+
+    class _TrialCLI(SlowcalCLI):
+        def before_instantiate_classes(self) -> None:
+            started.append(self)  # keeps the trainer reachable when fit raises
+            super().before_instantiate_classes()
+
+    status, error = "finished", None
+    start = time.perf_counter()
+    with _trial_environment():
+        try:
+            _TrialCLI(args=list(args))
+        except SIGTERMException:  # Lightning's form of SIGTERM: stop the sweep, not just this trial
+            status = "interrupted"
+            raise
+        except FloatingPointError as err:
+            status, error = ("diverged" if str(err).startswith("Training diverged") else "failed"), str(err)
+        except SystemExit as err:
+            if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits this way after Ctrl-C
+                status = "interrupted"
+                raise KeyboardInterrupt from err
+            status, error = "failed", f"SystemExit: {err}"  # e.g. the parser's exit
+        except Exception as err:
+            status, error = "failed", f"{type(err).__name__}: {err}"
+        except BaseException:  # KeyboardInterrupt outside the trainer
+            status = "interrupted"
+            raise
+        finally:
+            _finish_wandb(failed=status != "finished")
+    wall = time.perf_counter() - start
+    trainer = getattr(started[0], "trainer", None) if started else None
+    metrics: dict[str, Optional[float]] = {}
+    run_dir = None
+    if trainer is not None:
+        for key, value in trainer.callback_metrics.items():
+            if getattr(value, "numel", lambda: 1)() == 1:
+                v = float(value)
+                metrics[key] = v if math.isfinite(v) else None  # strict JSON: no NaN
+        run_dir = next((str(lg.log_dir) for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+    return {"status": status, "error": error, "metrics": metrics, "run_dir": run_dir, "wall_time_s": round(wall, 3)}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lit_slowcal sweep",
+        description="Run a W&B sweep file here, without a W&B server: the trials run one after another in "
+        "this process, each is appended to a results file as it ends, and a rerun skips finished trials.",
+    )
+    p.add_argument("sweep", type=Path, help="W&B sweep YAML (method grid or random)")
+    p.add_argument("--results", type=Path, help="JSON-lines results file (default: sweeps/results/<sweep stem>.jsonl)")
+    p.add_argument("--count", type=int, help="keep the first N trials (random search: draw N; default run_cap)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random search's draws (default 0)")
+    p.add_argument("--dry-run", action="store_true", help="list the trials and which are done; run nothing")
+    p.add_argument("--retry-failed", action="store_true", help="run failed and diverged trials again")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the trials (default 1: the model is tiny, and extra threads mostly spin, "
+        "badly so when other jobs share the cores; 0 keeps torch's default)",
+    )
+    p.add_argument(
+        "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
+    )
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lit_slowcal sweep SWEEP.yaml [--results PATH] [--count N] [--dry-run] [--retry-failed] [--wandb=false]``."""
+    opts = _parser().parse_args(argv)
+    results_path = opts.results or Path("sweeps") / "results" / f"{opts.sweep.stem}.jsonl"
+    extra = [] if opts.wandb is None else [f"--wandb={str(opts.wandb).lower()}"]
+    try:
+        sweep = load_sweep(opts.sweep)
+        trials = expand_trials(sweep, opts.count, opts.seed)
+        results = ResultsFile(results_path)
+        checker = CommandLine()
+        for params in trials:
+            try:
+                checker.parse(trial_args(sweep, params, extra))
+            except ValueError as err:
+                raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {err}") from None
+    except (ValueError, OSError) as err:
+        print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
+        return 2
+
+    for key in sweep.ignored:
+        print(f"note: {key} needs W&B's controller and is ignored here; every trial runs to its end")
+
+    def pending(params: dict[str, Any]) -> bool:
+        record = results.get(params)
+        return record is None or (opts.retry_failed and record["status"] != "finished")
+
+    todo = [t for t in trials if pending(t)]
+    print(
+        f"sweep {opts.sweep} ({sweep.method}): {len(trials)} trials, {len(trials) - len(todo)} already in "
+        f"{results_path}, {len(todo)} to run",
+        flush=True,
+    )
+    if opts.dry_run:
+        for i, params in enumerate(trials, 1):
+            record = results.get(params)
+            state = "pending" if record is None else record["status"]
+            if record is not None and pending(params):
+                state += ", will retry"
+            print(f"  [{i}/{len(trials)}] {state:<20} {' '.join(trial_args(sweep, params, extra))}")
+        return 0
+
+    sweep_start, ran = time.perf_counter(), 0
+    with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
+        try:
+            for i, params in enumerate(todo, 1):
+                args = trial_args(sweep, params, extra)
+                print(f"\n[{i}/{len(todo)}] {param_text(params)}", flush=True)
+                outcome = run_trial(args)
+                ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                results.put({"params": params, **outcome, "args": args, "ended_at": ended})
+                ran += 1
+                value = outcome["metrics"].get(sweep.metric)
+                line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {format_value(value)} in {outcome['wall_time_s']:.1f} s"
+                if outcome["error"]:
+                    line += f" ({outcome['error'].splitlines()[0][:200]})"
+                print(line, flush=True)
+        except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
+            print(
+                f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
+                f"{results_path}. Run the same command again to go on.",
+                file=sys.stderr,
+            )
+            return 130 if isinstance(err, KeyboardInterrupt) else 143
+    if todo:
+        print(f"\n{len(todo)} trials in {time.perf_counter() - sweep_start:.1f} s; results in {results_path}")
+    done = [r for r in (results.get(t) for t in trials) if r is not None]
+    counts = {s: sum(r["status"] == s for r in done) for s in ("finished", "diverged", "failed")}
+    print(f"{counts['finished']} finished, {counts['diverged']} diverged, {counts['failed']} failed of {len(trials)} trials\n")
+    print(summary_table(sweep, done))
+    return 0
