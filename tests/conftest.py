@@ -1,16 +1,59 @@
-"""Test-suite policy: a skipped test is a failure (nothing may be skipped silently on CI)."""
+"""Test-suite policy: a skipped test is a failure (nothing may be skipped silently on CI).
+
+One exception: tests marked ``@pytest.mark.cuda`` need a CUDA device. Where
+``torch.cuda.is_available()`` is False they are skipped (with the reason below), the session says
+how many did not run, and that does not fail it. Where CUDA is available they run like any other
+test, and a skip of one of them fails the session as well.
+"""
 
 import pytest
+import torch
+
+CUDA_SKIP_REASON = "needs CUDA (torch.cuda.is_available() is False)"
 
 _skipped: list[str] = []
+_cuda_not_run: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped (and counted) where there is none")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+def _is_cuda_skip(report: pytest.TestReport) -> bool:
+    """A skip of a cuda-marked test for the one allowed reason (set at collection, no CUDA)."""
+    if "cuda" not in report.keywords or torch.cuda.is_available():
+        return False
+    longrepr = report.longrepr
+    # A skip's longrepr is (file, line, "Skipped: <reason>").
+    return isinstance(longrepr, tuple) and len(longrepr) == 3 and str(longrepr[2]).endswith(CUDA_SKIP_REASON)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped:
-        _skipped.append(report.nodeid)
+        (_cuda_not_run if _is_cuda_skip(report) else _skipped).append(report.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _skipped and session.exitstatus == 0:
-        print(f"\n{len(_skipped)} test(s) skipped; skips are not allowed: {', '.join(_skipped)}")
         session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _cuda_not_run:
+        terminalreporter.write_line(
+            f"{len(_cuda_not_run)} CUDA tests not run: no CUDA device (torch.cuda.is_available() is False)",
+            yellow=True,
+        )
+    if _skipped:
+        terminalreporter.write_line(
+            f"{len(_skipped)} test(s) skipped; skips are not allowed: {', '.join(_skipped)}", red=True
+        )
