@@ -1,4 +1,4 @@
-"""Time one epoch of SLowcal-SGD through Lightning against a minimal hand-written torch loop (CPU).
+"""Time one epoch of SLowcal-SGD through Lightning against a minimal hand-written torch loop (CPU or CUDA).
 
 Both sides train multinomial logistic regression (784 -> 10, x_0 = 0) on MNIST split over M
 machines (Dirichlet alpha = 0.1, balanced, seed 1), b samples per machine per step, K local steps
@@ -33,11 +33,18 @@ times and its peak resident memory (``ru_maxrss``) after the first fit and at th
 
 ``--profile`` adds a cProfile of one Lightning epoch, summed per source file (µs per step).
 
+Device: ``--device cpu`` (the default) or ``--device cuda``. On CUDA both sides keep the model on the
+GPU and move each round's batch there (the minimal loop with ``.to``, Lightning through its
+accelerator); every clock is read after ``torch.cuda.synchronize()``, so the times cover the
+kernels, not only their launch. It also reports peak GPU memory (``torch.cuda.max_memory_allocated``)
+of each side, and of each fresh process of the scale run; peak RSS stays the host memory.
+
 Threads: torch's default (the CPUs this process may use) unless ``--threads`` is given; the
 subprocesses use the same number.
 
     python benchmarks/bench_local_training.py [--num-machines 64] [--local-steps 64] [--batch-size 1]
         [--repeats 7] [--large-machines 1024] [--large-local-steps 16] [--threads N] [--profile]
+        [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -83,24 +90,34 @@ def make_data(num_machines: int, local_steps: int, batch_size: int, root: str):
     return data, time.perf_counter() - start
 
 
-def minimal_epoch(data, local_steps: int, lr: float = LR, closed_form: bool = False):
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA runs asynchronously), so that a clock read after it is fair."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def minimal_epoch(data, local_steps: int, lr: float = LR, closed_form: bool = False, device: str = "cpu"):
     """One epoch of SLowcal-SGD on stacked tensors; returns (seconds, steps, W, bias) with x = (W, bias)."""
+    device = torch.device(device)
     streams = data.train_dataloader()
     streams.epoch = 0  # rewind: every run sees epoch 0's samples
     m = data.num_machines
-    W = torch.zeros(m, 10, 784)  # x: the query points, where gradients are taken
-    bias = torch.zeros(m, 10)
+    W = torch.zeros(m, 10, 784, device=device)  # x: the query points, where gradients are taken
+    bias = torch.zeros(m, 10, device=device)
     w_W, w_bias = W.clone(), bias.clone()  # w: the SGD iterates, w_0 = x_0
     t = 0
+    _sync(device)
     start = time.perf_counter()
     for xs, ys in streams:  # one round: (K, m, b, 784), (K, m, b)
+        if device.type != "cpu":
+            xs, ys = xs.to(device), ys.to(device)
         for k in range(len(xs)):
             x, y = xs[k], ys[k]
             b = y.shape[1]
             if closed_form:
                 logits = torch.baddbmm(bias.unsqueeze(1), x, W.transpose(1, 2))  # (m, b, 10)
                 delta = logits.softmax(-1)
-                delta.scatter_add_(-1, y.unsqueeze(-1), torch.full(y.shape + (1,), -1.0))
+                delta.scatter_add_(-1, y.unsqueeze(-1), torch.full(y.shape + (1,), -1.0, device=device))
                 delta.div_(b)  # d(machine i's mean CE) / d(logits)
                 g_W = torch.bmm(delta.transpose(1, 2), x)  # (m, 10, 784)
                 g_bias = delta.sum(1)
@@ -122,10 +139,11 @@ def minimal_epoch(data, local_steps: int, lr: float = LR, closed_form: bool = Fa
             if t % local_steps == 0:  # the parameter server averages x and w over the machines
                 for tensor in (W, bias, w_W, w_bias):
                     tensor.copy_(tensor.mean(0, keepdim=True).expand_as(tensor))
-    return time.perf_counter() - start, t, W, bias
+    _sync(device)
+    return time.perf_counter() - start, t, W.cpu(), bias.cpu()
 
 
-def _epoch_timer():
+def _epoch_timer(device: torch.device):
     """A Lightning callback recording the training epoch's wall time in ``.seconds``."""
     import lightning.pytorch as pl
 
@@ -133,26 +151,29 @@ def _epoch_timer():
         seconds = float("nan")
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
+            _sync(device)
             self._start = time.perf_counter()
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
+            _sync(device)
             self.seconds = time.perf_counter() - self._start
 
     return EpochTimer()
 
 
-def lightning_epoch(data, local_steps: int, lr: float = LR):
+def lightning_epoch(data, local_steps: int, lr: float = LR, device: str = "cpu"):
     """One epoch through Trainer.fit; returns (epoch seconds, fit seconds, steps, W, bias)."""
     from lightning.pytorch import Trainer
 
     from lit_slowcal.experiments.model import LogisticRegression
     from lit_slowcal.strategy import PeriodicAveragingStrategy
 
+    device = torch.device(device)
     data.train_dataloader().epoch = 0  # rewind: every run sees epoch 0's samples
-    timer = _epoch_timer()
+    timer = _epoch_timer(device)
     trainer = Trainer(
         strategy=PeriodicAveragingStrategy(sync_every=local_steps),
-        accelerator="cpu",
+        accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=1,
         max_epochs=1,
         logger=False,
@@ -164,11 +185,26 @@ def lightning_epoch(data, local_steps: int, lr: float = LR):
         callbacks=[timer],
     )
     model = LogisticRegression(method="slowcal", num_machines=data.num_machines, lr=lr)
+    _sync(device)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
+    _sync(device)
     fit_seconds = time.perf_counter() - start
     # Manual optimization: global_step counts optimizer.step() calls, one per local step.
-    return timer.seconds, fit_seconds, trainer.global_step, model.machines.weight.detach(), model.machines.bias.detach()
+    weight, bias = model.machines.weight.detach().cpu(), model.machines.bias.detach().cpu()
+    return timer.seconds, fit_seconds, trainer.global_step, weight, bias
+
+
+def _reset_peak_gpu_memory(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gpu_gb(device: str) -> float:
+    """Peak GPU memory allocated by tensors since the last reset, in GB (0 on CPU)."""
+    if torch.device(device).type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / 1e9
 
 
 def peak_rss_gb() -> float:
@@ -178,12 +214,14 @@ def peak_rss_gb() -> float:
 def _child(args: argparse.Namespace) -> None:
     """In a fresh process: two Lightning fits (cold, then warm); print the figures as JSON."""
     data, setup_seconds = make_data(args.num_machines, args.local_steps, args.batch_size, args.root)
-    cold, cold_fit, steps, _, _ = lightning_epoch(data, args.local_steps)
+    cold, cold_fit, steps, _, _ = lightning_epoch(data, args.local_steps, device=args.device)
     rss_one_fit = peak_rss_gb()
-    warm, _, _, _, _ = lightning_epoch(data, args.local_steps)
+    gpu_one_fit = peak_gpu_gb(args.device)
+    warm, _, _, _, _ = lightning_epoch(data, args.local_steps, device=args.device)
     print(json.dumps({
         "setup": setup_seconds, "cold": cold, "cold_fit": cold_fit, "warm": warm, "steps": steps,
         "rss_one_fit": rss_one_fit, "rss_end": peak_rss_gb(),
+        "gpu_one_fit": gpu_one_fit, "gpu_end": peak_gpu_gb(args.device),
     }))
 
 
@@ -198,14 +236,14 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _profile(data, local_steps: int, steps: int) -> None:
+def _profile(data, local_steps: int, steps: int, device: str = "cpu") -> None:
     """cProfile one Lightning epoch; print own time summed per source file (builtins by name)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
-    epoch = lightning_epoch(data, local_steps)[0]
+    epoch = lightning_epoch(data, local_steps, device=device)[0]
     profiler.disable()
     totals: dict[str, float] = {}
     for (filename, _, name), (_, _, own, _, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
@@ -228,11 +266,14 @@ def _scale_run(args: argparse.Namespace) -> None:
     """The Lightning path at M = --large-machines in fresh processes: epoch times and peak memory."""
     M, K, b = args.large_machines, args.large_local_steps, args.batch_size
     data, _ = make_data(M, K, b, args.root)
-    minimal_epoch(data, K)  # warm-up
-    minimal = statistics.median(minimal_epoch(data, K)[0] for _ in range(args.repeats))
+    minimal_epoch(data, K, device=args.device)  # warm-up
+    _reset_peak_gpu_memory(args.device)
+    minimal = statistics.median(minimal_epoch(data, K, device=args.device)[0] for _ in range(args.repeats))
+    minimal_gpu = peak_gpu_gb(args.device)
     command = [
         sys.executable, os.path.abspath(__file__), "--child", "--num-machines", str(M), "--local-steps", str(K),
         "--batch-size", str(b), "--root", args.root, "--threads", str(torch.get_num_threads()),
+        "--device", args.device,
     ]
     results = []
     for _ in range(args.repeats):
@@ -256,6 +297,11 @@ def _scale_run(args: argparse.Namespace) -> None:
     print(f"  peak RSS of the Lightning process after one fit: {rss:.2f} GB (largest of {per_process}; "
           f"after two fits {max(r['rss_end'] for r in results):.2f})")
     print(f"  goal < {GOAL_MEMORY_GB:g} GB: {'met' if rss < GOAL_MEMORY_GB else 'NOT met'}")
+    if torch.device(args.device).type == "cuda":
+        gpu = " ".join(f"{r['gpu_one_fit']:.3f}" for r in results)
+        print(f"  peak GPU memory (max_memory_allocated): Lightning after one fit "
+              f"{max(r['gpu_one_fit'] for r in results):.3f} GB (per process {gpu}; after two fits "
+              f"{max(r['gpu_end'] for r in results):.3f}), minimal loop {minimal_gpu:.3f} GB")
 
 
 def _load() -> str:
@@ -273,10 +319,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--profile", action="store_true", help="also cProfile one Lightning epoch")
     parser.add_argument("--root", default=os.path.join(ROOT, "data"), help="folder holding MNIST/raw/")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to train (default cpu)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch.cuda.is_available() is False")
     _quiet()
     if args.child:
         _child(args)
@@ -291,19 +340,32 @@ def main() -> None:
         f"torch {torch.__version__}, lightning {lightning.__version__}, {torch.get_num_threads()} torch threads "
         f"({threads}), {len(os.sched_getaffinity(0))} CPUs; {_load()}"
     )
+    on_cuda = args.device == "cuda"
+    if on_cuda:
+        props = torch.cuda.get_device_properties(0)
+        print(f"device cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}; "
+              "clocks read after torch.cuda.synchronize()")
     print(f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {data.num_rounds * K} steps; "
           f"data setup (load + partition, not timed below) {setup_seconds:.2f} s")
 
-    minimal_epoch(data, K)  # warm-up: first-call costs, allocator
-    minimal_epoch(data, K, closed_form=True)
-    lightning_epoch(data, K)
+    dev = args.device
+    minimal_epoch(data, K, device=dev)  # warm-up: first-call costs, allocator
+    minimal_epoch(data, K, closed_form=True, device=dev)
+    lightning_epoch(data, K, device=dev)
     times: dict[str, list[float]] = {"minimal": [], "closed": [], "lightning": [], "fit": []}
+    peak_gpu = {"minimal": 0.0, "closed": 0.0, "lightning": 0.0}  # GB, the largest over the runs
     for _ in range(args.repeats):
-        seconds, steps, W, bias = minimal_epoch(data, K)
+        _reset_peak_gpu_memory(dev)
+        seconds, steps, W, bias = minimal_epoch(data, K, device=dev)
+        peak_gpu["minimal"] = max(peak_gpu["minimal"], peak_gpu_gb(dev))
         times["minimal"].append(seconds)
-        seconds, _, W_cf, bias_cf = minimal_epoch(data, K, closed_form=True)
+        _reset_peak_gpu_memory(dev)
+        seconds, _, W_cf, bias_cf = minimal_epoch(data, K, closed_form=True, device=dev)
+        peak_gpu["closed"] = max(peak_gpu["closed"], peak_gpu_gb(dev))
         times["closed"].append(seconds)
-        epoch, fit, l_steps, l_W, l_bias = lightning_epoch(data, K)
+        _reset_peak_gpu_memory(dev)
+        epoch, fit, l_steps, l_W, l_bias = lightning_epoch(data, K, device=dev)
+        peak_gpu["lightning"] = max(peak_gpu["lightning"], peak_gpu_gb(dev))
         times["lightning"].append(epoch)
         times["fit"].append(fit)
 
@@ -321,6 +383,12 @@ def main() -> None:
     verdict = "met" if ratio <= GOAL_RATIO else "NOT met"
     print(f"Lightning / minimal (autograd) = {ratio:.2f}x   goal <= {GOAL_RATIO:g}x: {verdict}")
     print(f"Lightning / minimal (closed form) = {med['lightning'] / med['closed']:.2f}x")
+    if on_cuda:
+        print(
+            f"peak GPU memory (max_memory_allocated, largest over the runs): minimal (autograd) "
+            f"{peak_gpu['minimal'] * 1e3:.1f} MB, minimal (closed form) {peak_gpu['closed'] * 1e3:.1f} MB, "
+            f"Lightning {peak_gpu['lightning'] * 1e3:.1f} MB"
+        )
 
     diff = max((W - l_W).abs().max().item(), (bias - l_bias).abs().max().item())
     diff_cf = max((W_cf - l_W).abs().max().item(), (bias_cf - l_bias).abs().max().item())
@@ -332,7 +400,7 @@ def main() -> None:
         f"{'same' if same else 'DIFFERENT'} (tolerance {TOLERANCE:g})"
     )
     if args.profile:
-        _profile(data, K, steps)
+        _profile(data, K, steps, device=dev)
 
     if args.large_machines > 0:
         _scale_run(args)
