@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# GPU check of lit_slowcal on one CUDA device, in under 5 minutes; prints the figures at the end.
+#
+#   benchmarks/gpu_check.sh            (from anywhere; it runs in the repository root)
+#   PY=/path/to/python benchmarks/gpu_check.sh
+#
+# Steps, each bounded by `timeout` (the sum of the limits stays under 5 minutes):
+#   device   nvidia-smi, torch and CUDA versions; fails unless torch.cuda.is_available()
+#   (a)      pytest -m cuda tests/test_cuda.py: the CUDA tests must run (none skipped) and pass;
+#            their figures (largest differences to the CPU, ...) come from the JUnit XML
+#   (b)      the main job on the GPU, timed, with its summary (CPU: test accuracy 0.9143)
+#   (c)      2 processes sharing the GPU == 1 process (examples/torch_loop.py, gloo): run by (a)'s
+#            test_plain_torch_loop_* tests; the summary prints their figures
+#   (d)      benchmarks/bench_local_training.py --device cuda (Lightning against a minimal loop)
+# Exit status 0 only if every step passed. Needs no network. PY: the Python to use (default the
+# repository's .venv, else python3); T_DEVICE, T_TESTS, T_MAIN, T_BENCH: the steps' limits in seconds;
+# KEEP_LOGS: a folder to keep the whole logs in.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ -z "${PY:-}" ] && [ ! -x .venv/bin/python ]; then
+    echo "note: .venv/bin/python not found; using python3 (set PY to choose)"
+    PY=python3
+fi
+PY=${PY:-.venv/bin/python}
+# lit_slowcal from this checkout, also where it is not installed into $PY's environment (the
+# subprocesses, e.g. examples/torch_loop.py, inherit it).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Seconds per step, nvidia-smi's 10 included: 10 + 20 + 120 + 40 + 100 = 290 < 300. Seen on an H100
+# (16 CPUs): device 7 s, tests 65-82 s, main job 18-22 s, benchmark 56-74 s; 151-194 s in all.
+T_DEVICE=${T_DEVICE:-20}
+T_TESTS=${T_TESTS:-120}
+T_MAIN=${T_MAIN:-40}
+T_BENCH=${T_BENCH:-100}
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+# KEEP_LOGS=DIR: copy the steps' whole logs (and the JUnit XML) there at the end.
+finish() {
+    if [ -n "${KEEP_LOGS:-}" ]; then
+        mkdir -p "$KEEP_LOGS" && cp "$WORK"/*.txt "$WORK"/*.xml "$KEEP_LOGS"/ 2>/dev/null || true
+    fi
+    rm -rf "$WORK"
+}
+trap finish EXIT
+T0=$SECONDS
+FAILED=()
+section() { echo; echo "=== $* [t=$((SECONDS - T0)) s]"; }
+# run NAME LIMIT LOG CMD...: runs CMD under `timeout LIMIT`, output to LOG; records a failure, never exits.
+run() {
+    local name=$1 limit=$2 log=$3 rc=0
+    shift 3
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        FAILED+=("$name (timed out after ${limit} s)")
+    elif [ "$rc" -ne 0 ]; then
+        FAILED+=("$name (exit status $rc)")
+    fi
+    return 0
+}
+
+section "device"
+if command -v nvidia-smi >/dev/null; then
+    timeout 10 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader \
+        || echo "nvidia-smi failed"
+else
+    echo "nvidia-smi not found"
+fi
+run device "$T_DEVICE" "$WORK/device.txt" "$PY" - <<'EOF'
+import sys
+
+import torch
+
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+      f"cuDNN {torch.backends.cudnn.version()}, torch.cuda.is_available() {torch.cuda.is_available()}")
+if not torch.cuda.is_available():
+    sys.exit("FAIL: torch.cuda.is_available() is False: the CUDA tests would only be skipped")
+p = torch.cuda.get_device_properties(0)
+print(f"cuda:0 {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
+      f"{torch.cuda.device_count()} device(s), {p.multi_processor_count} SMs")
+x = torch.randn(1024, 1024, device="cuda", dtype=torch.float64)
+print(f"smoke: float64 matmul on the GPU vs the CPU, max |diff| {((x @ x).cpu() - x.cpu() @ x.cpu()).abs().max().item():.1e}")
+EOF
+cat "$WORK/device.txt"
+DEVICE=$(grep '^cuda:0' "$WORK/device.txt" | cut -d, -f1 | cut -c8- || true)
+if [ ${#FAILED[@]} -ne 0 ]; then
+    echo "GPU check FAILED: no usable CUDA device (${FAILED[*]})"
+    exit 1
+fi
+
+section "(a) pytest -m cuda tests/test_cuda.py"
+run "(a) CUDA tests" "$T_TESTS" "$WORK/pytest.txt" \
+    "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --tb=short --show-capture=no \
+    --durations=5 -o junit_family=xunit1 --junitxml="$WORK/cuda.xml"
+tail -n 60 "$WORK/pytest.txt"
+
+section "(b) the main job on the GPU"
+run "(b) main job" "$T_MAIN" "$WORK/main.txt" bash -c \
+    'TIMEFORMAT="wall %R s (user %U s, sys %S s)"; time "$@"' _ \
+    "$PY" -m lit_slowcal fit --config configs/slowcal.yaml --wandb=false --trainer.accelerator=gpu \
+    --trainer.enable_progress_bar=false --run_dir "$WORK/runs"
+if grep -q "lit_slowcal summary" "$WORK/main.txt"; then
+    sed -n '/lit_slowcal summary/,/wall time/p' "$WORK/main.txt"
+    grep '^wall ' "$WORK/main.txt" || true
+else
+    tail -n 30 "$WORK/main.txt"
+    FAILED+=("(b) main job (no summary)")
+fi
+
+section "(d) benchmarks/bench_local_training.py --device cuda"
+run "(d) training benchmark" "$T_BENCH" "$WORK/bench.txt" \
+    "$PY" benchmarks/bench_local_training.py --device cuda --repeats 3 --large-machines 1024 --large-local-steps 16
+tail -n 25 "$WORK/bench.txt"
+
+section "summary"
+rc=0
+"$PY" - "$WORK" "$DEVICE" "${FAILED[@]+"${FAILED[@]}"}" <<'EOF' || rc=$?
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+work, device, failed = sys.argv[1], sys.argv[2], sys.argv[3:]
+print(f"device {device}")
+for line in open(os.path.join(work, "device.txt")):
+    if line.startswith("python "):
+        print("  " + line.strip())
+
+xml = os.path.join(work, "cuda.xml")
+cases = []
+if os.path.exists(xml):
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    print(f"(a) CUDA tests: {suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} errors, "
+          f"{suite.get('skipped')} skipped, {float(suite.get('time')):.1f} s")
+    if suite.get("tests") in (None, "0") or suite.get("skipped") not in (None, "0"):
+        failed.append("(a) CUDA tests did not all run")
+    for case in suite.iter("testcase"):
+        outcome = "FAIL" if case.find("failure") is not None or case.find("error") is not None else (
+            "SKIP" if case.find("skipped") is not None else "ok")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        cases.append((case.get("name"), outcome, float(case.get("time", 0)), props))
+        figures = "  ".join(f"{k}={v}" for k, v in props.items())
+        print(f"  {outcome:4s} {float(case.get('time', 0)):5.1f} s  {case.get('name')}  {figures}")
+else:
+    print("(a) CUDA tests: no JUnit XML (the run did not finish)")
+
+main = open(os.path.join(work, "main.txt")).read() if os.path.exists(os.path.join(work, "main.txt")) else ""
+acc = re.search(r"final test accuracy (\S+)\s+test loss (\S+)", main)
+wall = re.search(r"^wall (\S+) s", main, re.M)
+if acc:
+    print(f"(b) main job on the GPU: final test accuracy {acc[1]} (CPU 0.9143, |diff| {abs(float(acc[1]) - 0.9143):.4f}, "
+          f"tolerance 0.003)   test loss {acc[2]} (CPU 0.3012)   wall {wall[1] if wall else '?'} s")
+    if abs(float(acc[1]) - 0.9143) > 0.003:
+        failed.append("(b) main job accuracy off the CPU figure")
+else:
+    print("(b) main job on the GPU: no summary")
+
+loops = [c for c in cases if c[0].startswith("test_plain_torch_loop")]
+for name, outcome, _, props in loops:
+    print(f"(c) {name[name.find('['):]} 2 processes vs 1 on the GPU (M=4): {outcome}, "
+          f"max |diff| {props.get('max_abs_diff_P2_P1', '?')} (tolerance 1e-6), wall P=1 {props.get('wall_s_P1', '?')} s, "
+          f"P=2 {props.get('wall_s_P2', '?')} s")
+if not loops:
+    print("(c) no result")
+
+bench = open(os.path.join(work, "bench.txt")).read() if os.path.exists(os.path.join(work, "bench.txt")) else ""
+keep = ("M=", "  minimal loop (autograd) ", "  Lightning, training epoch ", "Lightning / minimal (autograd)",
+        "peak GPU memory", "cross-check", "  peak GPU memory", "  Lightning, training epoch, second")
+lines = [l for l in bench.splitlines() if l.startswith(keep)]
+print("(d) training benchmark (--device cuda):" if lines else "(d) training benchmark: no figures")
+for line in lines:
+    print("  " + line.strip()[:220])
+if "DIFFERENT" in bench:
+    failed.append("(d) Lightning and the minimal loop disagree on the GPU")
+
+print("GPU check " + ("PASSED" if not failed else "FAILED: " + "; ".join(failed)))
+sys.exit(1 if failed else 0)
+EOF
+echo "total wall $((SECONDS - T0)) s"
+exit $rc
