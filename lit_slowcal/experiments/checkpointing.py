@@ -3,6 +3,7 @@ by the core's ``AtomicCheckpointIO``)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -23,6 +24,17 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(self, every_n_train_steps: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps, **kwargs)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning 2.6 warns at every save under manual optimization that the checkpoint holds the
+        # state after the optimizer step. That is the state wanted here: a round's checkpoint holds
+        # the model, optimizer and data position after the round, which is what an exact resume needs.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
