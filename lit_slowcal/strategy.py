@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -41,6 +43,11 @@ class PeriodicAveragingStrategy(DDPStrategy):
     ``average_state``; ``SimulatedMachines`` are averaged over their machine dimension and the
     processes, so M = world_size x m machines take part with equal weight. Rank 0's weights are
     broadcast at setup, so all machines start from the same point.
+
+    A fit in one process (``devices=1``, one node) sets up no ``torch.distributed`` process group:
+    there is nobody to communicate with, the averager averages the simulated machines in place, and
+    Lightning's barrier, broadcast and reduce are the identity without one. (``validate`` and
+    ``test`` still set one up, as ``DDPStrategy`` syncs the module states through it there.)
 
     Args:
         sync_every: K, the number of optimizer steps between synchronisations (>= 1). It can also
@@ -106,6 +113,25 @@ class PeriodicAveragingStrategy(DDPStrategy):
     def floats_communicated(self) -> int:
         """Floats one machine has sent so far (all optimizers' averagers)."""
         return sum(a.floats_communicated for a in self.averagers.values())
+
+    def setup_distributed(self) -> None:
+        # One process fitting: no process group (its set-up, and the gloo collectives that
+        # torchmetrics and Lightning then run on every evaluation, cost time for nothing). What
+        # DDPStrategy.setup_distributed does besides is kept: re-seeding and the world ranks.
+        if self.num_nodes * self.num_processes == 1 and self._fitting():
+            log.debug(f"{type(self).__name__}: one process, no process group")
+            reset_seed()
+            self.set_world_ranks()
+            return
+        super().setup_distributed()
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        try:
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return False
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     def configure_ddp(self) -> None:
         # No DistributedDataParallel wrapper: gradients stay local. Start every rank from rank 0's

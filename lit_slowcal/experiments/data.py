@@ -24,7 +24,7 @@ from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
 
-__all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "MNIST_MEAN", "MNIST_STD"]
+__all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 MNIST_TRAIN_SIZE = 60_000
@@ -108,6 +108,41 @@ def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tenso
     _CACHE.clear()
     _CACHE[key] = (out[0], out[1], out[2], out[3])
     return _CACHE[key]
+
+
+#: Per process, the most splits (and their figures) kept for the runs that follow (a sweep's runs
+#: repeat a few (M, seed) pairs).
+_CACHE_SIZE = 32
+# (M, alpha, balanced, seed) -> (the labels split, the shards); see partition_shards.
+_PARTITIONS: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
+# (counts shape, counts bytes, title) -> the class-distribution PNG.
+_FIGURES: dict[tuple, bytes] = {}
+
+
+def partition_shards(
+    labels: Tensor, num_machines: int, alpha: Optional[float], balanced: bool, seed: int
+) -> list[Tensor]:
+    """``partition(labels, num_machines, alpha, balanced=balanced, seed=seed)`` as int64 tensors.
+
+    Computed once per process for the same labels tensor (``load_mnist``'s) and settings: the runs
+    of a sweep that share M and the seed share the split. Every call returns its own copies, so a
+    caller that modifies its shards changes nobody else's.
+    """
+    # With the types: 1 == True == 1.0 as keys, but partition refuses some of them.
+    key = tuple((type(v), v) for v in (num_machines, alpha, balanced, seed))
+    try:
+        hit = _PARTITIONS.get(key)
+    except TypeError:  # an unhashable argument: partition says what is wrong with it
+        key, hit = None, None
+    if hit is None or hit[0] is not labels:
+        split = partition(labels.numpy(), num_machines, alpha, balanced=balanced, seed=seed)
+        hit = (labels, [torch.from_numpy(s) for s in split])
+        if key is not None:
+            _PARTITIONS.pop(key, None)
+            _PARTITIONS[key] = hit
+            while len(_PARTITIONS) > _CACHE_SIZE:
+                _PARTITIONS.pop(next(iter(_PARTITIONS)))
+    return [s.clone() for s in hit[1]]
 
 
 def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
@@ -282,9 +317,7 @@ class MNISTDataModule(pl.LightningDataModule):
             return
         world, rank = self._layout()
         x, y, self.test_x, self.test_y = load_mnist(self.root)
-        self.shards = [torch.from_numpy(s) for s in partition(
-            y.numpy(), self.num_machines, self.dirichlet_alpha, balanced=self.balanced, seed=self.seed
-        )]
+        self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.balanced, self.seed)
         m = self.num_machines // world
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
@@ -305,11 +338,26 @@ class MNISTDataModule(pl.LightningDataModule):
         alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
         title = f"Class distribution across {self.num_machines} machines ({alpha}{', balanced' if self.balanced else ''})"
         self.partition_png = folder / "class_distribution.png"
-        figure = plot_class_distribution(self.class_counts(), self.partition_png, title=title)
+        counts = self.class_counts()
+        # Drawing the figure takes longer than a short run trains; the runs of a sweep that share a
+        # split (same M and seed) share its PNG, drawn once per process and copied.
+        key = (counts.shape, counts.tobytes(), title)
+        png = _FIGURES.get(key)
+        figure = None
+        if png is None:
+            figure = plot_class_distribution(counts, self.partition_png, title=title)
+            _FIGURES[key] = png = self.partition_png.read_bytes()
+            while len(_FIGURES) > _CACHE_SIZE:
+                _FIGURES.pop(next(iter(_FIGURES)))
+        else:
+            self.partition_png.parent.mkdir(parents=True, exist_ok=True)
+            self.partition_png.write_bytes(png)
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):  # WandbLogger
                 logger.log_image(key="class_distribution", images=[str(self.partition_png)])
             elif hasattr(getattr(logger, "experiment", None), "add_figure"):  # TensorBoardLogger
+                if figure is None:
+                    figure = plot_class_distribution(counts, title=title)
                 logger.experiment.add_figure("class_distribution", figure)
 
     def state_dict(self) -> dict[str, int]:

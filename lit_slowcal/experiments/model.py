@@ -131,8 +131,11 @@ class LogisticRegression(pl.LightningModule):
         strategy = self.trainer.strategy
         rounds_done = batches_started(self.trainer)  # over all epochs, this one included
         # One check per round (a single host sync): a non-finite loss, or parameters that became
-        # non-finite in the round's last step, stop the run instead of training on NaNs.
-        finite = torch.isfinite(round_loss) & torch.stack([p.isfinite().all() for p in self.machines.parameters()]).all()
+        # non-finite in the round's last step, stop the run instead of training on NaNs. A tensor is
+        # finite when its min and max are (aminmax propagates NaN): one pass without a boolean copy,
+        # several times faster than isfinite().all() on the stacked weights.
+        extremes = [v for p in self.machines.parameters() for v in torch.aminmax(p.detach())]
+        finite = torch.isfinite(round_loss) & torch.isfinite(torch.stack(extremes)).all()
         if not finite:
             what = f"train loss {round_loss.item()}" if not torch.isfinite(round_loss) else "non-finite parameters"
             raise FloatingPointError(
@@ -183,7 +186,9 @@ class LogisticRegression(pl.LightningModule):
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
         logits = self.machines.forward_averaged(x)
-        self.test_acc(logits, y)
+        # Logged per epoch (Lightning computes and resets it at the end of the evaluation): update
+        # only; calling the metric would also compute this batch's accuracy, which nobody reads.
+        self.test_acc.update(logits, y)
         self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
         self.log("test_acc", self.test_acc, prog_bar=True)
         if self.trainer.state.fn == "fit":

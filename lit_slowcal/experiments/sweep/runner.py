@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -123,6 +124,39 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _trial_cli() -> Any:
+    """``SlowcalCLI`` for trials: it keeps the trainer reachable when fit raises, and builds its parsers once.
+
+    Building the parsers (jsonargparse reads the signature of the Trainer, the model and the data
+    module, for each of the four subcommands) takes longer than a short run trains; the parsers
+    depend on nothing but the class, so the first trial of the process builds them and the next
+    ones reuse them. Each trial still parses its own arguments (and reads its config file) afresh.
+    """
+    from lit_slowcal.experiments.cli import SlowcalCLI
+
+    built: dict[str, dict[str, Any]] = {}
+
+    class TrialCLI(SlowcalCLI):
+        last: Optional["TrialCLI"] = None  # the running trial's CLI
+
+        def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]) -> None:
+            # What setup_parser sets on the CLI (the parser, the subcommand parsers and the names of
+            # their method arguments), recorded once and set again on every later trial's CLI.
+            key = repr((add_subcommands, main_kwargs, subparser_kwargs))
+            if key not in built:
+                before = dict(vars(self))
+                super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+                built[key] = {k: v for k, v in vars(self).items() if k not in before or before[k] is not v}
+            vars(self).update(built[key])
+
+        def before_instantiate_classes(self) -> None:
+            type(self).last = self  # keeps the trainer reachable when fit raises
+            super().before_instantiate_classes()
+
+    return TrialCLI
+
+
 def run_trial(args: Sequence[str]) -> dict[str, Any]:
     """Run ``SlowcalCLI(args=args)`` here; never raises for a failing run.
 
@@ -137,20 +171,13 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.experiments.cli import SlowcalCLI
-
-    started: list[Any] = []
-
-    class _TrialCLI(SlowcalCLI):
-        def before_instantiate_classes(self) -> None:
-            started.append(self)  # keeps the trainer reachable when fit raises
-            super().before_instantiate_classes()
-
+    trial_cli = _trial_cli()
+    trial_cli.last = None
     status, error = "finished", None
     start = time.perf_counter()
     with _trial_environment():
         try:
-            _TrialCLI(args=list(args))
+            trial_cli(args=list(args))
         except SIGTERMException:  # Lightning's form of SIGTERM: stop the sweep, not just this trial
             status = "interrupted"
             raise
@@ -169,7 +196,8 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
         finally:
             _finish_wandb(failed=status != "finished")
     wall = time.perf_counter() - start
-    trainer = getattr(started[0], "trainer", None) if started else None
+    trainer = getattr(trial_cli.last, "trainer", None)
+    trial_cli.last = None
     metrics: dict[str, Optional[float]] = {}
     run_dir = None
     if trainer is not None:
