@@ -128,6 +128,8 @@ BAD_INPUT = [
     (["--data.root={empty}"], ["missing from", "MNIST/raw", "train-images-idx3-ubyte.gz", "data.root"]),
     (["--data.root={size}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "100 bytes, expected 60008"]),
     (["--data.root={magic}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "magic number 2051, expected 2049"]),
+    (["--threads=-1"], ["Invalid threads: '-1'", "auto", "0 for torch's default", ">= 1"]),
+    (["--threads=x"], ["Invalid threads: 'x'", "auto", "0 for torch's default", ">= 1"]),
 ]
 
 

@@ -38,6 +38,7 @@ from lit_slowcal._validation import check_int, is_int
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "per_step_batch", "run", "steps_per_round"]
@@ -142,6 +143,13 @@ class SlowcalCLI(LightningCLI):
         )
         parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
         parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
+        parser.add_argument(
+            "--threads",
+            type=THREADS_TYPE,
+            default="auto",
+            help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/threads.py; keeps "
+            "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
+        )
         parser.link_arguments("method", "model.method")
         parser.link_arguments("num_machines", "model.num_machines")
         parser.link_arguments("num_machines", "data.num_machines")
@@ -155,8 +163,29 @@ class SlowcalCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
 
     def before_instantiate_classes(self) -> None:
+        self._configure_threads()
         if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
             self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
+
+    def _configure_threads(self) -> None:
+        """Torch's threads for this run (``--threads``), set before the trainer and its launcher exist."""
+        trainer = self.setting("trainer") or {}
+        processes = _processes_per_node(trainer.get("devices"), trainer.get("accelerator"))
+        nodes = trainer.get("num_nodes")
+        world = processes * (nodes if is_int(nodes) and nodes > 0 else 1)
+        features = self.setting("model.input_dim") or 784
+        if self.subcommand in (None, "fit"):
+            machines = self.setting("num_machines")
+            work = WorkSize(
+                machines=max(1, machines // world) if is_int(machines) else 1,
+                samples=per_step_batch(self.setting("method"), self.setting("local_steps"), self.setting("batch_size")),
+                features=features,
+                per_process=world > 1,
+            )
+        else:  # validate, test, predict: one forward of the averaged model per evaluation batch
+            work = WorkSize(1, self.setting("data.eval_batch_size") or 1, features, what="evaluation batch")
+        rank_zero = all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+        configure_threads(self.setting("threads"), work, processes=processes, verbose=rank_zero)
 
     def last_checkpoint(self) -> Path:
         """The newest ``last.ckpt`` of this run (same method, M, K, b and seed) under ``run_dir``.
@@ -294,6 +323,24 @@ class SlowcalCLI(LightningCLI):
         if data.partition_png is not None:
             lines.append(f"  class distribution: {data.partition_png}")
         print("\n".join(lines), flush=True)
+
+
+def _processes_per_node(devices: Any, accelerator: Any) -> int:
+    """The processes a Trainer with these settings starts on this node (1 where it cannot tell)."""
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    if isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            return max(1, len([d for d in text.split(",") if d.strip()]))
+        devices = int(text) if text.lstrip("-").isdigit() else text
+    if is_int(devices) and devices > 0:
+        return devices
+    if devices in (-1, "auto") and str(accelerator) in ("gpu", "cuda", "auto"):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
 
 
 def _seed(seed: Any) -> int:
