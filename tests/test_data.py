@@ -11,8 +11,15 @@ import torch
 import torchvision
 
 import lit_slowcal.experiments.data as data_module
-from lit_slowcal.experiments.data import MNIST_MEAN, MNIST_STD, MachineStreams, MNISTDataModule, load_mnist
-from lit_slowcal.experiments.partition import plot_class_distribution
+from lit_slowcal.experiments.data import (
+    MNIST_MEAN,
+    MNIST_STD,
+    MachineStreams,
+    MNISTDataModule,
+    load_mnist,
+    partition_shards,
+)
+from lit_slowcal.experiments.partition import partition, plot_class_distribution
 
 DATA = Path(__file__).parents[1] / "data"
 FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
@@ -378,3 +385,105 @@ def test_partition_plot_is_written(cached_mnist, tmp_path):
     assert path.stat().st_size > 1000
     assert len(fig.axes[0].collections[0].get_offsets()) == int((counts > 0).sum())
     assert fig.axes[0].get_title() == "Class distribution across 16 machines"
+
+
+# ------------------------------------------------------- the split and its figure, once per process
+
+
+@pytest.fixture
+def counted_partition(monkeypatch):
+    """An empty split cache, and the (M, alpha, balanced, seed) of every split actually computed."""
+    calls = []
+    real = data_module.partition
+
+    def counting(labels, num_machines, alpha, *, balanced=False, seed=0, **kwargs):
+        calls.append((num_machines, alpha, balanced, seed))
+        return real(labels, num_machines, alpha, balanced=balanced, seed=seed, **kwargs)
+
+    monkeypatch.setattr(data_module, "partition", counting)
+    monkeypatch.setattr(data_module, "_PARTITIONS", {})
+    return calls
+
+
+def test_split_is_computed_once_per_settings_and_handed_out_as_copies(mnist, counted_partition):
+    y = mnist[1]
+    expected = [torch.from_numpy(s) for s in partition(y.numpy(), 16, 0.1, balanced=True, seed=7)]
+    first = partition_shards(y, 16, 0.1, True, 7)
+    assert len(first) == 16 and all(torch.equal(a, b) for a, b in zip(first, expected))
+    for shard in first:  # a run that scribbles over its shards...
+        shard.fill_(-1)
+    second = partition_shards(y, 16, 0.1, True, 7)
+    assert counted_partition == [(16, 0.1, True, 7)]  # ...and the next run with the same settings
+    assert all(torch.equal(a, b) for a, b in zip(second, expected))  # gets the split intact
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(first, second))
+
+    # Any other setting, or other labels, is a split of its own.
+    partition_shards(y, 16, 0.1, True, 8)
+    partition_shards(y, 16, 0.1, False, 7)
+    partition_shards(y, 32, 0.1, True, 7)
+    partition_shards(y, 16, None, True, 7)
+    partition_shards(y.clone(), 16, 0.1, True, 7)
+    assert len(counted_partition) == 6
+    # A value partition refuses is refused every time, even when an equal one is cached (1 == True).
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Invalid balanced"):
+            partition_shards(y, 16, 0.1, 1, 7)
+
+
+def test_data_modules_of_the_same_split_share_it_and_cannot_corrupt_each_other(cached_mnist, counted_partition):
+    first = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, balanced=True, seed=2)
+    first.setup("fit")
+    expected = [s.clone() for s in first.shards]
+    indices = first.train_dataloader().indices(0)
+    first.shards[0].zero_()
+    first.train_dataloader().shards[1].zero_()
+    second = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, balanced=True, seed=2)
+    second.setup("fit")
+    assert len(counted_partition) == 1
+    assert all(torch.equal(a, b) for a, b in zip(second.shards, expected))
+    assert torch.equal(second.train_dataloader().indices(0), indices)
+
+
+class FigureLogger:
+    """A logger taking figures (TensorBoard's interface)."""
+
+    def __init__(self):
+        self.figures = []
+        self.experiment = SimpleNamespace(add_figure=lambda key, figure: self.figures.append((key, figure)))
+
+
+def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mnist, tmp_path, monkeypatch):
+    drawn = []
+    real = data_module.plot_class_distribution
+
+    def counting(counts, path=None, **kwargs):
+        drawn.append(path)
+        return real(counts, path, **kwargs)
+
+    monkeypatch.setattr(data_module, "plot_class_distribution", counting)
+    monkeypatch.setattr(data_module, "_FIGURES", {})
+
+    def setup(folder, num_machines=8, loggers=()):
+        dm = MNISTDataModule(num_machines=num_machines, dirichlet_alpha=0.1, seed=4)
+        dm.trainer = SimpleNamespace(
+            world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / folder),
+            default_root_dir=str(tmp_path), loggers=list(loggers),
+        )  # fmt: skip
+        dm.setup("fit")
+        return dm
+
+    first, second = setup("a"), setup("b")
+    assert len(drawn) == 1
+    assert first.partition_png == tmp_path / "a" / "class_distribution.png"
+    assert second.partition_png == tmp_path / "b" / "class_distribution.png"
+    assert second.partition_png.read_bytes() == first.partition_png.read_bytes()
+    fresh = tmp_path / "fresh.png"
+    real(first.class_counts(), fresh, title="Class distribution across 8 machines (Dirichlet alpha=0.1)")
+    assert first.partition_png.read_bytes() == fresh.read_bytes()
+    # A logger that takes the figure object still gets one; another split gets its own figure.
+    logger = FigureLogger()
+    setup("c", loggers=[logger])
+    assert [key for key, _ in logger.figures] == ["class_distribution"]
+    setup("d", num_machines=4)
+    assert len(drawn) == 3
+    assert (tmp_path / "d" / "class_distribution.png").read_bytes() != fresh.read_bytes()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import REPO, subprocess_env
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
@@ -184,6 +185,105 @@ def test_plain_module_one_machine_per_process_is_left_as_is_with_one_process():
     assert strategy.num_machines == 1
     # x and w of the one machine: 2 tensors each of 3 + 1 floats, sent twice.
     assert strategy.floats_communicated == 2 * 2 * (D + 1)
+
+
+class ProcessGroupProbe(pl.Callback):
+    """Records, after every training batch, whether torch.distributed has a process group."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(torch.distributed.is_initialized())
+
+
+def test_one_process_fits_without_a_process_group_and_still_syncs():
+    if torch.distributed.is_initialized():  # left by another test in this process
+        torch.distributed.destroy_process_group()
+    K, steps = 3, 10
+    probe, strategy = ProcessGroupProbe(), RecordingStrategy(sync_every=K)
+    module = Regression()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=machine_data(steps))
+    assert probe.seen == [False] * steps
+    assert not torch.distributed.is_initialized()
+    assert strategy.num_syncs == steps // K
+    assert [r[2] for r in strategy.records] == [step // K for step in range(1, steps + 1)]
+    assert all(same_x == (step % K == 0) for step, (same_x, _, _) in enumerate(strategy.records, 1))
+    # Lightning's collectives are the identity without a process group.
+    t = torch.arange(3.0)
+    strategy.barrier("no group")
+    assert strategy.broadcast({"a": 1}) == {"a": 1}
+    assert torch.equal(strategy.reduce(t), t) and torch.equal(strategy.all_gather(t), t)
+    assert strategy.reduce_boolean_decision(True) is True
+
+
+class ManualRegression(Regression):
+    """Regression under manual optimization: zero_grad, manual_backward, step."""
+
+    def __init__(self, optimizer: str = "slowcal") -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+class StepHooks(pl.Callback):
+    """Counts the hooks Lightning calls around each backward and optimizer step."""
+
+    def __init__(self):
+        self.calls = {"on_before_backward": 0, "on_after_backward": 0, "on_before_optimizer_step": 0}
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.calls["on_before_backward"] += 1
+
+    def on_after_backward(self, trainer, pl_module):
+        self.calls["on_after_backward"] += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.calls["on_before_optimizer_step"] += 1
+
+
+@pytest.mark.parametrize("optimizer", ["slowcal", "sgd"])
+def test_steps_skip_unimplemented_hooks_and_run_implemented_ones_with_the_same_result(optimizer, monkeypatch):
+    """Without step hooks the strategy calls backward and the optimizer directly (Lightning's
+    precision plugin is not involved); a callback implementing them gets every call. Same x either way."""
+    pre_backward = Precision.pre_backward
+    dispatched = []
+
+    def counting(self, tensor, module):
+        dispatched.append(1)
+        return pre_backward(self, tensor, module)
+
+    monkeypatch.setattr(Precision, "pre_backward", counting)
+    K, steps = 3, 10
+
+    def run(callbacks):
+        module, strategy = ManualRegression(optimizer), PeriodicAveragingStrategy(sync_every=K)
+        trainer = pl.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=machine_data(steps))
+        assert trainer.global_step == steps and strategy.num_syncs == steps // K
+        return {k: v.detach().clone() for k, v in module.machines.named_parameters()}
+
+    direct = run([])
+    assert dispatched == []
+    hooks = StepHooks()
+    hooked = run([hooks])
+    assert hooks.calls == dict.fromkeys(hooks.calls, steps)
+    assert len(dispatched) == steps
+    for name, value in direct.items():
+        assert torch.equal(value, hooked[name]), name
 
 
 def run_cli(out: Path, *args: str, **env_vars: str) -> list[dict]:

@@ -530,3 +530,39 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     assert "sweep interrupted" in capsys.readouterr().err
     records = read_records(results)
     assert [(r["params"]["method"], r["status"]) for r in records] == [("slowcal", "finished"), ("slowcal", "finished")]
+
+
+def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path, monkeypatch):
+    """The parsers are built by the first trial of the process and reused; every trial still gets
+    exactly the metrics and the saved config of a fresh ``SlowcalCLI`` run of its arguments."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lit_slowcal.experiments.cli import SlowcalCLI
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    builds = []
+    setup_parser = LightningCLI.setup_parser
+
+    def counting(self, *args, **kwargs):
+        builds.append(type(self).__name__)
+        return setup_parser(self, *args, **kwargs)
+
+    monkeypatch.setattr(LightningCLI, "setup_parser", counting)
+    common = ["fit", "--config", "configs/paper.yaml", "--wandb=false", "--num_machines=8", "--local_steps=4",
+              "--trainer.limit_train_batches=5", "--eval_every=2"]  # fmt: skip
+    trials = [["--method=slowcal"], ["--method=minibatch_sgd", "--model.lr=0.05"], ["--method=slowcal"]]
+    records = [sw.run_trial([*common, f"--run_dir={tmp_path / 'trials'}", *t]) for t in trials]
+    assert len(builds) <= 1  # none when an earlier test of this process built them already
+    assert all(r["status"] == "finished" for r in records)
+    assert records[0]["metrics"] == records[2]["metrics"] != records[1]["metrics"]
+
+    for trial, record in zip(trials[:2], records):
+        with runner._trial_environment():
+            fresh = SlowcalCLI(args=[*common, f"--run_dir={tmp_path / 'fresh'}", *trial])
+        metrics = {k: float(v) for k, v in fresh.trainer.callback_metrics.items()}
+        assert metrics == record["metrics"]
+        saved = yaml.safe_load((Path(record["run_dir"]) / "config.yaml").read_text())
+        expected = yaml.safe_load((Path(fresh.trainer.log_dir) / "config.yaml").read_text())
+        assert saved.pop("run_dir") == str(tmp_path / "trials") and expected.pop("run_dir") == str(tmp_path / "fresh")
+        assert saved == expected
