@@ -4,8 +4,10 @@
 2. Every trial's arguments are parsed by ``SlowcalCLI``'s own parser before anything runs
    (``CommandLine``): a parameter the CLI does not take, or a value it refuses, stops the sweep
    before the first run.
-3. Trials run one after another in this process (``run_trial``: ``SlowcalCLI(args=...)``; MNIST is
-   decoded once; one torch thread by default, see ``--threads``). A trial that raises is recorded
+3. Trials run one after another in this process (``run_trial``: ``SlowcalCLI(args=...)``; one torch
+   thread by default, see ``--threads``). What does not depend on the trial is set up once per
+   process: the CLI's parsers, MNIST decoded, each (M, seed) split and its figure; and a trial
+   trains in one process, without a process group. A trial that raises is recorded
    as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
@@ -140,7 +142,9 @@ def _trial_cli() -> Any:
     class TrialCLI(SlowcalCLI):
         last: Optional["TrialCLI"] = None  # the running trial's CLI
 
-        def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]) -> None:
+        def setup_parser(
+            self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+        ) -> None:
             # What setup_parser sets on the CLI (the parser, the subcommand parsers and the names of
             # their method arguments), recorded once and set again on every later trial's CLI.
             key = repr((add_subcommands, main_kwargs, subparser_kwargs))
