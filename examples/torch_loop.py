@@ -75,6 +75,7 @@ def train(rank: int, world: int, args: argparse.Namespace, init_file: str) -> No
         torch.save({k: v.cpu() for k, v in machines.averaged_state().items()}, args.out)
         print(f"{args.optimizer}: {averager.num_syncs} syncs, {averager.floats_communicated} floats sent per machine")
     if world > 1:
+        dist.barrier()  # no process tears gloo down while its peer still talks to it
         dist.destroy_process_group()
 
 

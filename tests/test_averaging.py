@@ -257,6 +257,7 @@ def _bucket_worker(rank, world, init_file, out):
     dist.all_gather_object(gathered, before)
     if rank == 0:
         torch.save({"sizes": sizes, "in_place": in_place, "before": gathered, "after": [p.detach() for p in model.parameters()]}, out)
+    dist.barrier()
     dist.destroy_process_group()
 
 
