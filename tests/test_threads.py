@@ -194,15 +194,18 @@ def test_validate_and_test_size_the_evaluation_batch(monkeypatch, capsys, restor
 # ---- end to end --------------------------------------------------------------------------------
 
 # Added to the job with --trainer.callbacks+=: torch's threads in every round and whether W&B is loaded.
-PROBE = """
+PROBE = r"""
 import os, sys, torch
 import lightning.pytorch as pl
 
 class Probe(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        print(f"probe: rank {trainer.global_rank} threads {torch.get_num_threads()} "
-              f"omp {os.environ.get('OMP_NUM_THREADS')} wandb {'wandb' in sys.modules}", flush=True)
+        line = (f"probe: rank {trainer.global_rank} threads {torch.get_num_threads()} "
+                f"omp {os.environ.get('OMP_NUM_THREADS')} wandb {'wandb' in sys.modules}\n")
+        os.write(1, line.encode())  # one write: the ranks share the pipe
 """
+
+PROBE_LINE = r"probe: rank \d+ threads \d+ omp \S+ wandb (?:True|False)"
 
 
 def run_job(tmp_path: Path, *args: str) -> str:
@@ -225,7 +228,7 @@ def test_the_main_job_trains_with_the_thread_count_it_prints(tmp_path):
     out = run_job(tmp_path)
     lines = re.findall(r"^threads: .*$", out, re.M)
     assert lines == ["threads: 1 (auto: 16 machines x 1 sample x 784 features per step; --threads N to choose)"]
-    probes = re.findall(r"^probe: .*$", out, re.M)
+    probes = re.findall(PROBE_LINE, out)
     assert probes == ["probe: rank 0 threads 1 omp 1 wandb False"] * 2  # and W&B is never imported
 
 
@@ -233,5 +236,5 @@ def test_ddp_processes_keep_the_chosen_count(tmp_path):
     # Lightning's launcher would give each of 2 processes CPUs / 2 threads; the exported count wins.
     out = run_job(tmp_path, "--trainer.devices=2", "--threads=2")
     assert re.findall(r"^threads: .*$", out, re.M) == ["threads: 2 (--threads 2)"]  # rank 0 only
-    probes = sorted(re.findall(r"^probe: .*$", out, re.M))
+    probes = sorted(re.findall(PROBE_LINE, out))
     assert probes == ["probe: rank 0 threads 2 omp 2 wandb False"] * 2 + ["probe: rank 1 threads 2 omp 2 wandb False"] * 2
