@@ -31,7 +31,7 @@ and 2 threads, for m * b = 16 ... 262,144 samples per step, idle and beside the 
 process (paused with SIGSTOP for the idle samples, so idle and busy samples alternate). A sample
 during which other processes used the CPUs is left out and the size measured again.
 
-    python benchmarks/bench_conditions.py [--repeats 2] [--limit 30] [--import-repeats 5] [--policies auto,default]
+    python benchmarks/bench_conditions.py [--repeats 2] [--limit 30] [--import-repeats 3] [--policies auto,default]
     python benchmarks/bench_conditions.py --steps [--step-repeats 5] [--shapes 16x1,64x1024]
 """
 
@@ -281,29 +281,41 @@ def conditions(repeats: int, import_repeats: int, limit: float, policies: tuple[
         imports(import_repeats, med[(policies[0], "alone setup")])
 
 
-def _import_seconds(module: str) -> float:
-    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
-    start = time.perf_counter()
+def _import_seconds(module: str) -> tuple[float, float, float]:
+    """A fresh interpreter importing ``module``: (the import alone, process start to the import's end,
+    the whole interpreter including its exit)."""
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t, time.time())"
+    start, wall = time.time(), time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True)
-    float(out.stdout)
-    return time.perf_counter() - start  # the whole interpreter: start-up and the import
+    wall = time.perf_counter() - wall
+    alone, done = (float(x) for x in out.stdout.split())
+    return alone, done - start, wall
 
 
 def imports(repeats: int, setup: float) -> None:
-    modules = ("torch", "lit_slowcal.experiments.cli", "lightning.pytorch", "torchmetrics")
-    times: dict[str, list[float]] = {m: [] for m in modules}
+    modules = ("torch", "lit_slowcal.experiments.cli", "lightning.pytorch", "torchmetrics", "torch._dynamo",
+               "matplotlib.pyplot")  # fmt: skip
+    times: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modules}
     for _ in range(repeats):
-        for module in modules:
+        for module in modules:  # alternating, so that noise hits all
             times[module].append(_import_seconds(module))
-    med = {m: statistics.median(v) for m, v in times.items()}
-    torch_s = med["torch"]
-    print(f"\nimports (a fresh interpreter each, python start-up included; median of {repeats})")
+    med = {m: [statistics.median(t[i] for t in v) for i in range(3)] for m, v in times.items()}
+    torch_import, torch_ready = med["torch"][0], med["torch"][1]
+    print(f"\nimports, a fresh interpreter each (median of {repeats}): the import; from starting the process to the "
+          "import's end; the whole interpreter, its exit included")  # fmt: skip
     for module in modules:
-        print(f"  import {module:<30} {med[module]:5.2f} s   {med[module] - torch_s:+5.2f} s against torch alone")
-    print(f"  torchmetrics (imported by Lightning) alone accounts for {med['torchmetrics'] - torch_s:.2f} s of the "
-          f"{med['lit_slowcal.experiments.cli'] - torch_s:.2f} s")  # fmt: skip
-    print(f"  the default job, from starting the process to its first training step: {setup:.2f} s, "
-          f"{setup - torch_s:+.2f} s against importing torch (goal <= +{GOAL_IMPORT_S:.0f} s)")
+        alone, ready, wall = med[module]
+        against = "(without torch)     " if module == "matplotlib.pyplot" else f"({alone - torch_import:+5.2f} s against torch)"
+        print(f"  import {module:<29} {alone:5.2f} s {against}   ready {ready:5.2f} s   whole {wall:5.2f} s")
+    cli_extra, metrics_extra = med["lit_slowcal.experiments.cli"][0] - torch_import, med["torchmetrics"][0] - torch_import
+    dynamo, pyplot = med["torch._dynamo"][0] - torch_import, med["matplotlib.pyplot"][0]
+    print(f"  torchmetrics, which Lightning imports when it loads (with torchvision and matplotlib), accounts for "
+          f"{metrics_extra:.2f} s of the cli's {cli_extra:+.2f} s; in it torch._dynamo {dynamo:.2f} s (through "
+          f"torchvision; Lightning imports it too: lightning.fabric.wrappers) and matplotlib.pyplot {pyplot:.2f} s")  # fmt: skip
+    if math.isfinite(setup):
+        print(f"  the default job, from starting the process to its first training step: {setup:.2f} s, "
+              f"{setup - torch_ready:+.2f} s against starting a process that imports torch (goal <= "
+              f"+{GOAL_IMPORT_S:.0f} s); {setup - torch_ready - metrics_extra:+.2f} s without torchmetrics' share")
 
 
 # ---- --steps: the measurement behind the auto rule ------------------------------------------
@@ -435,7 +447,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="repeats of every condition (default 2)")
     parser.add_argument("--policies", default="auto,default", help="auto, default or both (default auto,default)")
     parser.add_argument("--limit", type=float, default=30.0, help="stop a job still running after this many s (default 30)")
-    parser.add_argument("--import-repeats", type=int, default=5, help="fresh interpreters per import (default 5)")
+    parser.add_argument("--import-repeats", type=int, default=3, help="fresh interpreters per import (default 3)")
     parser.add_argument("--steps", action="store_true", help="print the step measurement behind --threads auto instead")
     parser.add_argument(
         "--shapes",
