@@ -31,7 +31,7 @@ and 2 threads, for m * b = 16 ... 262,144 samples per step, idle and beside the 
 process (paused with SIGSTOP for the idle samples, so idle and busy samples alternate). A sample
 during which other processes used the CPUs is left out and the size measured again.
 
-    python benchmarks/bench_conditions.py [--repeats 2] [--limit 30] [--import-repeats 3] [--policies auto,default]
+    python benchmarks/bench_conditions.py [--repeats 2] [--limit 20] [--import-repeats 3] [--policies auto,default]
     python benchmarks/bench_conditions.py --steps [--step-repeats 5] [--shapes 16x1,64x1024]
 """
 
@@ -446,7 +446,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="repeats of every condition (default 2)")
     parser.add_argument("--policies", default="auto,default", help="auto, default or both (default auto,default)")
-    parser.add_argument("--limit", type=float, default=30.0, help="stop a job still running after this many s (default 30)")
+    parser.add_argument("--limit", type=float, default=20.0, help="stop a job still running after this many s (default 20)")
     parser.add_argument("--import-repeats", type=int, default=3, help="fresh interpreters per import (default 3)")
     parser.add_argument("--steps", action="store_true", help="print the step measurement behind --threads auto instead")
     parser.add_argument(

@@ -205,7 +205,11 @@ def _cpus() -> int:
 
 
 def user_environ() -> dict[str, str]:
-    """The thread variables of ``os.environ``, less an ``OMP_NUM_THREADS`` this module exported itself."""
+    """The thread variables of ``os.environ``, less an ``OMP_NUM_THREADS`` this module exported itself.
+
+    A value Lightning's launcher exported in an earlier run of this process (one with ``--threads 0``)
+    counts as the user's, as does the sweep runner's: neither can be told from a user's setting.
+    """
     env = {name: os.environ[name] for name in THREAD_ENV_VARS if os.environ.get(name)}
     if _State.exported is not None and env.get("OMP_NUM_THREADS") == _State.exported:
         env.pop("OMP_NUM_THREADS")
