@@ -19,3 +19,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
+
+
+class Batches:
+    """An iterable of ready batches (a list would be read as several dataloaders)."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)

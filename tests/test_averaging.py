@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import REPO, subprocess_env
+from helpers import REPO, Batches, subprocess_env
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
@@ -36,17 +36,6 @@ def assert_close(a: dict, b: dict, tol: float) -> None:
         assert diff <= tol, f"{k}: max difference {diff:.3g} > {tol:g}"
 
 
-class _Steps:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x)
-
-    def __iter__(self):
-        return iter(zip(self.x, self.y))
-
-
 class _LeastSquares(pl.LightningModule):
     """The example's problem through Lightning's Trainer: M machines simulated in one process."""
 
@@ -70,7 +59,7 @@ def lightning_run(optimizer: str) -> dict:
         strategy=PeriodicAveragingStrategy(sync_every=K), accelerator="cpu", devices=1, max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(model, _Steps(x, y))
+    trainer.fit(model, Batches(zip(x, y)))
     assert trainer.strategy.num_syncs == STEPS // K
     return {k: v.detach() for k, v in model.machines.averaged_state().items()}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import REPO, subprocess_env
+from helpers import REPO, Batches, subprocess_env
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
@@ -154,19 +154,6 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         return SlowcalSGD(self.parameters(), lr=0.05)
-
-
-class Batches:
-    """An iterable of ready batches (a list would be read as several dataloaders)."""
-
-    def __init__(self, batches):
-        self.batches = list(batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
 
 
 def _destroy_process_group() -> None:

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, subprocess_env
+from helpers import REPO, Batches, subprocess_env
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
@@ -16,19 +16,6 @@ from torch import nn
 from lit_slowcal import PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
 
 M, D = 4, 3
-
-
-class Batches:
-    """An iterable of ready batches (a list would be read as several dataloaders)."""
-
-    def __init__(self, batches):
-        self.batches = list(batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
 
 
 def machine_data(steps: int, b: int = 2, seed: int = 0) -> Batches:
