@@ -94,11 +94,10 @@ def run_sweep(folder: Path, seeds: list[int] | None, threads: int) -> tuple[floa
 
 def _settings(method: str, local_steps: int) -> tuple[int, int, float]:
     """(steps per round, per-step batch, lr) of a method with b = 1, as the CLI links them."""
-    from lit_slowcal.experiments.model import PAPER_LR
+    from lit_slowcal.experiments.methods import get_method
 
-    if method == "minibatch_sgd":
-        return 1, local_steps, PAPER_LR[method]
-    return local_steps, 1, PAPER_LR[method]
+    entry = get_method(method)
+    return entry.steps_per_round(local_steps), entry.per_step_batch(local_steps, 1), entry.paper_lr
 
 
 def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mnist, eval_every: int = 10):
@@ -117,7 +116,7 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
     W = torch.zeros(num_machines, 10, 784, requires_grad=True)  # x_0 = 0 on every machine
     bias = torch.zeros(num_machines, 10, requires_grad=True)
     opt = SlowcalSGD([W, bias], lr=lr) if method == "slowcal" else torch.optim.SGD([W, bias], lr=lr)
-    sync_every = 1 if method == "minibatch_sgd" else local_steps
+    sync_every = steps
 
     def evaluate():
         with torch.no_grad():

@@ -3,6 +3,8 @@
 The core, importable with torch and lightning alone:
 
 * ``SlowcalSGD`` -- the optimizer of SLowcal-SGD (Dahan & Levy, NeurIPS 2024);
+* ``AcceleratedSGD`` -- AC-SA (Lan 2012), the Accelerated Minibatch-SGD baseline, and ``Scaffold`` --
+  SCAFFOLD (Karimireddy et al. 2020, option II), the paper's other baselines of Table 1;
 * ``PeriodicAverager`` -- averages parameters, floating buffers and declared optimizer state over
   all machines every K optimizer steps; framework-free (a plain torch loop, Fabric, Lightning);
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
@@ -19,16 +21,20 @@ core, ``lit_slowcal.experiments``, with extra dependencies: ``pip install "lit_s
 """
 
 from lit_slowcal import _registration
+from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.averaging import PeriodicAverager
 from lit_slowcal.files import atomic_path, atomic_write
 from lit_slowcal.optimizer import SlowcalSGD
+from lit_slowcal.scaffold import Scaffold
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
+    "AcceleratedSGD",
     "AtomicCheckpointIO",
     "PeriodicAverager",
     "PeriodicAveragingFabricStrategy",
     "PeriodicAveragingStrategy",
+    "Scaffold",
     "SimulatedMachines",
     "SlowcalSGD",
     "atomic_path",

@@ -2,15 +2,17 @@
 
 A ``LightningCLI`` whose four experiment settings live at the top level of the config, each in one
 place: ``method``, ``num_machines`` (M), ``local_steps`` (K) and ``batch_size`` (b). Everything that
-follows from them is computed here and linked into the model, the data and the trainer:
+follows from them is computed here, from the method's entry in ``lit_slowcal.experiments.methods``,
+and linked into the model, the data and the trainer:
 
-=================  ==================  ==================
-                   slowcal, local_sgd  minibatch_sgd
-=================  ==================  ==================
-sync period        K                   1
-per-step batch     b                   K * b
-steps per round    K                   1
-=================  ==================  ==================
+=================  ======================  ====================================
+                   slowcal, local_sgd,     minibatch_sgd, accel_minibatch_sgd
+                   scaffold
+=================  ======================  ====================================
+sync period        K                       1
+per-step batch     b                       K * b
+steps per round    K                       1
+=================  ======================  ====================================
 
 and R = ceil(60,000 / (M * K * b)) rounds make one epoch for every method.
 
@@ -28,7 +30,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 from jsonargparse import Namespace
@@ -41,13 +43,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_slowcal._validation import check_int, is_int
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
+from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "per_step_batch", "run", "steps_per_round"]
 
-Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
 
@@ -56,16 +58,13 @@ RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
 
 
 def steps_per_round(method: str, local_steps: int) -> int:
-    """Optimizer steps between synchronisations: K for the local methods, 1 for Minibatch-SGD."""
-    check_int("local_steps", local_steps)
-    return 1 if method == "minibatch_sgd" else local_steps
+    """Optimizer steps between synchronisations: K for the local methods, 1 for the minibatch methods."""
+    return get_method(method).steps_per_round(local_steps)
 
 
 def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
-    """Samples per machine per step: b, or K * b for Minibatch-SGD (same samples per round)."""
-    check_int("local_steps", local_steps)
-    check_int("batch_size", batch_size)
-    return local_steps * batch_size if method == "minibatch_sgd" else batch_size
+    """Samples per machine per step: b, or K * b for the minibatch methods (same samples per round)."""
+    return get_method(method).per_step_batch(local_steps, batch_size)
 
 
 def _val_check_interval(num_machines: int, local_steps: int, batch_size: int, eval_every: int) -> int:
@@ -136,7 +135,7 @@ class SlowcalCLI(LightningCLI):
         return self.run_config().get(key, default)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--method", type=Method, default="slowcal", help="slowcal, local_sgd or minibatch_sgd")
+        parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
         parser.add_argument("--num_machines", type=int, default=16, help="M, machines over all processes")
         parser.add_argument("--local_steps", type=int, default=16, help="K, local steps per round")
         parser.add_argument("--batch_size", type=int, default=1, help="b, samples per machine per local step")
@@ -291,7 +290,7 @@ class SlowcalCLI(LightningCLI):
                 f"trainer.strategy must be 'periodic_averaging' (or PeriodicAveragingStrategy); got "
                 f"{type(strategy).__name__}. The machines synchronise through it."
             )
-        strategy.sync_every = steps_per_round(self.setting("method"), self.setting("local_steps"))
+        strategy.sync_every = get_method(self.setting("method")).sync_period(self.setting("local_steps"))
         machines = self.setting("num_machines")
         if machines % trainer.world_size:
             raise ValueError(

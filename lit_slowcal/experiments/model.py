@@ -1,7 +1,7 @@
 """Multinomial logistic regression on MNIST, trained on m simulated machines per process.
 
-The three methods of the paper are configurations of the same model: the optimizer is
-``SlowcalSGD`` for ``slowcal`` and ``torch.optim.SGD`` for ``local_sgd`` and ``minibatch_sgd``; how
+Every method of the comparison is a configuration of the same model: its entry in
+``lit_slowcal.experiments.methods`` builds the optimizer from the model's hyperparameters; how
 often machines synchronise (K or 1) and how large the per-step batch is (b or K * b) are set on the
 strategy and the data, see ``lit_slowcal.experiments.cli``.
 """
@@ -18,15 +18,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_slowcal._lightning import batches_between_validations, batches_started
 from lit_slowcal._validation import check_int, check_number
-from lit_slowcal.optimizer import SlowcalSGD
+from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.simulated import SimulatedMachines
 
-__all__ = ["LogisticRegression", "METHODS", "PAPER_LR"]
-
-Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
-METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
-#: The learning rates the paper's grid search chose for MNIST (Section 6).
-PAPER_LR: dict[str, float] = {"slowcal": 0.01, "local_sgd": 0.01, "minibatch_sgd": 0.1}
+__all__ = ["LogisticRegression"]
 
 
 class LogisticRegression(pl.LightningModule):
@@ -39,13 +34,16 @@ class LogisticRegression(pl.LightningModule):
     model x (the machines' average) on plain ``(n, 784)`` batches, logging ``test_loss`` and ``test_acc``.
 
     Args:
-        method: ``slowcal``, ``local_sgd`` or ``minibatch_sgd``.
+        method: a name of ``lit_slowcal.experiments.methods.METHODS``.
         num_machines: M over all processes; each process hosts M / world_size of them.
-        lr: learning rate eta; ``None`` takes the paper's for the method (``PAPER_LR``).
+        lr: learning rate eta (gamma for AC-SA); ``None`` takes the method's paper-config rate
+            (``Method.paper_lr``).
         weight_power: p in alpha_t = (t + 1)^p (SLowcal only).
         scale_lr_by_weight: use eta * alpha_t as in Algorithm 2 (SLowcal only; the paper's
             experiments use a constant eta).
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
+        server_lr: SCAFFOLD's server step size eta_g (SCAFFOLD only; 1: x is the average of the
+            local models).
         weight_decay: L2 penalty added to every gradient.
         init: x_0 = 0 (``zeros``, the usual start of a convex problem: results then depend on the
             seed only through the data) or PyTorch's default random ``nn.Linear`` initialisation.
@@ -54,28 +52,32 @@ class LogisticRegression(pl.LightningModule):
 
     def __init__(
         self,
-        method: Method = "slowcal",
+        method: str = "slowcal",
         num_machines: int = 16,
         lr: Optional[float] = None,
         weight_power: float = 1.0,
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
+        server_lr: float = 1.0,
         weight_decay: float = 0.0,
         init: Literal["zeros", "default"] = "zeros",
         input_dim: int = 784,
         num_classes: int = 10,
     ) -> None:
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
+        entry = get_method(method)
         if init not in ("zeros", "default"):
             raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
         if lr is None:
-            lr = PAPER_LR[method]
+            lr = entry.paper_lr
         check_number("model.lr", lr)
         check_int("num_machines", num_machines)
         self.save_hyperparameters()
         self.hparams.lr = float(lr)
+        try:  # the method's own options, checked by its optimizer now rather than when training starts
+            entry.optimizer([torch.zeros(1)], self.hparams)
+        except ValueError as err:
+            raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
         self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -100,18 +102,7 @@ class LogisticRegression(pl.LightningModule):
         self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        h = self.hparams
-        params = self.machines.parameters()
-        if h.method == "slowcal":
-            return SlowcalSGD(
-                params,
-                lr=h.lr,
-                weight_power=h.weight_power,
-                scale_lr_by_weight=h.scale_lr_by_weight,
-                gamma=h.gamma,
-                weight_decay=h.weight_decay,
-            )
-        return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
+        return get_method(self.hparams.method).optimizer(self.machines.parameters(), self.hparams)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """One communication round: ``steps`` local steps on every machine, then (in the strategy) the sync.
@@ -182,6 +173,27 @@ class LogisticRegression(pl.LightningModule):
         every = batches_between_validations(trainer)  # None: validation is time based
         if last_batch and last_epoch and (every is None or batches_started(trainer) % every != 0):
             trainer.should_stop = True
+
+    def _swap_output(self) -> None:
+        # An optimizer whose trained model is not its query point (AC-SA: x^ag, not x^md) exchanges
+        # the two in the parameters around an evaluation (optimizer protocol: swap_output()).
+        trainer = self._trainer
+        for optimizer in trainer.optimizers if trainer is not None else ():
+            swap = getattr(optimizer, "swap_output", None)
+            if callable(swap):
+                swap()
+
+    def on_validation_epoch_start(self) -> None:
+        self._swap_output()
+
+    def on_validation_epoch_end(self) -> None:
+        self._swap_output()
+
+    def on_test_epoch_start(self) -> None:
+        self._swap_output()
+
+    def on_test_epoch_end(self) -> None:
+        self._swap_output()
 
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch

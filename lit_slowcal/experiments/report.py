@@ -20,13 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.files import atomic_path, atomic_write
 
 __all__ = ["Cell", "aggregate", "load_results", "main", "markdown_table", "plot_metric"]
 
-#: Methods in the paper's order, with the paper's names.
-METHOD_LABELS = {"slowcal": "SLowcal-SGD", "local_sgd": "Local-SGD", "minibatch_sgd": "Minibatch-SGD"}
-METHOD_COLORS = {"slowcal": "tab:red", "local_sgd": "tab:blue", "minibatch_sgd": "tab:green"}
 _KEYS = ("method", "num_machines", "local_steps")
 _SEED = "seed_everything"
 
@@ -65,7 +63,12 @@ def load_results(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _methods(found: Sequence[str]) -> list[str]:
-    return [m for m in METHOD_LABELS if m in found] + sorted(m for m in set(found) if m not in METHOD_LABELS)
+    """The methods found: the registry's in its order, then any others by name."""
+    return [m for m in METHODS if m in found] + sorted(m for m in set(found) if m not in METHODS)
+
+
+def _label(method: str) -> str:
+    return METHODS[method].label if method in METHODS else method
 
 
 def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int, str], Cell]:
@@ -116,11 +119,13 @@ def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str
             if not points:
                 continue
             x = [k for k, _ in points]
-            color = METHOD_COLORS.get(method)
-            ax.plot(x, [c.mean for _, c in points], marker="o", color=color, label=METHOD_LABELS.get(method, method))
+            # A method outside the registry takes the next colour of matplotlib's cycle.
+            color = METHODS[method].color if method in METHODS else None
+            (line,) = ax.plot(x, [c.mean for _, c in points], marker="o", color=color, label=_label(method))
             ax.fill_between(
-                x, [min(c.values) for _, c in points], [max(c.values) for _, c in points], color=color, alpha=0.2, lw=0
-            )
+                x, [min(c.values) for _, c in points], [max(c.values) for _, c in points], color=line.get_color(),
+                alpha=0.2, lw=0,
+            )  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
@@ -128,7 +133,7 @@ def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str
         ax.set_xlabel("K (local steps per round)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
-    axes[0].legend()
+    axes[0].legend(fontsize="small")
     n = max((c.n for c in cells.values()), default=0)
     fig.suptitle(f"{title} (mean over {n} seeds, band: min to max)")
     # The temporary file's suffix is not the target's: the format is given, not inferred.
@@ -143,7 +148,7 @@ def markdown_table(
     """Rows (M, K); per method the test accuracy and test loss as mean ± std over seeds (best accuracy in bold)."""
     keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
     methods = _methods([method for _, _, method in [*acc, *loss]])
-    labels = [METHOD_LABELS.get(m, m) for m in methods]
+    labels = [_label(m) for m in methods]
     header = ["M", "K", *(f"{lab} acc" for lab in labels), *(f"{lab} loss" for lab in labels)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 

@@ -1,0 +1,132 @@
+r"""The methods of the paper's Table 1, one entry each: ``--method slowcal|local_sgd|...``.
+
+Everything the app knows about a method is its entry here: the optimizer built from the model's
+hyperparameters, the round's shape (sync period, steps per round, per-step batch), what a machine
+uploads per round, the paper-config learning rate, and its name and colour in the report. Nothing
+else in the app tests a method's name: a new method is one new entry of ``METHODS``.
+
+=====================  ===========  ===============  ==============  =================================
+method                 steps/round  per-step batch   uploads/round   optimizer
+=====================  ===========  ===============  ==============  =================================
+slowcal                K            b                2d (x, w)       ``SlowcalSGD``
+local_sgd              K            b                d (x)           ``torch.optim.SGD``
+minibatch_sgd          1            K * b            d (x)           ``torch.optim.SGD``
+accel_minibatch_sgd    1            K * b            d (x)           ``AcceleratedSGD`` (AC-SA)
+scaffold               K            b                2d (y, dc)      ``Scaffold`` (option II)
+=====================  ===========  ===============  ==============  =================================
+
+A round is one synchronisation: the sync period equals the steps per round, and every method
+draws K * b samples per machine per round. The minibatch methods send their new parameters (d
+floats), which carries the same information as the averaged gradient they stand for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lit_slowcal._validation import check_int
+from lit_slowcal.accelerated import AcceleratedSGD
+from lit_slowcal.optimizer import SlowcalSGD
+from lit_slowcal.scaffold import Scaffold
+
+__all__ = ["METHODS", "Method", "get_method", "method_names"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the comparison.
+
+    Attributes:
+        name: the ``--method`` value.
+        label, color: the method's name and matplotlib colour in the report.
+        local: K local steps of b samples per round (a local method), or one step on K * b samples
+            (a minibatch method).
+        uploads: d-sized vectors one machine sends per round.
+        paper_lr: the learning rate of the paper-config runs (``model.lr`` unset): the paper's for
+            its three methods, the choice of ``sweeps/lr.yaml`` for the others.
+        optimizer: ``(parameters, hparams) -> Optimizer``, ``hparams`` being the model's
+            hyperparameters (``lr``, ``weight_decay`` and the method's own options).
+        options: the model hyperparameters the method reads besides ``lr`` and ``weight_decay``.
+    """
+
+    name: str
+    label: str
+    color: str
+    local: bool
+    uploads: int
+    paper_lr: float
+    optimizer: Callable[[Iterable[Tensor], Any], Optimizer]
+    options: tuple[str, ...] = ()
+
+    def sync_period(self, local_steps: int) -> int:
+        """Optimizer steps between synchronisations."""
+        return self.steps_per_round(local_steps)
+
+    def steps_per_round(self, local_steps: int) -> int:
+        """Optimizer steps per round: K for a local method, 1 for a minibatch method."""
+        check_int("local_steps", local_steps)
+        return local_steps if self.local else 1
+
+    def per_step_batch(self, local_steps: int, batch_size: int) -> int:
+        """Samples per machine per step: b for a local method, K * b for a minibatch method."""
+        check_int("local_steps", local_steps)
+        check_int("batch_size", batch_size)
+        return batch_size if self.local else local_steps * batch_size
+
+    def floats_per_round(self, dim: int) -> int:
+        """Floats one machine sends per round for a model of ``dim`` parameters."""
+        return self.uploads * dim
+
+
+def _sgd(params: Iterable[Tensor], h: Any) -> Optimizer:
+    return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
+
+
+def _slowcal(params: Iterable[Tensor], h: Any) -> Optimizer:
+    return SlowcalSGD(
+        params, lr=h.lr, weight_power=h.weight_power, scale_lr_by_weight=h.scale_lr_by_weight, gamma=h.gamma,
+        weight_decay=h.weight_decay,
+    )  # fmt: skip
+
+
+def _accelerated(params: Iterable[Tensor], h: Any) -> Optimizer:
+    return AcceleratedSGD(params, lr=h.lr, weight_decay=h.weight_decay)
+
+
+def _scaffold(params: Iterable[Tensor], h: Any) -> Optimizer:
+    return Scaffold(params, lr=h.lr, server_lr=h.server_lr, weight_decay=h.weight_decay)
+
+
+#: The registry, in the report's order. paper_lr: the paper's grid search for its three methods
+#: (Section 6); sweeps/lr.yaml (M = 16, K = 16, seed 1) for the other two, see the README.
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("slowcal", "SLowcal-SGD", "tab:red", local=True, uploads=2, paper_lr=0.01, optimizer=_slowcal,
+               options=("weight_power", "scale_lr_by_weight", "gamma")),
+        Method("local_sgd", "Local-SGD", "tab:blue", local=True, uploads=1, paper_lr=0.01, optimizer=_sgd),
+        Method("minibatch_sgd", "Minibatch-SGD", "tab:green", local=False, uploads=1, paper_lr=0.1, optimizer=_sgd),
+        Method("accel_minibatch_sgd", "Accelerated Minibatch-SGD", "tab:purple", local=False, uploads=1,
+               paper_lr=0.01, optimizer=_accelerated),
+        Method("scaffold", "SCAFFOLD", "tab:orange", local=True, uploads=2, paper_lr=0.01, optimizer=_scaffold,
+               options=("server_lr",)),
+    )
+}  # fmt: skip
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def get_method(name: Any, field: str = "method") -> Method:
+    """The entry of ``name``; else one line naming the field, the value and the allowed names."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"Invalid {field}: {name!r} (allowed: {', '.join(METHODS)})") from None

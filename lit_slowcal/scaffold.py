@@ -1,0 +1,132 @@
+r"""SCAFFOLD (Karimireddy et al., ICML 2020) with full participation as a torch optimizer.
+
+S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich, A. T. Suresh, "SCAFFOLD: Stochastic
+Controlled Averaging for Federated Learning", ICML 2020, Algorithm 1 with every client sampled
+(S = N) and the control variates of option II. Only the local update and the control variates
+live here; the average over machines is the averager's (``lit_slowcal.averaging``), through the
+optimizer protocol: ``pre_sync`` computes each machine's new control variate and its change,
+the averager averages the local models y and the changes, ``post_sync`` takes the server step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from lit_slowcal._validation import check_number
+
+__all__ = ["Scaffold"]
+
+
+class Scaffold(Optimizer):
+    r"""SCAFFOLD's local steps and option-II control variates; the server step at each synchronisation.
+
+    Machine i keeps its control variate :math:`c_i` (``state["c_local"]``, never averaged) and a copy
+    of the server's :math:`c = \frac1M \sum_i c_i` (``state["c"]``) and of the round's start x
+    (``state["x"]``). With the parameters holding the local model :math:`y_i`:
+
+    .. math::
+       \begin{aligned}
+            &\textbf{local step:}\quad y_i \leftarrow y_i - \eta\,(g_i(y_i) + \lambda y_i - c_i + c)     \\
+            &\textbf{round end (pre\_sync):}\quad c_i^+ = c_i - c + \tfrac{1}{K\eta}(x - y_i),
+                \quad \Delta c_i = c_i^+ - c_i, \quad c_i \leftarrow c_i^+                            \\
+            &\textbf{average:}\quad \bar y = \tfrac1M \textstyle\sum_i y_i,
+                \quad \overline{\Delta c} = \tfrac1M \textstyle\sum_i \Delta c_i                      \\
+            &\textbf{server (post\_sync):}\quad x \leftarrow x + \eta_g (\bar y - x),
+                \quad c \leftarrow c + \overline{\Delta c}, \quad y_i \leftarrow x
+       \end{aligned}
+
+    K is the number of local steps the machine took since the last synchronisation (counted here);
+    :math:`\eta` is ``lr`` and :math:`\eta_g` ``server_lr`` (1 by default, when x is the average of the
+    local models). Each machine sends :math:`y_i` and :math:`\Delta c_i` per round, 2d floats, which is
+    what the averager averages (``averaged_state = ("delta_c",)``) and counts. All of it, the control
+    variates included, travels in ``state_dict()``: a resumed run continues exactly. Every operation
+    is elementwise, so parameters with a leading machine dimension (``SimulatedMachines``) keep one
+    :math:`c_i` per machine.
+
+    Args:
+        params: iterable of parameters or named_parameters, or of dicts defining parameter groups.
+        lr (float): the local step size :math:`\eta` (> 0).
+        server_lr (float, optional): the server step size :math:`\eta_g` (> 0, default: 1).
+        weight_decay (float, optional): L2 penalty :math:`\lambda` added to the gradient (default: 0).
+    """
+
+    #: The change of the control variate is averaged (and sent) with the local model y.
+    averaged_state: tuple[str, ...] = ("delta_c",)
+
+    def __init__(self, params: ParamsT, lr: float, *, server_lr: float = 1.0, weight_decay: float = 0.0) -> None:
+        defaults = {"lr": lr, "server_lr": server_lr, "weight_decay": weight_decay}
+        _check(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        _check({key: param_group.get(key, value) for key, value in self.defaults.items()})
+        super().add_param_group(param_group)
+
+    def _stepped(self) -> Iterator[tuple[Tensor, dict, dict]]:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state:
+                    yield p, state, group
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One local step: y <- y - lr (g + weight_decay y - c_i + c)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Scaffold does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["round_steps"] = 0  # K of this round so far
+                    state["x"] = p.clone(memory_format=torch.preserve_format)  # the round's start
+                    state["c_local"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # c_i
+                    state["c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["delta_c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                direction = p.grad - state["c_local"] + state["c"]
+                if group["weight_decay"] != 0:
+                    direction.add_(p, alpha=group["weight_decay"])
+                p.add_(direction, alpha=-group["lr"])
+                state["round_steps"] += 1
+        return loss
+
+    @torch.no_grad()
+    def pre_sync(self) -> None:
+        """Each machine's new control variate c_i and its change delta_c (what the round sends with y)."""
+        for p, state, group in self._stepped():
+            delta = state["delta_c"]
+            if state["round_steps"] == 0:
+                delta.zero_()
+                continue
+            # delta_c = c_i^+ - c_i = (x - y_i) / (K lr) - c
+            torch.sub(state["x"], p, out=delta).div_(state["round_steps"] * group["lr"]).sub_(state["c"])
+            state["c_local"].add_(delta)
+
+    @torch.no_grad()
+    def post_sync(self) -> None:
+        """The server step from the averaged y and delta_c; every machine starts the next round at x."""
+        for p, state, group in self._stepped():
+            x = state["x"]
+            if group["server_lr"] == 1:
+                x.copy_(p)  # x + 1 * (ybar - x) is ybar
+            else:
+                x.lerp_(p, group["server_lr"])
+            p.copy_(x)
+            state["c"].add_(state["delta_c"])
+            state["round_steps"] = 0
+
+
+def _check(options: dict) -> None:
+    check_number("lr", options["lr"])
+    check_number("server_lr", options["server_lr"])
+    check_number("weight_decay", options["weight_decay"], strict=False)
