@@ -32,3 +32,30 @@ class Batches:
 
     def __iter__(self):
         return iter(self.batches)
+
+
+class Quadratics:
+    """A small heterogeneous problem in float64: machine i minimises 0.5 (x - b_i)^T A_i (x - b_i),
+    with its own SPD A_i and minimum b_i, and sees at its t-th gradient a fixed noise xi_{t,i}."""
+
+    def __init__(self, machines: int = 4, dim: int = 3, steps: int = 64, seed: int = 0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        f64 = torch.float64
+        self.machines, self.dim = machines, dim
+        q = torch.randn(machines, dim, dim, generator=g, dtype=f64)
+        self.A = [q[i] @ q[i].T / dim + 0.3 * torch.eye(dim, dtype=f64) for i in range(machines)]
+        self.b = [3 * torch.randn(dim, generator=g, dtype=f64) for _ in range(machines)]
+        self.noise = 0.1 * torch.randn(steps, machines, dim, generator=g, dtype=f64)
+        self.x0 = torch.randn(dim, generator=g, dtype=f64)
+
+    def grad(self, i: int, x, t: int):
+        """Machine i's t-th stochastic gradient at x."""
+        return self.A[i] @ (x - self.b[i]) + self.noise[t, i]
+
+    def stacked_grad(self, xs, t: int):
+        """The gradients of all machines at their own points, stacked: ``(M, dim)``."""
+        import torch
+
+        return torch.stack([self.grad(i, xs[i], t) for i in range(self.machines)])

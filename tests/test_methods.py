@@ -1,0 +1,190 @@
+"""The methods registry: every method, built from its entry and run by the averager on simulated
+machines, against an independent float64 reference of its published update (plain loops over
+machines), and what each machine uploads."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import Quadratics
+from torch import nn
+
+from lit_slowcal import PeriodicAverager, SimulatedMachines
+from lit_slowcal.experiments.methods import METHODS, get_method
+
+M, DIM, K, ROUNDS = 4, 3, 5, 6
+LR = 0.05
+SERVER_LR = 0.7  # SCAFFOLD's eta_g, not 1: the server step is tested too
+
+
+def mean(vectors):
+    return sum(vectors) / len(vectors)
+
+
+# -- the references: the published updates, one plain loop over the machines ---------------------
+
+
+def ref_local_sgd(q):
+    x, t = q.x0.clone(), 0
+    for _ in range(ROUNDS):
+        ys = []
+        for i in range(M):
+            y = x.clone()
+            for k in range(K):
+                y = y - LR * q.grad(i, y, t + k)
+            ys.append(y)
+        x, t = mean(ys), t + K
+    return {"param": x}
+
+
+def ref_minibatch_sgd(q):
+    x = q.x0.clone()
+    for r in range(ROUNDS):  # one step per round on the machines' averaged gradient
+        x = x - LR * mean([q.grad(i, x, r) for i in range(M)])
+    return {"param": x}
+
+
+def ref_slowcal(q):
+    """Algorithm 2 with alpha_t = t + 1 and the authors' constant step (w_{t+1} = w_t - eta g_t)."""
+    x, w, t = q.x0.clone(), q.x0.clone(), 0
+    for _ in range(ROUNDS):
+        xs, ws = [], []
+        for i in range(M):
+            xi, wi = x.clone(), w.clone()
+            for k in range(K):
+                s = t + k
+                wi = wi - LR * q.grad(i, xi, s)
+                alpha_next, alpha_sum = s + 2, (s + 2) * (s + 3) / 2  # alpha_{s+1}, alpha_{0:s+1}
+                xi = (1 - alpha_next / alpha_sum) * xi + alpha_next / alpha_sum * wi
+            xs.append(xi)
+            ws.append(wi)
+        x, w, t = mean(xs), mean(ws), t + K
+    return {"param": x, "w": w}
+
+
+def ref_accel_minibatch_sgd(q):
+    """AC-SA (Lan 2012) on the averaged gradient, beta_s = (s+1)/2, gamma_s = (s+1)/2 gamma."""
+    x, x_ag = q.x0.clone(), q.x0.clone()
+    for s in range(1, ROUNDS + 1):
+        beta_inv = 2 / (s + 1)
+        x_md = beta_inv * x + (1 - beta_inv) * x_ag
+        g = mean([q.grad(i, x_md, s - 1) for i in range(M)])
+        x = x - (s + 1) / 2 * LR * g
+        x_ag = beta_inv * x + (1 - beta_inv) * x_ag
+    beta_inv = 2 / (ROUNDS + 2)
+    return {"param": beta_inv * x + (1 - beta_inv) * x_ag, "x": x, "x_ag": x_ag}
+
+
+def ref_scaffold(q):
+    """Karimireddy et al. 2020, Algorithm 1, all clients, option II control variates."""
+    x, t = q.x0.clone(), 0
+    c_local = [torch.zeros(DIM, dtype=torch.float64) for _ in range(M)]
+    c = torch.zeros(DIM, dtype=torch.float64)
+    for _ in range(ROUNDS):
+        ys, new_c = [], []
+        for i in range(M):
+            y = x.clone()
+            for k in range(K):
+                y = y - LR * (q.grad(i, y, t + k) - c_local[i] + c)
+            ys.append(y)
+            new_c.append(c_local[i] - c + (x - y) / (K * LR))
+        x = x + SERVER_LR * (mean(ys) - x)
+        c_local, c, t = new_c, mean(new_c), t + K
+    return {"param": x, "c": c, "c_local": torch.stack(c_local)}
+
+
+REFERENCES = {
+    "slowcal": ref_slowcal,
+    "local_sgd": ref_local_sgd,
+    "minibatch_sgd": ref_minibatch_sgd,
+    "accel_minibatch_sgd": ref_accel_minibatch_sgd,
+    "scaffold": ref_scaffold,
+}
+
+
+# -- the same through the registry, the averager and SimulatedMachines ---------------------------
+
+
+class Point(nn.Module):
+    def __init__(self, x0):
+        super().__init__()
+        self.x = nn.Parameter(x0.clone())
+
+
+def hparams(**overrides):
+    h = dict(lr=LR, weight_decay=0.0, weight_power=1.0, scale_lr_by_weight=False, gamma=None, server_lr=SERVER_LR)
+    return SimpleNamespace(**{**h, **overrides})
+
+
+def run_registry(name, q):
+    entry = get_method(name)
+    machines = SimulatedMachines(Point(q.x0), M)
+    optimizer = entry.optimizer(machines.parameters(), hparams())
+    averager = PeriodicAverager(machines, optimizer, sync_every=entry.sync_period(K))
+    p = machines.x
+    for t in range(ROUNDS * entry.steps_per_round(K)):
+        p.grad = q.stacked_grad(p.detach(), t)
+        optimizer.step()
+        averager.step()
+    assert averager.num_syncs == ROUNDS
+    state = optimizer.state[p]
+    got = {"param": p.detach()}
+    got.update({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return got, averager, machines
+
+
+def deviation(got, want):
+    dev = 0.0
+    for key, expected in want.items():
+        value = got[key]
+        if key != "c_local":  # everything else is the same on every machine after a round
+            expected = expected.expand_as(value)
+        dev = max(dev, (value - expected).abs().max().item())
+    return dev
+
+
+def test_the_registry_is_the_five_methods_of_table_1():
+    assert list(METHODS) == ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold"]
+    assert set(REFERENCES) == set(METHODS)
+    with pytest.raises(ValueError, match=r"Invalid method: 'fedavg' \(allowed: slowcal, local_sgd, minibatch_sgd, "
+                       r"accel_minibatch_sgd, scaffold\)"):  # fmt: skip
+        get_method("fedavg")
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_method_matches_its_published_update_in_float64(name):
+    q = Quadratics(M, DIM, steps=ROUNDS * K)
+    got, _, _ = run_registry(name, q)
+    want = REFERENCES[name](q)
+    dev = deviation(got, want)
+    assert dev <= 1e-10, f"{name}: max deviation {dev:.3g}"
+    # Not vacuous: the run moved far from x_0, and the machines' minima differ (heterogeneous).
+    assert (want["param"] - q.x0).abs().max() > 0.5
+    assert max((q.b[i] - q.b[0]).abs().max() for i in range(M)) > 1
+
+
+def test_the_methods_differ_on_this_problem():
+    q = Quadratics(M, DIM, steps=ROUNDS * K)
+    finals = {name: ref(q)["param"] for name, ref in REFERENCES.items()}
+    names = list(finals)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            assert (finals[names[a]] - finals[names[b]]).abs().max() > 1e-3, (names[a], names[b])
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_floats_communicated_is_what_each_method_uploads(name):
+    q = Quadratics(M, DIM, steps=ROUNDS * K)
+    _, averager, _ = run_registry(name, q)
+    entry = METHODS[name]
+    assert averager.floats_communicated == ROUNDS * entry.floats_per_round(DIM)
+    assert entry.floats_per_round(DIM) == {"slowcal": 2, "scaffold": 2}.get(name, 1) * DIM
+
+
+def test_round_shape_of_local_and_minibatch_methods():
+    for name, entry in METHODS.items():
+        local = name in ("slowcal", "local_sgd", "scaffold")
+        assert entry.steps_per_round(16) == entry.sync_period(16) == (16 if local else 1)
+        assert entry.per_step_batch(16, 2) == (2 if local else 32)
+    with pytest.raises(ValueError, match="Invalid local_steps: 0"):
+        METHODS["scaffold"].steps_per_round(0)
