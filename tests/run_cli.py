@@ -94,6 +94,11 @@ params = dict(cli.model.machines.stacked_parameters())
 state = {
     "params": {k: v.detach().clone() for k, v in params.items()},
     "w": {k: opt.state[p]["w"].clone() for k, p in params.items() if "w" in opt.state[p]},
+    # every method's whole per-parameter state (tensors and counts)
+    "state": {
+        k: {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in opt.state[p].items()}
+        for k, p in params.items()
+    },
     "collectives": dict(calls),
     "num_syncs": cli.trainer.strategy.num_syncs,
     "num_rounds": cli.datamodule.num_rounds,

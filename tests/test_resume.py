@@ -1,5 +1,6 @@
 """Exact resume: a run killed mid-training and resumed with ``--ckpt_path last`` ends bitwise where an
-uninterrupted run ends (parameters, optimizer state, metrics), for SLowcal-SGD and Local-SGD."""
+uninterrupted run ends (parameters, optimizer state, metrics), for SLowcal-SGD, Local-SGD,
+Accelerated Minibatch-SGD (AC-SA) and SCAFFOLD (control variates included)."""
 
 import subprocess
 import sys
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, subprocess_env
+
+from lit_slowcal.experiments.methods import get_method
 
 K = 4
 
@@ -33,7 +36,7 @@ def run(tmp_path: Path, out: str, method: str, *extra: str, kill: str = "") -> s
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     results = {}
-    for method in ("slowcal", "local_sgd"):
+    for method in ("slowcal", "local_sgd", "accel_minibatch_sgd", "scaffold"):
         tmp = tmp_path_factory.mktemp(method)
         proc = run(tmp, "full", method)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,6 +51,8 @@ def uninterrupted(tmp_path_factory):
         ("slowcal", "SIGTERM", 30 * K + 3, "mid round 31: stops gracefully after it, resumes from round 31"),
         ("local_sgd", "SIGKILL", 41 * K + 2, "between rounds: mid round 42, resumes from round 41"),
         ("local_sgd", "SIGTERM", 12 * K + 1, "first step of round 13: stops after it, resumes from round 13"),
+        ("scaffold", "SIGKILL", 37 * K + 3, "mid round 38, resumes from round 37 (c_i, c, x and the round's K)"),
+        ("accel_minibatch_sgd", "SIGKILL", 29, "one step a round: killed in round 29, resumes from round 28"),
     ],
 )
 def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, step, where):
@@ -56,8 +61,9 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, ste
     assert not (tmp_path / "killed").exists()  # it really died before finishing
     ckpts = list((tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt"))
     assert len(ckpts) == 1
-    rounds_saved = (step - 1) // K + (signal == "SIGTERM")  # SIGTERM: Lightning finishes the round first
-    assert torch.load(ckpts[0], weights_only=False)["global_step"] == rounds_saved * K
+    steps_per_round = get_method(method).steps_per_round(K)
+    rounds_saved = (step - 1) // steps_per_round + (signal == "SIGTERM")  # SIGTERM: Lightning finishes the round
+    assert torch.load(ckpts[0], weights_only=False)["global_step"] == rounds_saved * steps_per_round
 
     resumed = run(tmp_path, "resumed", method, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -68,6 +74,11 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, ste
     assert got["w"].keys() == want["w"].keys()
     for name in want["w"]:
         assert torch.equal(got["w"][name], want["w"][name]), name
+    for name, state in want["state"].items():
+        assert got["state"][name].keys() == state.keys()
+        for key, value in state.items():
+            same = torch.equal(got["state"][name][key], value) if isinstance(value, torch.Tensor) else got["state"][name][key] == value
+            assert same, (name, key)
     assert got["metrics"] == want["metrics"]
     assert got["metrics"]["round"] == 59
     # The interrupted run's logs are kept; the continuation logs into a new version folder.

@@ -281,14 +281,16 @@ def run_cli(out: Path, *args: str, **env_vars: str) -> list[dict]:
     return [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
 
 
-def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path):
+@pytest.mark.parametrize("method", ["slowcal", "accel_minibatch_sgd", "scaffold"])
+def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path, method):
     """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round,
-    and the initial weights are rank 0's on every rank."""
+    and the initial weights are rank 0's on every rank; for SLowcal-SGD, AC-SA (one step a round)
+    and SCAFFOLD (its per-machine control variates stay with their machines)."""
     common = [
         f"--data.root={REPO / 'data'}",
         "--wandb=false",
         "--trainer.enable_progress_bar=false",
-        "--method=slowcal",
+        f"--method={method}",
         "--num_machines=4",
         "--local_steps=16",
         "--batch_size=64",  # R = ceil(60000 / (4 * 16 * 64)) = 15 rounds: a whole epoch
@@ -305,7 +307,12 @@ def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path):
             got = state["params"][name]
             assert got.shape[0] == 2
             torch.testing.assert_close(got, expected[2 * rank : 2 * rank + 2], rtol=0, atol=1e-5)
-            torch.testing.assert_close(state["w"][name], one["w"][name][2 * rank : 2 * rank + 2], rtol=0, atol=1e-5)
+            for key, value in one["state"][name].items():
+                if isinstance(value, torch.Tensor):  # w; x, x_ag; x, c, c_local, delta_c
+                    want = value[2 * rank : 2 * rank + 2]
+                    torch.testing.assert_close(state["state"][name][key], want, rtol=0, atol=1e-5)
+                else:
+                    assert state["state"][name][key] == value
     assert one["num_rounds"] == 15
     for state in two:
         assert state["num_syncs"] == 15
