@@ -39,7 +39,7 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize(
     ("method", "floats_per_machine_per_round"),
-    [("slowcal", 2 * D), ("local_sgd", D), ("minibatch_sgd", D)],
+    [("slowcal", 2 * D), ("local_sgd", D), ("minibatch_sgd", D), ("accel_minibatch_sgd", D), ("scaffold", 2 * D)],
 )
 def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats_per_machine_per_round):
     M, K, b, rounds = 8, 4, 2, 12
@@ -111,7 +111,9 @@ def corrupt_root(tmp_path: Path, how: str) -> Path:
 
 BAD_INPUT = [
     # (arguments, texts the message must contain): field, value and what is allowed
-    (["--method=fedavg"], ["method", "fedavg", "slowcal", "local_sgd", "minibatch_sgd"]),
+    (["--method=fedavg"], ["method", "fedavg", "slowcal, local_sgd, minibatch_sgd, accel_minibatch_sgd, scaffold"]),
+    (["--method=scaffold", "--model.server_lr=0"], ["model.server_lr: 0", "> 0"]),
+    (["--method=accel_minibatch_sgd", "--model.weight_decay=-1"], ["model.weight_decay: -1", ">= 0"]),
     (["--local_steps=0"], ["local_steps: 0", ">= 1"]),
     (["--num_machines=-4"], ["num_machines: -4", ">= 1"]),
     (["--batch_size=0"], ["batch_size: 0", ">= 1"]),

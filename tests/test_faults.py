@@ -12,7 +12,7 @@ from lit_slowcal.experiments.main import main
 BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few seconds)
 
 
-@pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd"])
+@pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold"])
 def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, method):
     from lit_slowcal.experiments.model import LogisticRegression
 

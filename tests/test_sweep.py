@@ -18,6 +18,7 @@ import yaml
 from helpers import subprocess_env
 
 from lit_slowcal.experiments import sweep as sw
+from lit_slowcal.experiments.methods import METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -211,8 +212,30 @@ def test_paper_sweep_is_the_papers_grid_with_the_papers_learning_rates(command_l
     assert {t["local_steps"] for t in trials} == {4, 8, 16, 32, 64}
     assert {t["seed_everything"] for t in trials} == {1, 2, 3}
     cfg = command_line.parse(sw.trial_args(sweep, trials[0]))
-    assert cfg["fit.model.lr"] is None  # unset: LogisticRegression takes PAPER_LR[method]
+    assert cfg["fit.model.lr"] is None  # unset: LogisticRegression takes the method's paper_lr
     assert cfg["fit.batch_size"] == 1 and cfg["fit.data.dirichlet_alpha"] == 0.1 and cfg["fit.trainer.max_epochs"] == 1
+
+
+def test_table1_sweep_is_the_paper_grid_for_all_five_methods(command_line):
+    sweep = sw.load_sweep(REPO / "sweeps" / "table1.yaml")
+    trials = sw.expand_trials(sweep)
+    assert len(trials) == 225 and len({sw.trial_key(t) for t in trials}) == 225
+    assert {t["method"] for t in trials} == set(METHODS)
+    paper = {sw.trial_key(t) for t in sw.expand_trials(sw.load_sweep(REPO / "sweeps" / "paper.yaml"))}
+    assert paper < {sw.trial_key(t) for t in trials}
+    cfg = command_line.parse(sw.trial_args(sweep, trials[0]))
+    assert cfg["fit.model.lr"] is None
+
+
+def test_lr_sweep_covers_every_method_and_the_registry_holds_its_choice():
+    sweep = sw.load_sweep(REPO / "sweeps" / "lr.yaml")
+    assert {t["method"] for t in sw.expand_trials(sweep)} == set(METHODS)
+    records = [json.loads(line) for line in (REPO / "sweeps" / "results" / "lr.jsonl").read_text().splitlines()]
+    for name, entry in METHODS.items():
+        done = [r for r in records if r["params"]["method"] == name and r["status"] == "finished"]
+        assert len(done) == 6, name
+        best = max(done, key=lambda r: r["metrics"]["test_acc"])
+        assert best["params"]["model.lr"] == entry.paper_lr, name
 
 
 def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys):
