@@ -20,9 +20,15 @@ here. Every attribute is optional; ``torch.optim.SGD`` declares nothing and gets
     the parameters. ``SlowcalSGD`` declares ``("w",)``: its iterate w is averaged with its query point x.
     State not named here stays per machine (e.g. SGD's momentum, or SCAFFOLD's control variates).
 ``pre_sync() -> None``
-    Called on every machine just before the average (e.g. compute what the round sends).
+    Called on every machine just before the average (e.g. compute what the round sends:
+    ``Scaffold`` its control variate's change delta_c, ``AcceleratedSGD`` its new x, put in the
+    parameters).
 ``post_sync() -> None``
-    Called just after the average (e.g. fold the averaged values into per-machine state).
+    Called just after the average (e.g. fold the averaged values into per-machine state:
+    ``Scaffold``'s server step, ``AcceleratedSGD``'s new middle point).
+
+What is averaged is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and
+delta_c, 2d floats a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d).
 
 The averager's own ``average_state`` argument adds keys for optimizers that do not declare them
 (``average_state=["momentum_buffer"]`` averages SGD's momentum too).
