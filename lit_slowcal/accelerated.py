@@ -16,18 +16,17 @@ of its state from the average in ``post_sync``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
+from lit_slowcal._elementwise import ElementwiseOptimizer
 from lit_slowcal._validation import check_number
 
 __all__ = ["AcceleratedSGD"]
 
 
-class AcceleratedSGD(Optimizer):
+class AcceleratedSGD(ElementwiseOptimizer):
     r"""AC-SA (Lan 2012) with the step sizes of its Corollary 1: gradients at the middle point.
 
     With :math:`s = 1, 2, \dots` the step count and :math:`x_1 = x^{ag}_1 = x_0` (the initial
@@ -71,56 +70,35 @@ class AcceleratedSGD(Optimizer):
     averaged_state: tuple[str, ...] = ()
 
     def __init__(self, params: ParamsT, lr: float, *, weight_decay: float = 0.0) -> None:
-        defaults = {"lr": lr, "weight_decay": weight_decay}
-        _check(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
-    def add_param_group(self, param_group: dict) -> None:
-        _check({key: param_group.get(key, value) for key, value in self.defaults.items()})
-        super().add_param_group(param_group)
+    @staticmethod
+    def _check(options: dict) -> None:
+        check_number("lr", options["lr"])
+        check_number("weight_decay", options["weight_decay"], strict=False)
 
-    def _stepped(self) -> Iterator[tuple[Tensor, dict]]:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state:
-                    yield p, state
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["step"] = 0  # steps taken; the next is s = step + 1
+        state["round_steps"] = 0  # steps since the last synchronisation
+        state["x"] = p.clone(memory_format=torch.preserve_format)  # x_1 = x_0
+        state["x_ag"] = p.clone(memory_format=torch.preserve_format)  # x^ag_1 = x_0
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def _update(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         """One AC-SA step from the gradient at the parameters (the middle point)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AcceleratedSGD does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0  # steps taken; the next is s = step + 1
-                    state["round_steps"] = 0  # steps since the last synchronisation
-                    state["x"] = p.clone(memory_format=torch.preserve_format)  # x_1 = x_0
-                    state["x_ag"] = p.clone(memory_format=torch.preserve_format)  # x^ag_1 = x_0
-                s = state["step"] + 1
-                grad = p.grad
-                if group["weight_decay"] != 0:
-                    grad = grad.add(p, alpha=group["weight_decay"])
-                x, x_ag = state["x"], state["x_ag"]
-                x.add_(grad, alpha=-group["lr"] * (s + 1) / 2)  # x_{s+1} = x_s - gamma_s g_s
-                x_ag.lerp_(x, 2.0 / (s + 1))  # x^ag_{s+1} = beta_s^-1 x_{s+1} + (1 - beta_s^-1) x^ag_s
-                p.copy_(x_ag).lerp_(x, 2.0 / (s + 2))  # x^md_{s+1}
-                state["step"] = s
-                state["round_steps"] += 1
-        return loss
+        s = state["step"] + 1
+        if group["weight_decay"] != 0:
+            grad = grad.add(p, alpha=group["weight_decay"])
+        x, x_ag = state["x"], state["x_ag"]
+        x.add_(grad, alpha=-group["lr"] * (s + 1) / 2)  # x_{s+1} = x_s - gamma_s g_s
+        x_ag.lerp_(x, 2.0 / (s + 1))  # x^ag_{s+1} = beta_s^-1 x_{s+1} + (1 - beta_s^-1) x^ag_s
+        p.copy_(x_ag).lerp_(x, 2.0 / (s + 2))  # x^md_{s+1}
+        state["step"] = s
+        state["round_steps"] += 1
 
     @torch.no_grad()
     def pre_sync(self) -> None:
         """Put each machine's x_{s+1} in the parameters: the vector the round sends."""
-        for p, state in self._stepped():
+        for p, state, _ in self._stepped():
             if state["round_steps"] > 1:
                 raise ValueError(
                     f"AcceleratedSGD took {state['round_steps']} steps between synchronisations; it is the "
@@ -132,7 +110,7 @@ class AcceleratedSGD(Optimizer):
     @torch.no_grad()
     def post_sync(self) -> None:
         """Rebuild x, x^ag and the next middle point from the averaged x_{s+1}."""
-        for p, state in self._stepped():
+        for p, state, _ in self._stepped():
             if state["round_steps"] == 0:
                 continue
             s = state["step"]
@@ -146,12 +124,8 @@ class AcceleratedSGD(Optimizer):
     @torch.no_grad()
     def swap_output(self) -> None:
         """Exchange the parameters (the query point x^md) and the output x^ag in place; call again to undo."""
-        for p, state in self._stepped():
+        for p, state, _ in self._stepped():
             tmp = p.clone()
             p.copy_(state["x_ag"])
             state["x_ag"].copy_(tmp)
 
-
-def _check(options: dict) -> None:
-    check_number("lr", options["lr"])
-    check_number("weight_decay", options["weight_decay"], strict=False)

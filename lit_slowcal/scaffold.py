@@ -10,18 +10,17 @@ the averager averages the local models y and the changes, ``post_sync`` takes th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
+from lit_slowcal._elementwise import ElementwiseOptimizer
 from lit_slowcal._validation import check_number
 
 __all__ = ["Scaffold"]
 
 
-class Scaffold(Optimizer):
+class Scaffold(ElementwiseOptimizer):
     r"""SCAFFOLD's local steps and option-II control variates; the server step at each synchronisation.
 
     Machine i keeps its control variate :math:`c_i` (``state["c_local"]``, never averaged) and a copy
@@ -58,47 +57,28 @@ class Scaffold(Optimizer):
     averaged_state: tuple[str, ...] = ("delta_c",)
 
     def __init__(self, params: ParamsT, lr: float, *, server_lr: float = 1.0, weight_decay: float = 0.0) -> None:
-        defaults = {"lr": lr, "server_lr": server_lr, "weight_decay": weight_decay}
-        _check(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, {"lr": lr, "server_lr": server_lr, "weight_decay": weight_decay})
 
-    def add_param_group(self, param_group: dict) -> None:
-        _check({key: param_group.get(key, value) for key, value in self.defaults.items()})
-        super().add_param_group(param_group)
+    @staticmethod
+    def _check(options: dict) -> None:
+        check_number("lr", options["lr"])
+        check_number("server_lr", options["server_lr"])
+        check_number("weight_decay", options["weight_decay"], strict=False)
 
-    def _stepped(self) -> Iterator[tuple[Tensor, dict, dict]]:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state:
-                    yield p, state, group
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["round_steps"] = 0  # K of this round so far
+        state["x"] = p.clone(memory_format=torch.preserve_format)  # the round's start
+        state["c_local"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # c_i
+        state["c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["delta_c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def _update(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         """One local step: y <- y - lr (g + weight_decay y - c_i + c)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Scaffold does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["round_steps"] = 0  # K of this round so far
-                    state["x"] = p.clone(memory_format=torch.preserve_format)  # the round's start
-                    state["c_local"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # c_i
-                    state["c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["delta_c"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                direction = p.grad - state["c_local"] + state["c"]
-                if group["weight_decay"] != 0:
-                    direction.add_(p, alpha=group["weight_decay"])
-                p.add_(direction, alpha=-group["lr"])
-                state["round_steps"] += 1
-        return loss
+        direction = grad - state["c_local"] + state["c"]
+        if group["weight_decay"] != 0:
+            direction.add_(p, alpha=group["weight_decay"])
+        p.add_(direction, alpha=-group["lr"])
+        state["round_steps"] += 1
 
     @torch.no_grad()
     def pre_sync(self) -> None:
@@ -125,8 +105,3 @@ class Scaffold(Optimizer):
             state["c"].add_(state["delta_c"])
             state["round_steps"] = 0
 
-
-def _check(options: dict) -> None:
-    check_number("lr", options["lr"])
-    check_number("server_lr", options["server_lr"])
-    check_number("weight_decay", options["weight_decay"], strict=False)

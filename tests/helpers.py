@@ -59,3 +59,25 @@ class Quadratics:
         import torch
 
         return torch.stack([self.grad(i, xs[i], t) for i in range(self.machines)])
+
+
+def reloaded(machines, optimizer, averager, make_optimizer):
+    """New machines, optimizer and averager restored from the states of the given ones, as a resumed
+    process would have them: the module's parameters zeroed first, then every state loaded."""
+    import copy
+
+    import torch
+
+    from lit_slowcal import PeriodicAverager
+
+    saved = copy.deepcopy((machines.state_dict(), optimizer.state_dict(), averager.state_dict()))
+    machines = copy.deepcopy(machines)
+    with torch.no_grad():
+        for p in machines.parameters():
+            p.zero_()
+    machines.load_state_dict(saved[0])
+    optimizer = make_optimizer(machines.parameters())
+    optimizer.load_state_dict(saved[1])
+    averager = PeriodicAverager(machines, optimizer, sync_every=averager.sync_every)
+    averager.load_state_dict(saved[2])
+    return machines, optimizer, averager

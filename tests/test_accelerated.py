@@ -1,11 +1,9 @@
 """AcceleratedSGD (AC-SA, Lan 2012): the update against a float64 reference, the average over
 machines against the server algorithm, the protocol, state and errors."""
 
-import copy
-
 import pytest
 import torch
-from helpers import Quadratics
+from helpers import Quadratics, reloaded
 from torch import nn
 
 from lit_slowcal import AcceleratedSGD, PeriodicAverager, SimulatedMachines
@@ -109,13 +107,9 @@ def test_state_dict_resumes_bitwise_mid_run():
         averager = PeriodicAverager(machines, opt, sync_every=1)
         for t in range(20):
             if t == split:  # a new process: fresh objects loaded from the saved states
-                saved = copy.deepcopy((machines.state_dict(), opt.state_dict(), averager.state_dict()))
-                machines = SimulatedMachines(_Point(torch.zeros(3, dtype=F64)), 3)
-                machines.load_state_dict(saved[0])
-                opt = AcceleratedSGD(machines.parameters(), lr=0.05, weight_decay=0.01)
-                opt.load_state_dict(saved[1])
-                averager = PeriodicAverager(machines, opt, sync_every=1)
-                averager.load_state_dict(saved[2])
+                machines, opt, averager = reloaded(
+                    machines, opt, averager, lambda ps: AcceleratedSGD(ps, lr=0.05, weight_decay=0.01)
+                )
             machines.x.grad = q.stacked_grad(machines.x.detach(), t)
             opt.step()
             averager.step()

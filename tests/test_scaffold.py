@@ -2,11 +2,9 @@
 what is communicated, state and errors. Its float64 reference over several rounds is in
 tests/test_methods.py (every method of the registry)."""
 
-import copy
-
 import pytest
 import torch
-from helpers import Quadratics
+from helpers import Quadratics, reloaded
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, Scaffold, SimulatedMachines
@@ -86,14 +84,10 @@ def test_state_dict_resumes_bitwise_mid_round():
     def run(split=None):
         machines, opt, averager = setup(q, server_lr=1.3, weight_decay=0.01)
         for t in range(5 * K):
-            if t == split:
-                saved = copy.deepcopy((machines.state_dict(), opt.state_dict(), averager.state_dict()))
-                machines = SimulatedMachines(_Point(torch.zeros(DIM, dtype=torch.float64)), M)
-                machines.load_state_dict(saved[0])
-                opt = Scaffold(machines.parameters(), lr=0.05, server_lr=1.3, weight_decay=0.01)
-                opt.load_state_dict(saved[1])
-                averager = PeriodicAverager(machines, opt, sync_every=K)
-                averager.load_state_dict(saved[2])
+            if t == split:  # a new process: fresh objects loaded from the saved states
+                machines, opt, averager = reloaded(
+                    machines, opt, averager, lambda ps: Scaffold(ps, lr=0.05, server_lr=1.3, weight_decay=0.01)
+                )
             machines.x.grad = q.stacked_grad(machines.x.detach(), t)
             opt.step()
             averager.step()
