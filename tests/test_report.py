@@ -97,3 +97,21 @@ def test_report_of_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
     assert report.main([str(empty), "--out", str(tmp_path)]) == 2
     assert "no finished trial" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_any_number_of_methods_registry_order_first_then_others(tmp_path):
+    names = ["scaffold", "my_method", "accel_minibatch_sgd", "minibatch_sgd", "local_sgd", "slowcal", "another"]
+    records = [record(m, 16, k, s, 0.8 + 0.01 * i + 0.001 * s, 0.5 - 0.01 * i) for i, m in enumerate(names)
+               for k in (4, 8) for s in (1, 2)]  # fmt: skip
+    acc = report.aggregate(records, "test_acc")
+    loss = report.aggregate(records, "test_loss")
+    table = report.markdown_table(acc, loss)
+    header = table.splitlines()[0]
+    labels = ["SLowcal-SGD", "Local-SGD", "Minibatch-SGD", "Accelerated Minibatch-SGD", "SCAFFOLD", "another", "my_method"]
+    assert header == "| M | K | " + " | ".join(f"{lab} acc" for lab in labels) + " | " + " | ".join(
+        f"{lab} loss" for lab in labels) + " |"  # fmt: skip
+    # The best mean accuracy of a row is bold: "another" (i = 6), 0.86 + 0.0015.
+    assert "**0.8615 ± 0.0007**" in table.splitlines()[2]
+    path = tmp_path / "seven.png"
+    report.plot_metric(acc, "accuracy", "seven methods", path)
+    assert png_size(path) == (504, 432)
