@@ -177,8 +177,7 @@ class LogisticRegression(pl.LightningModule):
     def _swap_output(self) -> None:
         # An optimizer whose trained model is not its query point (AC-SA: x^ag, not x^md) exchanges
         # the two in the parameters around an evaluation (optimizer protocol: swap_output()).
-        trainer = self._trainer
-        for optimizer in trainer.optimizers if trainer is not None else ():
+        for optimizer in self.trainer.optimizers:  # none in validate/test: the parameters are evaluated
             swap = getattr(optimizer, "swap_output", None)
             if callable(swap):
                 swap()
