@@ -112,7 +112,7 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
     start = time.perf_counter()
     steps, batch, lr = _settings(method, local_steps)
     rounds = num_rounds(len(y), num_machines, steps, batch)
-    shards = [torch.from_numpy(s) for s in partition(y.numpy(), num_machines, 0.1, balanced=True, seed=seed)]
+    shards = [torch.from_numpy(s) for s in partition(y.numpy(), num_machines, 0.1, split="balanced", seed=seed)]
     streams = MachineStreams(x, y, shards, list(range(num_machines)), batch, steps, rounds, seed)
     W = torch.zeros(num_machines, 10, 784, requires_grad=True)  # x_0 = 0 on every machine
     bias = torch.zeros(num_machines, 10, requires_grad=True)

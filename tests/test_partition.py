@@ -24,7 +24,7 @@ def assert_exact_partition(shards, n):
 MODES = {
     "iid": dict(alpha=None),
     "dirichlet": dict(alpha=0.1),
-    "balanced": dict(alpha=0.1, balanced=True),
+    "balanced": dict(alpha=0.1, split="balanced"),
 }
 
 
@@ -51,17 +51,18 @@ def test_does_not_touch_global_rng(labels):
     before = np.random.random()
     np.random.seed(0)
     partition(labels, 16, 0.1, seed=1)
-    partition(labels, 16, 0.1, balanced=True, seed=1)
+    partition(labels, 16, 0.1, split="balanced", seed=1)
+    partition(labels, 16, 0.1, split="official", seed=1)
     assert np.random.random() == before
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_alpha_1000_is_near_uniform(labels, balanced):
+@pytest.mark.parametrize("split", ["dirichlet", "balanced"])
+def test_alpha_1000_is_near_uniform(labels, split):
     # Global class proportions are 0.1 each.
-    counts = class_counts(labels, partition(labels, 16, 1000.0, balanced=balanced, seed=0))
+    counts = class_counts(labels, partition(labels, 16, 1000.0, split=split, seed=0))
     share = counts / counts.sum(axis=1, keepdims=True)
     deviation = np.abs(share - 0.1).max(axis=1)
-    if balanced:
+    if split == "balanced":
         # Machines fill their quotas in order, so the last one takes what is left and collects
         # the earlier machines' sampling noise: measured ~0.01 for the others, up to ~0.06 for it.
         assert np.all(deviation[:-1] <= 0.03)
@@ -110,7 +111,7 @@ def test_too_few_retries_raises():
 
 @pytest.mark.parametrize("m", [16, 64, 1000])
 def test_balanced_sizes_are_quotas(labels, m):
-    shards = partition(labels, m, 0.1, balanced=True, seed=0)
+    shards = partition(labels, m, 0.1, split="balanced", seed=0)
     sizes = np.array([len(s) for s in shards])
     assert sizes.min() >= N // m and sizes.max() <= math.ceil(N / m)
     assert np.all(np.abs(sizes - N / m) <= 0.1 * N / m)
@@ -119,7 +120,7 @@ def test_balanced_sizes_are_quotas(labels, m):
 
 def test_balanced_keeps_skew(labels):
     for m in (16, 64):
-        counts = class_counts(labels, partition(labels, m, 0.1, balanced=True, seed=0))
+        counts = class_counts(labels, partition(labels, m, 0.1, split="balanced", seed=0))
         dominant = counts.max(axis=1) / counts.sum(axis=1)
         assert dominant.mean() >= 0.5  # measured 0.53..0.75; IID would give 0.1
         iid = class_counts(labels, partition(labels, m, None, seed=0))
@@ -132,7 +133,7 @@ def test_balanced_handles_uneven_classes(alpha):
     # alpha=1e-3 the mixes q_m are one-hot in floating point, so a machine whose only class is
     # exhausted has no mass left and must fall back to drawing in proportion to the supply.
     y = np.concatenate([np.zeros(900, dtype=int), np.repeat(np.arange(1, 5), 25)])
-    shards = partition(y, 7, alpha, balanced=True, seed=2)
+    shards = partition(y, 7, alpha, split="balanced", seed=2)
     assert [len(s) for s in shards] == [143, 143, 143, 143, 143, 143, 142]
     assert_exact_partition(shards, 1000)
 
@@ -173,7 +174,8 @@ def test_iid_with_uneven_classes_and_gaps():
         (dict(min_size=-1), r"Invalid min_size: -1 \(must be an integer >= 0\)"),
         (dict(min_size=11), r"min_size=11 is impossible: 10 machines x 11 samples > 100"),
         (dict(max_retries=-1), r"Invalid max_retries: -1 \(must be an integer >= 0\)"),
-        (dict(balanced="yes"), r"Invalid balanced: 'yes' \(must be a bool\)"),
+        (dict(split="plain"), r"Invalid split: 'plain' \(allowed: official, balanced, dirichlet\)"),
+        (dict(split="official", seed=2**32), r"Invalid seed: 4294967296 \(the official split's RandomState takes seeds < 2\*\*32\)"),
         (dict(seed=-1), r"Invalid seed: -1 \(must be an integer >= 0\)"),
         (dict(seed=1.5), r"Invalid seed: 1.5 "),
         (
