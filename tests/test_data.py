@@ -323,11 +323,18 @@ def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
         ("dirichlet_alpha", float("inf")),
         ("dirichlet_alpha", "0.1"),
         ("dirichlet_alpha", True),
+        ("split", "plain"),
+        ("split", None),
     ],
 )
 def test_constructor_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"data\.{field}"):
         MNISTDataModule(**{field: value})
+
+
+def test_split_names_the_allowed_values():
+    with pytest.raises(ValueError, match=r"^Invalid data\.split: 'Official' \(allowed: official, balanced, dirichlet\)$"):
+        MNISTDataModule(split="Official")
 
 
 def test_iid_split_matches_global_class_mix(cached_mnist):
@@ -478,6 +485,16 @@ def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mni
 
     first, second = setup("a"), setup("b")
     assert len(drawn) == 1
+    # Each run folder gets the split's class counts next to its figure, drawn or copied.
+    counts = first.class_counts()
+    for folder in ("a", "b"):
+        lines = (tmp_path / folder / "class_counts.csv").read_text().splitlines()
+        assert lines[0] == "machine,class,count" and len(lines) == 1 + 8 * 10
+        table = np.zeros_like(counts)
+        for line in lines[1:]:
+            k, c, n = map(int, line.split(","))
+            table[k, c] = n
+        np.testing.assert_array_equal(table, counts)
     assert first.partition_png == tmp_path / "a" / "class_distribution.png"
     assert second.partition_png == tmp_path / "b" / "class_distribution.png"
     assert second.partition_png.read_bytes() == first.partition_png.read_bytes()
