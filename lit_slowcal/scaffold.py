@@ -42,7 +42,10 @@ class Scaffold(ElementwiseOptimizer):
     :math:`\eta` is ``lr`` and :math:`\eta_g` ``server_lr`` (1 by default, when x is the average of the
     local models). Each machine sends :math:`y_i` and :math:`\Delta c_i` per round, 2d floats, which is
     what the averager averages (``averaged_state = ("delta_c",)``) and counts. All of it, the control
-    variates included, travels in ``state_dict()``: a resumed run continues exactly. Every operation
+    variates included, travels in ``state_dict()``: a resumed run continues exactly. The round's start
+    x is taken from the parameters at the first step; machines that start from different points
+    agree after the first synchronisation when ``server_lr`` is 1 (with another eta_g the first
+    server step starts from each machine's own x_0). Every operation
     is elementwise, so parameters with a leading machine dimension (``SimulatedMachines``) keep one
     :math:`c_i` per machine.
 
