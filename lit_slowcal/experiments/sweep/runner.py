@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from lit_slowcal._validation import check_number
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
@@ -241,6 +242,16 @@ def _parser() -> argparse.ArgumentParser:
         "badly so when other jobs share the cores; 0 keeps torch's default)",
     )
     p.add_argument(
+        "--stack",
+        action="store_true",
+        help="train the trials that differ only in model.lr and the seed as one vectorized program per group "
+        "(exact: each trial's results equal its single run's); the others run one at a time",
+    )
+    p.add_argument(
+        "--stack-memory", type=float, metavar="GIB", help="memory budget of one stacked group in GiB (default: a "
+        "quarter of this machine's memory, at most 8 GiB); larger groups are split",
+    )
+    p.add_argument(
         "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
     )
     return p
@@ -252,6 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results_path = opts.results or Path("sweeps") / "results" / f"{opts.sweep.stem}.jsonl"
     extra = [] if opts.wandb is None else [f"--wandb={str(opts.wandb).lower()}"]
     try:
+        if opts.stack_memory is not None:
+            check_number("--stack-memory", opts.stack_memory)
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
         results = ResultsFile(results_path)
@@ -288,20 +301,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     sweep_start, ran = time.perf_counter(), 0
+
+    def record(params: dict[str, Any], outcome: dict[str, Any], args: list[str], label: str) -> None:
+        nonlocal ran
+        ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        results.put({"params": params, **outcome, "args": args, "ended_at": ended})
+        ran += 1
+        value = outcome["metrics"].get(sweep.metric)
+        line = f"[{label}] {outcome['status']}: {sweep.metric} {format_value(value)} in {outcome['wall_time_s']:.1f} s"
+        if outcome["error"]:
+            line += f" ({outcome['error'].splitlines()[0][:200]})"
+        print(line, flush=True)
+
     with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
         try:
-            for i, params in enumerate(todo, 1):
-                args = trial_args(sweep, params, extra)
-                print(f"\n[{i}/{len(todo)}] {param_text(params)}", flush=True)
-                outcome = run_trial(args)
-                ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
-                results.put({"params": params, **outcome, "args": args, "ended_at": ended})
-                ran += 1
-                value = outcome["metrics"].get(sweep.metric)
-                line = f"[{i}/{len(todo)}] {outcome['status']}: {sweep.metric} {format_value(value)} in {outcome['wall_time_s']:.1f} s"
-                if outcome["error"]:
-                    line += f" ({outcome['error'].splitlines()[0][:200]})"
-                print(line, flush=True)
+            alone = [(params, trial_args(sweep, params, extra)) for params in todo]
+            if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
+                from lit_slowcal.experiments.sweep.stacked import run_stacked
+
+                parsed = [(p, a, checker.parse(a)) for p, a in alone]
+                alone = run_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None, record)
+            for i, (params, args) in enumerate(alone, 1):
+                print(f"\n[{i}/{len(alone)}] {param_text(params)}", flush=True)
+                record(params, run_trial(args), args, f"{i}/{len(alone)}")
         except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
             print(
                 f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "

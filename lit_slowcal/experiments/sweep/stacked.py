@@ -1,0 +1,380 @@
+"""Stacked trials: a sweep's trials that share a shape train as one vectorized program (``--stack``).
+
+Trials that differ only in their learning rate and their seed (same method, M, K, b, data and model
+options) form a group. A group of T trials trains as T x M simulated machines in one process, one
+round at a time, without a Trainer:
+
+* every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
+  stack, so the forward and backward of all T trials are the single run's batched matmul on a
+  larger batch of machines (``LogisticRegression._machine_losses``; the loss is the sum over the
+  T * M machines, so every slice gets its own gradient);
+* one optimizer, built by the method's own factory (``Method.optimizer``), holds the trials in its
+  parameter groups, one group per learning rate: a trial's update is the single run's elementwise
+  update on its own slices;
+* one ``PeriodicAverager`` over the trials' ``SimulatedMachines`` averages each trial's tensors over
+  its own M machines (the single run's ``mean(0)`` on the same ``(M, ...)`` tensor), and calls the
+  optimizer's ``pre_sync`` / ``post_sync``;
+* each trial's round batches are the ones its single run draws (its data module's own split and
+  ``MachineStreams.indices``), concatenated along the machine dimension;
+* the T averaged models are evaluated on the test set in one batched matmul, every ``eval_every``
+  rounds and after the last round, with ``swap_output`` around it as the model does.
+
+The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
+alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
+what a single run gets: its record in the results file (written when its group ends), its CSV log
+(``metrics.csv`` and ``config.yaml`` in its own version folder) and, when a trial's training loss
+or parameters become non-finite, the status ``diverged``; its slices are then frozen (dropped from
+the optimizer and the averaging) and the other trials go on.
+
+What cannot be stacked runs one trial at a time as before (``stackable`` says why): W&B on, more
+than one epoch, several devices, a checkpoint to resume from. A group is split to fit the memory
+budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["StackedTrial", "default_memory_budget", "group_trials", "run_group", "stackable", "trial_bytes"]
+
+# Settings a group's trials may differ in: each trial's own learning rate and seed.
+_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir")
+
+
+@dataclass
+class StackedTrial:
+    """One trial of a group: its sweep parameters, CLI arguments and parsed configuration (``fit``)."""
+
+    params: dict[str, Any]
+    args: list[str]
+    config: dict[str, Any]
+    outcome: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str) -> Any:
+        value: Any = self.config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+
+def stackable(config: dict[str, Any]) -> Optional[str]:
+    """``None`` when a trial of this configuration (the parsed ``fit`` section) can be stacked, else why not."""
+    trainer = config.get("trainer") or {}
+    if config.get("wandb"):
+        return "W&B is on (pass --wandb=false to stack)"
+    if config.get("ckpt_path") is not None:
+        return "it resumes from a checkpoint"
+    if trainer.get("max_epochs") != 1:
+        return f"trainer.max_epochs is {trainer.get('max_epochs')} (stacking runs one epoch)"
+    if str(trainer.get("accelerator")) != "cpu" or trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
+        return "it runs on several or non-CPU devices"
+    if trainer.get("strategy") != "periodic_averaging" or trainer.get("logger") not in (None, True):
+        return "it sets its own strategy or logger"
+    if trainer.get("max_steps", -1) != -1 or trainer.get("max_time") is not None:
+        return "it sets trainer.max_steps or trainer.max_time"
+    limit = trainer.get("limit_train_batches")
+    if limit is not None and not (isinstance(limit, (int, float)) and (limit == 1.0 or float(limit).is_integer())):
+        return f"trainer.limit_train_batches is {limit!r}"
+    return None
+
+
+def _group_key(config: dict[str, Any]) -> str:
+    def strip(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if name in _PER_TRIAL or name == "config":
+                continue
+            out[k] = strip(v, f"{name}.") if isinstance(v, dict) else v
+        return out
+
+    return json.dumps(strip(config), sort_keys=True, default=str)
+
+
+def trial_bytes(config: dict[str, Any]) -> int:
+    """Memory one stacked trial needs, in bytes (an estimate, on the safe side).
+
+    Its parameters, gradients and up to four optimizer-state copies of them, its sample indices for
+    the epoch, and its slice of one round's gathered samples (twice: the gather and the step).
+    """
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+
+    m, steps, b = config["num_machines"], config["data"]["steps_per_round"], config["data"]["batch_size"]
+    dim = config["model"]["input_dim"]
+    params = m * (dim + 1) * config["model"]["num_classes"] * 4
+    rounds = num_rounds(MNIST_TRAIN_SIZE, m, steps, b)
+    return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
+
+
+def default_memory_budget() -> int:
+    """A quarter of this machine's memory, at most 8 GiB."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return min(total // 4, 8 * 2**30)
+
+
+def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTrial]]:
+    """Trials grouped by everything but their learning rate and seed, in sweep order; groups larger
+    than ``budget`` bytes (``trial_bytes`` each) are split into consecutive parts that fit (at least
+    one trial each)."""
+    groups: dict[str, list[StackedTrial]] = {}
+    for t in trials:
+        groups.setdefault(_group_key(t.config), []).append(t)
+    out = []
+    for members in groups.values():
+        per = max(1, budget // max(1, trial_bytes(members[0].config)))
+        out += [members[i : i + per] for i in range(0, len(members), per)]
+    return out
+
+
+def _run_name(config: dict[str, Any]) -> str:
+    from lit_slowcal.experiments.cli import SlowcalCLI
+
+    class _Settings:
+        def setting(self, key: str, default: Any = None) -> Any:
+            return config.get(key, default)
+
+    return SlowcalCLI.run_name(_Settings())  # type: ignore[arg-type]
+
+
+def _num_batches(config: dict[str, Any], rounds: int) -> int:
+    limit = config["trainer"].get("limit_train_batches")
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return rounds
+    return min(rounds, int(limit))
+
+
+def _epoch_mean(value: Tensor, n: int) -> Tensor:
+    # Lightning's epoch-level mean of a value logged once with batch size n: (0 + v * n) / n.
+    return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
+
+
+def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> None:
+    """Train the trials of one group together; fills every trial's ``outcome`` as ``run_trial`` returns it.
+
+    Args:
+        group: trials whose configurations differ only in the learning rate and the seed.
+        config_text: ``(trial) -> str``, the ``config.yaml`` written into each trial's log folder.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.fabric.utilities.seed import seed_everything
+    from torchmetrics.functional.classification import multiclass_accuracy
+
+    from lit_slowcal.averaging import PeriodicAverager
+    from lit_slowcal.experiments.data import MNISTDataModule
+    from lit_slowcal.experiments.methods import get_method
+    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.partition import write_class_counts
+
+    start = time.perf_counter()
+    first = group[0].config
+    entry = get_method(first["method"])
+    T, M = len(group), first["num_machines"]
+    log_every = first["trainer"]["log_every_n_steps"]
+    every = first["trainer"]["val_check_interval"]
+
+    # Each trial's data and model, built by the single run's own classes.
+    streams, models = [], []
+    for t in group:
+        data = MNISTDataModule(**{k: v for k, v in t.config["data"].items()})
+        data.setup("fit")
+        streams.append(data)
+        seed_everything(t.config["seed_everything"], verbose=False)  # as the CLI, for init=default
+        model = LogisticRegression(**t.config["model"])
+        model.configure_model()
+        models.append(model)
+    rounds = streams[0].num_rounds
+    n_batches = _num_batches(first, rounds)
+    indices = torch.cat([d._train.indices(0)[:n_batches] for d in streams], dim=2)  # (R, steps, T*M, b)
+    x_all, y_all = streams[0]._train.x, streams[0]._train.y
+    test_x, test_y = streams[0].test_x, streams[0].test_y
+
+    # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
+    stack = LogisticRegression(**{**first["model"], "num_machines": T * M, "init": "zeros"})
+    stack.configure_model()
+    big = dict(stack.machines.named_parameters())
+    with torch.no_grad():
+        for i, model in enumerate(models):
+            for name, p in model.machines.named_parameters():
+                big[name][i * M : (i + 1) * M].copy_(p)
+    for i, model in enumerate(models):
+        for name in list(dict(model.machines.named_parameters())):
+            setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
+    trial_params = [list(m.machines.parameters()) for m in models]
+
+    by_lr: dict[float, list[Tensor]] = {}
+    for model, ps in zip(models, trial_params):
+        by_lr.setdefault(model.hparams.lr, []).extend(ps)
+    optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[0].hparams)
+    averager = PeriodicAverager([m.machines for m in models], optimizer, entry.sync_period(first["local_steps"]))
+    floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
+    swap = getattr(optimizer, "swap_output", None)
+
+    loggers = []
+    for t in group:
+        name = _run_name(t.config)
+        logger = CSVLogger(save_dir=t.config["run_dir"], name=name)
+        os.makedirs(logger.log_dir, exist_ok=True)
+        write_class_counts(streams[len(loggers)].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
+        if config_text is not None:
+            with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
+                f.write(config_text(t))
+        loggers.append(logger)
+
+    active = [True] * T
+    metrics: list[dict[str, float]] = [{} for _ in range(T)]
+    errors: list[Optional[str]] = [None] * T
+    loss_since_log = torch.zeros(T, 2, dtype=torch.float64)
+    steps = indices.shape[1]
+    samples_per_round = steps * indices.shape[3] * M
+
+    def freeze(i: int) -> None:
+        gone = {id(p) for p in trial_params[i]}
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) not in gone]
+
+    def evaluate(r: int) -> None:
+        if callable(swap):
+            swap()
+        with torch.no_grad():
+            weight = torch.stack([m.machines.weight.mean(0) for m in models])  # averaged_state, per trial
+            bias = torch.stack([m.machines.bias.mean(0) for m in models])
+            logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(T, -1, -1), weight.transpose(1, 2))
+        if callable(swap):
+            swap()
+        n = len(test_y)
+        for i in range(T):
+            if not active[i]:
+                continue
+            row = {
+                "test_loss": float(_epoch_mean(F.cross_entropy(logits[i], test_y), n)),
+                "test_acc": float(multiclass_accuracy(logits[i], test_y, num_classes=logits.shape[-1], average="micro")),
+                "round": float(averager.num_syncs),
+            }
+            metrics[i].update(row)
+            loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+
+    for r in range(1, n_batches + 1):
+        idx = indices[r - 1]
+        xs, ys = x_all[idx], y_all[idx]
+        losses = []
+        for k in range(steps):
+            per_machine = stack._machine_losses(xs[k], ys[k])
+            for p in big.values():
+                p.grad = None
+            per_machine.sum().backward()
+            for i, ps in enumerate(trial_params):
+                for name, p in zip(big, ps):
+                    p.grad = big[name].grad[i * M : (i + 1) * M]
+            optimizer.step()
+            if averager.step() and not floats_per_sync:
+                floats_per_sync = averager.floats_communicated // T  # every trial is active in round 1
+            losses.append(per_machine.detach().view(T, M))
+        stacked_losses = torch.stack(losses, dim=1)  # (T, steps, M)
+        round_loss = torch.stack([stacked_losses[i].clone().mean() for i in range(T)])
+        extremes = torch.cat([torch.stack(torch.aminmax(p.detach().view(T, -1), dim=1), 1) for p in big.values()], 1)
+        finite = (torch.isfinite(round_loss) & torch.isfinite(extremes).all(1)).tolist()
+        for i in range(T):
+            if active[i] and not finite[i]:
+                what = f"train loss {round_loss[i].item()}" if not math.isfinite(round_loss[i].item()) else "non-finite parameters"
+                errors[i] = (
+                    f"Training diverged: {what} in round {r} (method={first['method']}, "
+                    f"lr={models[i].hparams.lr}). Try a smaller lr."
+                )
+                active[i] = False
+                freeze(i)
+        loss_since_log += torch.stack([round_loss.double(), torch.ones(T, dtype=torch.float64)], 1)
+        if r % log_every == 0 or r == n_batches:
+            mean_loss = (loss_since_log[:, 0] / loss_since_log[:, 1]).float()
+            loss_since_log.zero_()
+            for i in range(T):
+                if not active[i]:
+                    continue
+                row = {
+                    "train_loss": float(mean_loss[i]),
+                    "round": float(averager.num_syncs),
+                    "samples_seen": float(samples_per_round * r),
+                    "floats_communicated": float(floats_per_sync * averager.num_syncs * M),
+                }
+                metrics[i].update(row)
+                loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+        if r % every == 0 or r == n_batches:
+            evaluate(r)
+        if not any(active):
+            break
+
+    wall = (time.perf_counter() - start) / T
+    for i, t in enumerate(group):
+        loggers[i].save()
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics[i].items()}
+        t.outcome = {
+            "status": "finished" if errors[i] is None else "diverged",
+            "error": errors[i],
+            "metrics": clean,
+            "run_dir": str(loggers[i].log_dir),
+            "wall_time_s": round(wall, 3),
+            "stacked": T,
+        }
+        t.final_state = {  # type: ignore[attr-defined]
+            "params": {n: p.detach().clone() for n, p in models[i].machines.named_parameters()},
+        }
+
+
+def _config_yaml(trial: StackedTrial) -> str:
+    import yaml
+
+    plain = json.loads(json.dumps({k: v for k, v in trial.config.items() if k != "config"}, default=str))
+    return yaml.safe_dump(plain, sort_keys=False)
+
+
+def run_stacked(
+    trials: list[tuple[dict[str, Any], list[str], Any]], budget: Optional[int], record: Any
+) -> list[tuple[dict[str, Any], list[str]]]:
+    """Run the stackable trials in groups; return the others (``(params, args)``) for one-at-a-time runs.
+
+    Args:
+        trials: ``(params, args, parsed)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
+        budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
+        record: ``(params, outcome, args, label) -> None``, called for every trial when its group ends.
+    """
+    budget = default_memory_budget() if budget is None else budget
+    stacked, alone, reasons = [], [], {}
+    for params, args, parsed in trials:
+        config = parsed.get("fit").as_dict()
+        why = stackable(config)
+        if why is None:
+            stacked.append(StackedTrial(params, list(args), config))
+        else:
+            alone.append((params, list(args)))
+            reasons[why] = reasons.get(why, 0) + 1
+    groups = group_trials(stacked, budget)
+    print(
+        f"stacking: {len(stacked)} trials in {len(groups)} groups (memory budget {budget / 2**20:.0f} MiB, "
+        f"--stack-memory to set it); {len(alone)} run one at a time",
+        flush=True,
+    )
+    for why, n in reasons.items():
+        print(f"  {n} trials not stacked: {why}", flush=True)
+    for g, group in enumerate(groups, 1):
+        c = group[0].config
+        size = len(group) * trial_bytes(c) / 2**20
+        print(
+            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={c['local_steps']} "
+            f"b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)",
+            flush=True,
+        )
+        run_group(group, _config_yaml)
+        for t in group:
+            record(t.params, t.outcome, t.args, f"group {g}/{len(groups)}")
+    return alone

@@ -1,0 +1,122 @@
+"""``sweep --stack``: trials stacked into one program give exactly their single runs' results."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_slowcal.experiments import sweep as sw
+from lit_slowcal.experiments.methods import METHODS
+from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.sweep import stacked
+
+REPO = Path(__file__).resolve().parents[1]
+LRS = (0.01, 0.03)
+SEEDS = (1, 2)
+
+
+def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extra=()) -> Path:
+    """Every method x 2 lrs x 2 seeds, M = 4, K = 4, 7 rounds: evaluations at rounds 3, 6 and 7 (a final
+    one off the schedule), train-loss logs every 2 rounds and after the last."""
+    cfg = {
+        "method": "grid",
+        "parameters": {
+            "method": {"values": list(methods)},
+            "model.lr": {"values": list(lrs)},
+            "seed_everything": {"values": list(seeds)},
+            "num_machines": {"value": 4},
+            "local_steps": {"value": 4},
+        },
+        "command": [
+            "${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml",
+            "--trainer.limit_train_batches=7", "--eval_every=3", "--trainer.log_every_n_steps=2",
+            "--wandb=false", f"--run_dir={tmp_path / 'runs'}", *extra, "${args}",
+        ],
+    }  # fmt: skip
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def single_runs(monkeypatch, sweep, trials):
+    """Each trial run alone by the sweep's runner: its outcome, its final parameters and its metrics.csv."""
+    final = {}
+    monkeypatch.setattr(
+        LogisticRegression, "on_fit_end",
+        lambda self: final.update(last={n: p.detach().clone() for n, p in self.machines.named_parameters()}),
+        raising=False,
+    )  # fmt: skip
+    out = []
+    for params in trials:
+        outcome = sw.run_trial(sw.trial_args(sweep, params))
+        out.append((outcome, final.pop("last"), (Path(outcome["run_dir"]) / "metrics.csv").read_text()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def command_line():
+    return sw.CommandLine()
+
+
+def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line):
+    # 20 single runs through Lightning (the reference) and 5 stacked groups: about 20 s, the price
+    # of checking every method of the registry against the runner itself.
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    sweep = sw.load_sweep(grid_file(tmp_path / "single"))
+    trials = sw.expand_trials(sweep)
+    reference = single_runs(monkeypatch, sweep, trials)
+
+    sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked"))
+    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict()) for p in trials]
+    groups = stacked.group_trials(parsed, budget=2**30)
+    assert [len(g) for g in groups] == [4] * len(METHODS)  # one group per method: 2 lrs x 2 seeds
+    for group in groups:
+        stacked.run_group(group)
+    for t, (outcome, params, metrics_csv) in zip(parsed, reference):
+        assert outcome["status"] == t.outcome["status"] == "finished"
+        assert t.outcome["metrics"] == outcome["metrics"], t.params  # every value, bit for bit
+        assert set(t.outcome["metrics"]) == {"train_loss", "round", "samples_seen", "floats_communicated", "test_loss", "test_acc"}
+        for name, value in params.items():
+            assert torch.equal(t.final_state["params"][name], value), (t.params, name)
+        assert (Path(t.outcome["run_dir"]) / "metrics.csv").read_text() == metrics_csv
+        assert (Path(t.outcome["run_dir"]) / "class_counts.csv").read_text() == (
+            Path(outcome["run_dir"]) / "class_counts.csv"
+        ).read_text()
+    # The trials differ: the grid is not four copies of one run.
+    assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
+
+
+def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_path, monkeypatch, command_line):
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01, 1e30), seeds=(1,), methods=("local_sgd",)))
+    trials = sw.expand_trials(sweep)
+    reference = single_runs(monkeypatch, sweep, trials)
+    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep, p), command_line.parse(sw.trial_args(sweep, p)).fit.as_dict()) for p in trials]
+    stacked.run_group(parsed)
+    ok, bad = parsed
+    assert ok.outcome["status"] == "finished" and ok.outcome["metrics"] == reference[0][0]["metrics"]
+    assert torch.equal(ok.final_state["params"]["weight"], reference[0][1]["weight"])
+    assert reference[1][0]["status"] == bad.outcome["status"] == "diverged"
+    assert bad.outcome["error"] == reference[1][0]["error"]
+
+
+def test_groups_split_to_the_memory_budget(command_line):
+    args = lambda m, lr, s: ["fit", "--config", "configs/paper.yaml", f"--num_machines={m}", f"--model.lr={lr}",
+                             f"--seed_everything={s}", "--wandb=false"]  # fmt: skip
+    trials = [
+        stacked.StackedTrial({}, a, command_line.parse(a).fit.as_dict())
+        for a in [args(16, lr, s) for lr in (0.01, 0.1) for s in (1, 2, 3)] + [args(32, 0.01, 1)]
+    ]
+    one = stacked.trial_bytes(trials[0].config)
+    # M=16, K=16: 3,750 rounds x 16 steps x 16 machines of int64 indices, plus the parameters and a round
+    assert one == 6 * 16 * 7850 * 4 + 3750 * 16 * 16 * 8 + 2 * 16 * 16 * (784 * 4 + 8)
+    assert [len(g) for g in stacked.group_trials(trials, budget=10 * one)] == [6, 1]
+    assert [len(g) for g in stacked.group_trials(trials, budget=4 * one)] == [4, 2, 1]
+    assert [len(g) for g in stacked.group_trials(trials, budget=1)] == [1] * 7
