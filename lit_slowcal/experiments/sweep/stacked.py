@@ -225,7 +225,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     for t in group:
         name = _run_name(t.config)
         logger = CSVLogger(save_dir=t.config["run_dir"], name=name)
-        os.makedirs(logger.log_dir, exist_ok=True)
+        logger.experiment  # creates the version folder: the next trial of the same name takes the next one
         write_class_counts(streams[len(loggers)].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
         if config_text is not None:
             with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
