@@ -283,8 +283,13 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             losses.append(per_machine.detach().view(T, M))
         stacked_losses = torch.stack(losses, dim=1)  # (T, steps, M)
         round_loss = torch.stack([stacked_losses[i].clone().mean() for i in range(T)])
-        extremes = torch.cat([torch.stack(torch.aminmax(p.detach().view(T, -1), dim=1), 1) for p in big.values()], 1)
-        finite = (torch.isfinite(round_loss) & torch.isfinite(extremes).all(1)).tolist()
+        # As the model's check: the losses, and the parameters' extremes (one pass, NaN propagates);
+        # per trial only when something is not finite.
+        extremes = torch.stack([v for p in big.values() for v in torch.aminmax(p.detach())])
+        finite = [True] * T
+        if not (torch.isfinite(round_loss).all() and torch.isfinite(extremes).all()):
+            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(T, -1), dim=1), 1) for p in big.values()], 1)
+            finite = (torch.isfinite(round_loss) & torch.isfinite(per_trial).all(1)).tolist()
         for i in range(T):
             if active[i] and not finite[i]:
                 what = f"train loss {round_loss[i].item()}" if not math.isfinite(round_loss[i].item()) else "non-finite parameters"
