@@ -128,3 +128,48 @@ def test_groups_split_to_the_memory_budget(command_line):
     assert [len(g) for g in stacked.group_trials(trials, budget=10 * one)] == [6, 1]
     assert [len(g) for g in stacked.group_trials(trials, budget=4 * one)] == [4, 2, 1]
     assert [len(g) for g in stacked.group_trials(trials, budget=1)] == [1] * 7
+
+
+def test_stacked_sweep_killed_between_groups_reruns_only_the_unfinished_trials(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
+    results = tmp_path / "results.jsonl"
+    run_group, calls = stacked.run_group, []
+
+    def killed_in_second_group(group, *args):
+        calls.append(len(group))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        run_group(group, *args)
+
+    monkeypatch.setattr(stacked, "run_group", killed_in_second_group)
+    assert sw.main([str(path), "--results", str(results), "--stack"]) == 130
+    first = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["params"]["method"] for r in first] == ["slowcal", "slowcal"] and calls == [2, 2]
+    out = capsys.readouterr().out
+    assert "stacking: 4 trials in 2 groups (memory budget" in out and "method=slowcal M=4 K=4 b=1: 2 trials stacked" in out
+
+    monkeypatch.setattr(stacked, "run_group", run_group)
+    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    out = capsys.readouterr().out
+    assert "4 trials, 2 already in" in out and "stacking: 2 trials in 1 groups" in out
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert records[:2] == first and [r["params"]["method"] for r in records[2:]] == ["local_sgd", "local_sgd"]
+    assert all(r["status"] == "finished" and r["metrics"]["round"] == 7 for r in records)
+    assert len({r["run_dir"] for r in records}) == 4  # a folder each, the two lrs of a seed included
+
+
+def test_trials_that_cannot_be_stacked_run_one_at_a_time_and_say_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    path = grid_file(tmp_path, lrs=(0.01,), seeds=(1,), methods=("local_sgd",), extra=("--trainer.max_epochs=2",))
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl"), "--stack"]) == 0
+    out = capsys.readouterr().out
+    assert "stacking: 0 trials in 0 groups" in out and "1 trials not stacked: trainer.max_epochs is 2" in out
+    (record,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert record["status"] == "finished" and "stacked" not in record
+
+
+def test_stack_memory_must_be_positive(tmp_path, capsys):
+    path = grid_file(tmp_path, methods=("local_sgd",))
+    assert sw.main([str(path), "--stack", "--stack-memory", "0"]) == 2
+    assert "--stack-memory" in capsys.readouterr().err
