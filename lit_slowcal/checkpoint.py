@@ -42,7 +42,9 @@ def read_checkpoint(
             f"Cannot read checkpoint {path}: it is not a checkpoint of plain tensors and values ({size} bytes "
             f"that are damaged, or hold objects that are not loaded for safety). {_ADVICE}"
         ) from None
-    except (EOFError, RuntimeError, ValueError, OSError) as err:
+    except OSError:  # cannot open or read the file: its own message says why
+        raise
+    except Exception as err:  # EOFError, RuntimeError, IndexError, ...: whatever torch meets in a damaged file
         first = str(err).split(". ")[0].splitlines()[0][:120] if str(err) else type(err).__name__
         raise CheckpointReadError(
             f"Cannot read checkpoint {path}: the file is damaged or not a PyTorch checkpoint ({size} bytes; {first}). "

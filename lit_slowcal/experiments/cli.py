@@ -39,6 +39,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_slowcal._lightning import KeepCommandLineModelArgs
 from lit_slowcal._validation import check_int, is_int
 from lit_slowcal.checkpoint import read_checkpoint
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
@@ -92,8 +93,13 @@ def wandb_logged_in() -> bool:
         return False
 
 
-class SlowcalCLI(LightningCLI):
-    """LightningCLI with the paper's experiment settings and their derived values linked in."""
+class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
+    """LightningCLI with the paper's experiment settings and their derived values linked in.
+
+    A command that loads a checkpoint (``fit --ckpt_path``, ``validate``, ``test``) must describe the
+    checkpoint's run: its configuration is compared with the identity stored in the checkpoint
+    before anything is built (``lit_slowcal.experiments.identity``).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("model_class", LogisticRegression)
@@ -255,10 +261,19 @@ class SlowcalCLI(LightningCLI):
 
         Every rank must write to the same version folder: the launching process (rank 0) picks the
         next free version and its DDP children, started later, inherit it through the environment.
+        The launcher claims the folder by creating it, so that runs of the same name started at
+        the same time (two sweeps) never share one.
         """
         version = os.environ.get(RUN_VERSION_ENV)
         if version is None:
-            version = str(CSVLogger(save_dir=self.setting("run_dir"), name=self.run_name()).version)
+            number = CSVLogger(save_dir=self.setting("run_dir"), name=self.run_name()).version
+            while True:
+                try:
+                    (Path(self.setting("run_dir")) / self.run_name() / f"version_{number}").mkdir(parents=True)
+                    break
+                except FileExistsError:
+                    number += 1
+            version = str(number)
             os.environ[RUN_VERSION_ENV] = version
             self._owns_version_env = True
         return int(version)
