@@ -39,12 +39,12 @@ def read_checkpoint(
     except pickle.UnpicklingError:
         # torch's own message advises weights_only=False, i.e. running whatever code the file holds.
         raise CheckpointReadError(
-            f"Cannot read checkpoint {path}: it is not a checkpoint of plain tensors and values ({size} bytes "
-            f"that are damaged, or hold objects that are not loaded for safety). {_ADVICE}"
+            f"Cannot read checkpoint {path}: the file is damaged or not a PyTorch checkpoint ({size} bytes; it holds "
+            f"something other than tensors and plain values, which is not loaded for safety). {_ADVICE}"
         ) from None
-    except OSError:  # cannot open or read the file: its own message says why
+    except (PermissionError, IsADirectoryError):  # cannot open the file: its own message says why
         raise
-    except Exception as err:  # EOFError, RuntimeError, IndexError, ...: whatever torch meets in a damaged file
+    except Exception as err:  # EOFError, RuntimeError, IndexError, OSError...: what torch meets in a damaged file
         first = str(err).split(". ")[0].splitlines()[0][:120] if str(err) else type(err).__name__
         raise CheckpointReadError(
             f"Cannot read checkpoint {path}: the file is damaged or not a PyTorch checkpoint ({size} bytes; {first}). "

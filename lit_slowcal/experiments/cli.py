@@ -197,15 +197,25 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         checkpoint = read_checkpoint(path)
         verb = "resume" if self.subcommand == "fit" else f"{self.subcommand} with"
         check_same_run(path, checkpoint, self.identity, verb)
-        self._resumed_step = int(checkpoint.get("global_step", 0))
-        max_epochs = self.setting("trainer.max_epochs")
-        epochs_done = int(checkpoint.get("epoch", 0))
-        if self.subcommand == "fit" and is_int(max_epochs) and max_epochs >= 0 and epochs_done >= max_epochs:
-            raise ValueError(
-                f"Cannot resume {path}: its run has finished its {epochs_done} epoch(s) and trainer.max_epochs is "
-                f"{max_epochs}, so there is nothing to train. Pass --trainer.max_epochs={epochs_done + 1} (or more) "
-                f"to train on, or use `test --ckpt_path {path}` to evaluate it."
-            )
+        self._resumed_step = step = int(checkpoint.get("global_step", 0))
+        if self.subcommand != "fit":
+            return
+        get = self.setting
+        steps_per_epoch = steps_per_round(get("method"), get("local_steps")) * num_rounds(
+            MNIST_TRAIN_SIZE, get("num_machines"), get("local_steps"), get("batch_size")
+        )
+        epochs_done, max_epochs, max_steps = step // steps_per_epoch, get("trainer.max_epochs"), get("trainer.max_steps")
+        if is_int(max_epochs) and 0 <= max_epochs <= epochs_done:
+            stop = f"{epochs_done} epoch(s) ({step} steps) and trainer.max_epochs is {max_epochs}"
+            more = f"--trainer.max_epochs={epochs_done + 1}"
+        elif is_int(max_steps) and 0 <= max_steps <= step:
+            stop, more = f"{step} steps and trainer.max_steps is {max_steps}", f"--trainer.max_steps={step + steps_per_epoch}"
+        else:
+            return
+        raise ValueError(
+            f"Cannot resume {path}: its run has trained {stop}, so there is nothing to train. Pass {more} (or more) "
+            f"to train on, or use `test --ckpt_path {path}` to evaluate it."
+        )
 
     def _configure_threads(self) -> None:
         """Torch's threads for this run (``--threads``), set before the trainer and its launcher exist."""

@@ -338,7 +338,7 @@ class MNISTDataModule(pl.LightningDataModule):
             return
         world, rank = self._layout()
         m = self.num_machines // world
-        processes = self.trainer.num_devices if self.trainer is not None else 1
+        processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
         check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=28 * 28)
         x, y, self.test_x, self.test_y = load_mnist(self.root)
         self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.balanced, self.seed)
