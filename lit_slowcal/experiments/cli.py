@@ -190,10 +190,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def _check_checkpoint(self, path: str) -> None:
         """Refuse, before anything is built, a checkpoint that is unreadable, of another run, or done training."""
-        if "://" in path:  # remote: Lightning reads it
+        if "://" in path or not Path(path).is_file():  # remote, "best", missing...: Lightning resolves or refuses it
             return
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"ckpt_path: no checkpoint file {path}. Pass an existing file, or --ckpt_path last.")
         checkpoint = read_checkpoint(path)
         verb = "resume" if self.subcommand == "fit" else f"{self.subcommand} with"
         check_same_run(path, checkpoint, self.identity, verb)

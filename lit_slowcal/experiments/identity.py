@@ -81,10 +81,10 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    # Keys present on one side only (an option added or removed since) are not compared.
-    text = lambda v: json.dumps(v)  # noqa: E731  (null, true, "zeros": as in a config file)
+    # Keys present on one side only (an option added or removed since) are not compared. Values
+    # are shown as JSON: null, true, "zeros", as in a config file.
     return [
-        f"{key} {text(saved[key])} in the checkpoint, {text(now[key])} now"
+        f"{key} {json.dumps(saved[key])} in the checkpoint, {json.dumps(now[key])} now"
         for key in sorted(saved.keys() & now.keys())
         if not _may_change(key) and json.dumps(saved[key], sort_keys=True) != json.dumps(now[key], sort_keys=True)
     ]
