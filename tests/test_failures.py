@@ -194,11 +194,14 @@ LIMITS = [
     (["--num_machines=16", "--local_steps=16", "--batch_size=100000"], 20 * 2**30,
      "A round does not fit in memory: 16 machines x 16 steps x 100000 samples per step x 784 features need 150.3 GiB "
      "(with the next round, fetched ahead), and 20.0 GiB are available. Use a batch_size of at most 13306 per step"),
-    (["--num_machines=16", "--local_steps=16", "--batch_size=5000"], 2**40,
-     "Invalid batch_size: each machine takes 5000 samples per step, but the split (16 machines, Dirichlet "
-     "alpha=0.1, balanced) gives machine 0 only 3750 samples"),
-    (["--method=minibatch_sgd", "--num_machines=16", "--local_steps=16", "--batch_size=300"], 2**40,
-     "each machine takes 4800 samples per step, but the split"),
+    (["--num_machines=16", "--local_steps=16", "--batch_size=20000"], 2**40,
+     "Invalid batch_size: each machine takes 20000 samples per step, more than any machine's shard of the split "
+     "(16 machines, Dirichlet alpha=0.1, official) holds: 944 to 10190 samples (machine 7). Use a per-step batch of "
+     "at most 10190"),
+    (["--method=minibatch_sgd", "--num_machines=16", "--local_steps=16", "--batch_size=700"], 2**40,
+     "each machine takes 11200 samples per step, more than any machine's shard"),
+    (["--num_machines=16", "--data.split=balanced", "--batch_size=5000"], 2**40,
+     "(16 machines, Dirichlet alpha=0.1, balanced) holds: 3750 to 3750 samples (machine 0)"),
 ]  # fmt: skip
 
 
@@ -216,6 +219,16 @@ def test_round_bytes_counts_two_rounds_of_samples_labels_and_indices():
     # 2 rounds x 4 machines x 3 steps x 5 samples x (10 float32 features + int64 label + int64 index)
     assert limits.round_bytes(4, 3, 5, 10) == 2 * 60 * (40 + 8 + 8)
     assert limits.available_memory() > 0
+    limits.check_round_fits(4, 3, 5, 10, available=limits.round_bytes(4, 3, 5, 10))  # exactly fits
+
+
+def test_a_batch_larger_than_some_shards_only_is_allowed():
+    # The paper's split at M = 64 gives some machines 39 samples; Minibatch-SGD at K = 64 takes 64 a step.
+    shards = [torch.arange(39), torch.arange(900)]
+    limits.check_shards_hold_a_batch(shards, 900, "2 machines")
+    with pytest.raises(ValueError, match="901 samples per step, more than any machine's shard of the split "
+                       r"\(2 machines\) holds: 39 to 900 samples \(machine 1\)"):  # fmt: skip
+        limits.check_shards_hold_a_batch(shards, 901, "2 machines")
 
 
 # ---------------------------------------------------------------------- 4. outputs in the run folder
@@ -228,7 +241,7 @@ def test_without_a_logger_every_output_stays_in_the_run_folder(tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
     for version in ("version_0", "version_1"):
         assert sorted(p.name for p in (tmp_path / "runs" / RUN / version).iterdir()) == [
-            "checkpoints", "class_distribution.png", "config.yaml"
+            "checkpoints", "class_counts.csv", "class_distribution.png", "config.yaml"
         ]  # fmt: skip
     code, err = command(capsys, "--trainer.logger=false", "--ckpt_path=last", "--trainer.max_epochs=2", run_dir=Path("runs"))
     assert code == 0, err[-2000:]

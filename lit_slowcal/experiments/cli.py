@@ -174,6 +174,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+        parser.link_arguments("seed_everything", "model.seed", compute_fn=_seed)
 
     def before_instantiate_classes(self) -> None:
         self._configure_threads()

@@ -23,7 +23,13 @@ from torch import Tensor
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
-from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.partition import (
+    SPLITS,
+    class_counts,
+    partition,
+    plot_class_distribution,
+    write_class_counts,
+)
 from lit_slowcal.files import atomic_path, locked
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
@@ -129,30 +135,30 @@ def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tenso
 #: Per process, the most splits (and their figures) kept for the runs that follow (a sweep's runs
 #: repeat a few (M, seed) pairs).
 _CACHE_SIZE = 32
-# (M, alpha, balanced, seed) -> (the labels split, the shards); see partition_shards.
+# (M, alpha, split, seed) -> (the labels split, the shards); see partition_shards.
 _PARTITIONS: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
 # (counts shape, counts bytes, title) -> the class-distribution PNG.
 _FIGURES: dict[tuple, bytes] = {}
 
 
 def partition_shards(
-    labels: Tensor, num_machines: int, alpha: Optional[float], balanced: bool, seed: int
+    labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int
 ) -> list[Tensor]:
-    """``partition(labels, num_machines, alpha, balanced=balanced, seed=seed)`` as int64 tensors.
+    """``partition(labels, num_machines, alpha, split=split, seed=seed)`` as int64 tensors.
 
     Computed once per process for the same labels tensor (``load_mnist``'s) and settings: the runs
     of a sweep that share M and the seed share the split. Every call returns its own copies, so a
     caller that modifies its shards changes nobody else's.
     """
     # With the types: 1 == True == 1.0 as keys, but partition refuses some of them.
-    key = tuple((type(v), v) for v in (num_machines, alpha, balanced, seed))
+    key = tuple((type(v), v) for v in (num_machines, alpha, split, seed))
     try:
         hit = _PARTITIONS.get(key)
     except TypeError:  # an unhashable argument: partition says what is wrong with it
         key, hit = None, None
     if hit is None or hit[0] is not labels:
-        split = partition(labels.numpy(), num_machines, alpha, balanced=balanced, seed=seed)
-        hit = (labels, [torch.from_numpy(s) for s in split])
+        shards = partition(labels.numpy(), num_machines, alpha, split=split, seed=seed)
+        hit = (labels, [torch.from_numpy(s) for s in shards])
         if key is not None:
             _PARTITIONS.pop(key, None)
             _PARTITIONS[key] = hit
@@ -268,8 +274,10 @@ class MNISTDataModule(pl.LightningDataModule):
         steps_per_round: optimizer steps per communication round (K for the local methods, 1 for
             Minibatch-SGD, whose per-step batch is K * b).
         dirichlet_alpha: concentration of the class split (the paper: 0.1); ``None`` for a stratified IID split.
-        balanced: keep the Dirichlet class skew but give every machine about N / M samples (the official
-            code's variant) instead of the plain split, where shard sizes vary.
+        split: which Dirichlet split (``lit_slowcal.experiments.partition.partition``): ``official``
+            (the paper's code, draw for draw: shards of about N / M samples, some samples left out),
+            ``balanced`` (every machine N / M samples, each with its own Dirichlet class mix) or
+            ``dirichlet`` (plain, Hsu et al. 2019: shard sizes vary widely).
         seed: seeds the partition and every machine's stream.
         eval_batch_size: batch size of the test set.
     """
@@ -281,7 +289,7 @@ class MNISTDataModule(pl.LightningDataModule):
         batch_size: int = 1,
         steps_per_round: int = 16,
         dirichlet_alpha: Optional[float] = 0.1,
-        balanced: bool = False,
+        split: str = "dirichlet",
         seed: int = 1,
         eval_batch_size: int = 10_000,
     ) -> None:
@@ -299,12 +307,14 @@ class MNISTDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"Invalid data.dirichlet_alpha: {dirichlet_alpha!r} (must be a finite number > 0, or null for IID)"
             )
+        if split not in SPLITS:
+            raise ValueError(f"Invalid data.split: {split!r} (allowed: {', '.join(SPLITS)})")
         self.root = root
         self.num_machines = num_machines
         self.batch_size = batch_size
         self.steps_per_round = steps_per_round
         self.dirichlet_alpha = dirichlet_alpha
-        self.balanced = balanced
+        self.split = split
         self.seed = seed
         self.eval_batch_size = eval_batch_size
         self.shards: list[Tensor] = []
@@ -341,8 +351,8 @@ class MNISTDataModule(pl.LightningDataModule):
         processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
         check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=28 * 28)
         x, y, self.test_x, self.test_y = load_mnist(self.root)
-        self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.balanced, self.seed)
-        check_shards_hold_a_batch(self.shards, self.batch_size, self.split_text())
+        self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.split, self.seed)
+        check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
@@ -353,10 +363,11 @@ class MNISTDataModule(pl.LightningDataModule):
             if self.trainer.is_global_zero:
                 self._log_partition(Path(folder))
 
-    def split_text(self) -> str:
-        """``16 machines, Dirichlet alpha=0.1, balanced``: the split, as the figure's title gives it."""
-        alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
-        return f"{self.num_machines} machines, {alpha}{', balanced' if self.balanced else ''}"
+    def split_name(self) -> str:
+        """``Dirichlet alpha=0.1, official``: the split, as the figure's title and the errors give it."""
+        if self.dirichlet_alpha is None:
+            return "IID"
+        return f"Dirichlet alpha={self.dirichlet_alpha:g}" + ("" if self.split == "dirichlet" else f", {self.split}")
 
     def class_counts(self):
         """Class counts per machine, shape ``(M, 10)``."""
@@ -364,10 +375,11 @@ class MNISTDataModule(pl.LightningDataModule):
 
     def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer
-        machines, split = self.split_text().split(", ", 1)
-        title = f"Class distribution across {machines} ({split})"
+        title = f"Class distribution across {self.num_machines} machines ({self.split_name()})"
         self.partition_png = folder / "class_distribution.png"
         counts = self.class_counts()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_class_counts(counts, folder / "class_counts.csv")
         # Drawing the figure takes longer than a short run trains; the runs of a sweep that share a
         # split (same M and seed) share its PNG, drawn once per process and copied.
         key = (counts.shape, counts.tobytes(), title)
@@ -379,7 +391,6 @@ class MNISTDataModule(pl.LightningDataModule):
             while len(_FIGURES) > _CACHE_SIZE:
                 _FIGURES.pop(next(iter(_FIGURES)))
         else:
-            self.partition_png.parent.mkdir(parents=True, exist_ok=True)
             self.partition_png.write_bytes(png)
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):  # WandbLogger

@@ -2,8 +2,8 @@
 
 ``check_round_fits``: a round's samples (gathered as one ``(steps, m, b, 784)`` batch per process,
 and the next one prefetched) must fit in the memory available now. ``check_shards_hold_a_batch``:
-each machine's per-step batch must not exceed its shard of the split (a larger batch would repeat
-samples within one step).
+the per-step batch must not exceed every machine's shard of the split (each step would repeat
+samples on every machine).
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ def check_round_fits(
 
 
 def check_shards_hold_a_batch(shards: Sequence[Tensor], batch_size: int, split: str) -> None:
-    """Refuse (``ValueError``) a per-step batch larger than the smallest machine's shard of the split."""
+    """Refuse (``ValueError``) a per-step batch larger than every machine's shard of the split.
+
+    Then no machine can draw one step's batch without repeating samples. A batch larger than only
+    some shards is allowed: a skewed split gives some machines few samples (the paper's split at
+    M = 64: 39 for the smallest), and their streams cycle their shard, as the paper's code does.
+    """
     sizes = [len(s) for s in shards]
-    smallest = min(sizes)
-    if batch_size > smallest:
-        machine = sizes.index(smallest)
+    largest = max(sizes)
+    if batch_size > largest:
         raise ValueError(
-            f"Invalid batch_size: each machine takes {batch_size} samples per step, but the split ({split}) gives "
-            f"machine {machine} only {smallest} samples (the smallest shard; the largest has {max(sizes)}). Use a "
-            f"per-step batch of at most {smallest} (Minibatch-SGD's is local_steps x batch_size), fewer machines, "
-            f"or a balanced or less skewed split."
+            f"Invalid batch_size: each machine takes {batch_size} samples per step, more than any machine's shard "
+            f"of the split ({split}) holds: {min(sizes)} to {largest} samples (machine {sizes.index(largest)}). Use "
+            f"a per-step batch of at most {largest} (Minibatch-SGD's is local_steps x batch_size), or fewer machines."
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import math
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.simulated import SimulatedMachines
 
-__all__ = ["LogisticRegression", "METHODS", "PAPER_LR"]
+__all__ = ["LogisticRegression", "METHODS", "PAPER_LR", "official_init"]
 
 Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
 METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
@@ -48,7 +50,12 @@ class LogisticRegression(pl.LightningModule):
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
         weight_decay: L2 penalty added to every gradient.
         init: x_0 = 0 (``zeros``, the usual start of a convex problem: results then depend on the
-            seed only through the data) or PyTorch's default random ``nn.Linear`` initialisation.
+            seed only through the data), PyTorch's default random ``nn.Linear`` initialisation, the
+            same on every machine (``default``), or the paper code's (``official``): machine i starts
+            from its own default initialisation, the one the code draws for its worker i (see
+            ``official_init``), until the first synchronisation averages them.
+        seed: seeds the ``official`` initialisation (the CLI links ``seed_everything`` to it);
+            ``None`` takes ``torch.initial_seed()``, the seed ``seed_everything`` set.
         input_dim, num_classes: the linear model's shape.
     """
 
@@ -61,15 +68,18 @@ class LogisticRegression(pl.LightningModule):
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
         weight_decay: float = 0.0,
-        init: Literal["zeros", "default"] = "zeros",
+        init: Literal["zeros", "default", "official"] = "zeros",
+        seed: Optional[int] = None,
         input_dim: int = 784,
         num_classes: int = 10,
     ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
-        if init not in ("zeros", "default"):
-            raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
+        if init not in ("zeros", "default", "official"):
+            raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default, official)")
+        if seed is not None:
+            check_int("model.seed", seed, minimum=0)
         if lr is None:
             lr = PAPER_LR[method]
         check_number("model.lr", lr)
@@ -98,6 +108,28 @@ class LogisticRegression(pl.LightningModule):
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)
         self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
+        if self.hparams.init == "official":
+            self._official_init()
+
+    def _official_init(self) -> None:
+        """Give each of this process's machines its own ``official_init`` weights."""
+        h = self.hparams
+        m = self.machines.num_machines
+        try:
+            rank = self.trainer.global_rank
+        except RuntimeError:
+            rank = 0
+        seed = torch.initial_seed() if h.seed is None else h.seed
+        weight, bias = official_init(h.num_machines, seed, h.input_dim, h.num_classes)
+        with torch.no_grad():
+            self.machines.weight.copy_(weight[rank * m : (rank + 1) * m])
+            self.machines.bias.copy_(bias[rank * m : (rank + 1) * m])
+
+    def on_fit_start(self) -> None:
+        # Several processes: the strategy broadcast rank 0's machines at setup; give every process
+        # its own machines' weights back (unless the run resumes from a checkpoint).
+        if self.hparams.init == "official" and self.trainer.world_size > 1 and not self.trainer.ckpt_path:
+            self._official_init()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
@@ -203,3 +235,26 @@ class LogisticRegression(pl.LightningModule):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch)
+
+
+def official_init(
+    num_machines: int, seed: int, input_dim: int = 784, num_classes: int = 10
+) -> tuple[Tensor, Tensor]:
+    """Every machine's initial weights in the paper's code: ``(M, num_classes, input_dim)``, ``(M, num_classes)``.
+
+    The code (github.com/dahan198/slowcal-sgd, ``main.py``) seeds torch with the seed, then builds
+    one model per worker, PyTorch's default ``nn.Linear`` initialisation (weight and bias uniform on
+    +-1 / sqrt(input_dim)), and the worker's ``DataLoader`` iterator, which draws one int64 (its
+    base seed) from the same generator. Worker i trains from its own weights; the first
+    synchronisation averages them. Here the same draws are made from a private generator seeded
+    alike, so torch's global random state is left untouched.
+    """
+    g = torch.Generator().manual_seed(seed)
+    bound = 1 / math.sqrt(input_dim)
+    weight = torch.empty(num_machines, num_classes, input_dim)
+    bias = torch.empty(num_machines, num_classes)
+    for i in range(num_machines):
+        nn.init.kaiming_uniform_(weight[i], a=math.sqrt(5), generator=g)  # as nn.Linear.reset_parameters
+        nn.init.uniform_(bias[i], -bound, bound, generator=g)
+        torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed
+    return weight, bias
