@@ -11,7 +11,9 @@
    as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
-   command skips the trials it holds. Failed and diverged trials are retried only with ``--retry-failed``.
+   command skips the trials it holds, and so does a sweep writing the same file at the same time
+   (each trial is checked against the file just before it runs). Failed and diverged trials are
+   retried only with ``--retry-failed``.
 5. The sweep ends with a markdown table (``table``).
 
 The training CLI is imported only when a sweep checks or runs trials; it never imports this package.
@@ -319,9 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
                 from lit_slowcal.experiments.sweep.stacked import run_stacked
 
-                parsed = [(p, a, checker.parse(a)) for p, a in alone]
+                results.refresh()  # another sweep writing the same file may have run some meanwhile
+                parsed = [(p, a, checker.parse(a)) for p, a in alone if pending(p)]
                 alone = run_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None, record)
             for i, (params, args) in enumerate(alone, 1):
+                results.refresh()  # another sweep writing the same file may have run it meanwhile
+                if not pending(params):
+                    print(f"\n[{i}/{len(alone)}] {param_text(params)}: already in {results_path}", flush=True)
+                    continue
                 print(f"\n[{i}/{len(alone)}] {param_text(params)}", flush=True)
                 record(params, run_trial(args), args, f"{i}/{len(alone)}")
         except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
