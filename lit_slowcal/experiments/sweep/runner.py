@@ -10,6 +10,8 @@
    trains in one process, without a process group. A trial that raises is recorded
    as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
+   With ``--stack``, the trials that differ only in ``model.lr`` and the seed train first, one
+   group at a time, as one vectorized program each (``stacked``), each trial exactly as alone.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
    command skips the trials it holds, and so does a sweep writing the same file at the same time
    (each trial is checked against the file just before it runs). Failed and diverged trials are

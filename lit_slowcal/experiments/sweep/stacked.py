@@ -57,13 +57,8 @@ class StackedTrial:
     params: dict[str, Any]
     args: list[str]
     config: dict[str, Any]
-    outcome: dict[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str) -> Any:
-        value: Any = self.config
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        return value
+    outcome: dict[str, Any] = field(default_factory=dict)  # as run_trial returns it, once the group ran
+    final_state: dict[str, Any] = field(default_factory=dict)  # {"params": the trial's (M, ...) tensors}
 
 
 def stackable(config: dict[str, Any]) -> Optional[str]:
@@ -331,7 +326,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             "wall_time_s": round(wall, 3),
             "stacked": T,
         }
-        t.final_state = {  # type: ignore[attr-defined]
+        t.final_state = {
             "params": {n: p.detach().clone() for n, p in models[i].machines.named_parameters()},
         }
 
