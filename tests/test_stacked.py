@@ -13,6 +13,7 @@ from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.sweep import stacked
+from test_sweep import wandb_records
 
 REPO = Path(__file__).resolve().parents[1]
 LRS = (0.01, 0.03)
@@ -157,6 +158,26 @@ def test_stacked_sweep_killed_between_groups_reruns_only_the_unfinished_trials(t
     assert records[:2] == first and [r["params"]["method"] for r in records[2:]] == ["local_sgd", "local_sgd"]
     assert all(r["status"] == "finished" and r["metrics"]["round"] == 7 for r in records)
     assert len({r["run_dir"] for r in records}) == 4  # a folder each, the two lrs of a seed included
+
+
+def test_stacked_trials_with_wandb_get_one_offline_run_each_in_the_sweeps_group(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account here: the runs are written offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("local_sgd",))
+    path.write_text(path.read_text().replace("--wandb=false", "--wandb=true"))
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl"), "--stack"]) == 0
+    assert "stacking: 2 trials in 1 groups" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    for r in records:
+        (run_file,) = Path(r["run_dir"]).glob("wandb/offline-run-*/run-*.wandb")  # its own run, in its folder
+        items = list(wandb_records(run_file))
+        (run,) = [i.run for i in items if i.WhichOneof("record_type") == "run"]
+        config = {item.key: json.loads(item.value_json) for item in run.config.update}
+        assert run.run_group == "sweep-grid" and config["model.lr"] == r["params"]["model.lr"]
+        rows = [{(h.key or "/".join(h.nested_key)): json.loads(h.value_json) for h in i.history.item} for i in items if i.WhichOneof("record_type") == "history"]
+        assert [row["test_acc"] for row in rows if "test_acc" in row][-1] == r["metrics"]["test_acc"]
+        assert [row["train_loss"] for row in rows if "train_loss" in row][-1] == r["metrics"]["train_loss"]
 
 
 def test_trials_that_cannot_be_stacked_run_one_at_a_time_and_say_why(tmp_path, monkeypatch, capsys):

@@ -26,8 +26,9 @@ what a single run gets: its record in the results file (written when its group e
 or parameters become non-finite, the status ``diverged``; its slices are then frozen (dropped from
 the optimizer and the averaging) and the other trials go on.
 
-What cannot be stacked runs one trial at a time as before (``stackable`` says why): W&B on, more
-than one epoch, several devices, a checkpoint to resume from. A group is split to fit the memory
+With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
+(every logged row at its step). What cannot be stacked runs one trial at a time as before
+(``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from. A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -64,8 +65,6 @@ class StackedTrial:
 def stackable(config: dict[str, Any]) -> Optional[str]:
     """``None`` when a trial of this configuration (the parsed ``fit`` section) can be stacked, else why not."""
     trainer = config.get("trainer") or {}
-    if config.get("wandb"):
-        return "W&B is on (pass --wandb=false to stack)"
     if config.get("ckpt_path") is not None:
         return "it resumes from a checkpoint"
     if trainer.get("max_epochs") != 1:
@@ -229,6 +228,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     active = [True] * T
     metrics: list[dict[str, float]] = [{} for _ in range(T)]
+    history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(T)]  # (step, row) as logged
     errors: list[Optional[str]] = [None] * T
     loss_since_log = torch.zeros(T, 2, dtype=torch.float64)
     steps = indices.shape[1]
@@ -259,6 +259,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             }
             metrics[i].update(row)
             loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+            history[i].append((r - 1, row))
 
     for r in range(1, n_batches + 1):
         idx = indices[r - 1]
@@ -309,6 +310,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 }
                 metrics[i].update(row)
                 loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+                history[i].append((r - 1, row))
         if r % every == 0 or r == n_batches:
             evaluate(r)
         if not any(active):
@@ -326,9 +328,33 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             "wall_time_s": round(wall, 3),
             "stacked": T,
         }
+        if t.config.get("wandb"):
+            _wandb_run(t.config, _run_name(t.config), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
         t.final_state = {
             "params": {n: p.detach().clone() for n, p in models[i].machines.named_parameters()},
         }
+
+
+def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
+    """The trial's own W&B run, written when its group ends: its config, every logged row at its
+    step, in the sweep's W&B group; online when logged in and reachable, else offline (as the CLI)."""
+    import wandb
+
+    from lit_slowcal.experiments.cli import _flat_config, wandb_logged_in
+
+    kwargs = dict(
+        project=config.get("wandb_project"), name=name, dir=folder, group=os.environ.get("WANDB_RUN_GROUP"),
+        config=_flat_config(config), reinit="finish_previous",
+    )  # fmt: skip
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
+    try:
+        run = wandb.init(mode="offline" if offline else "online", **kwargs)
+    except Exception as err:  # no network, server down: never lose the trial's log for it
+        print(f"W&B: cannot reach W&B ({type(err).__name__}); logging {name} offline", flush=True)
+        run = wandb.init(mode="offline", **kwargs)
+    for step, row in history:
+        run.log(row, step=step)
+    run.finish(exit_code=1 if failed else 0)
 
 
 def _config_yaml(trial: StackedTrial) -> str:
