@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
+from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
 from lit_slowcal.experiments.partition import (
     SPLITS,
     class_counts,
@@ -29,6 +30,7 @@ from lit_slowcal.experiments.partition import (
     plot_class_distribution,
     write_class_counts,
 )
+from lit_slowcal.files import atomic_path, locked
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
@@ -56,26 +58,40 @@ def _check_idx_file(path: Path, magic: int, size: int) -> None:
 
 def _prepare_raw_files(root: Path) -> None:
     """Decompress the shipped ``.gz`` files next to them (torchvision reads only decompressed files)
-    and check every file's size and magic number. Downloads with torchvision when nothing is there."""
+    and check every file's size and magic number. Downloads with torchvision when nothing is there.
+
+    Processes preparing the same folder at once (the ranks of a job, two jobs on a fresh clone)
+    take turns under a lock on ``raw/`` (``lit_slowcal.files.locked``): the first decompresses, the
+    others find the files done. Each file appears whole (``atomic_path``) or not at all."""
     raw = root / "MNIST" / "raw"
+    if not raw.is_dir():
+        return _download(root, list(_MNIST_FILES))
+    if all((raw / name).exists() for name in _MNIST_FILES):  # prepared: no lock (the folder may be read-only)
+        return _decompress_and_check(raw)
+    with locked(raw / "prepare"):
+        _decompress_and_check(raw)
+
+
+def _decompress_and_check(raw: Path) -> None:
     missing = []
     for name, (magic, size) in _MNIST_FILES.items():
         path, gz = raw / name, raw / f"{name}.gz"
         if not path.exists() and gz.exists():
-            tmp = path.with_suffix(".tmp")
             try:
-                with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                with gzip.open(gz, "rb") as src, atomic_path(path) as tmp, open(tmp, "wb") as dst:
                     shutil.copyfileobj(src, dst)
             except (OSError, EOFError) as err:
-                tmp.unlink(missing_ok=True)
                 raise ValueError(f"Corrupt MNIST file {gz}: {err}. Replace it with the original file.") from err
-            tmp.replace(path)
         if path.exists():
             _check_idx_file(path, magic, size)
         else:
             missing.append(name)
-    if not missing:
-        return
+    if missing:
+        _download(raw.parent.parent, missing)
+
+
+def _download(root: Path, missing: list[str]) -> None:
+    raw = root / "MNIST" / "raw"
     from torchvision.datasets import MNIST
 
     try:
@@ -322,13 +338,21 @@ class MNISTDataModule(pl.LightningDataModule):
             )
         return world, rank
 
+    def prepare_data(self) -> None:
+        """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on
+        one process per node, then all of them call ``setup``)."""
+        _prepare_raw_files(Path(self.root))
+
     def setup(self, stage: str) -> None:
         if self._train is not None:
             return
         world, rank = self._layout()
+        m = self.num_machines // world
+        processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
+        check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=28 * 28)
         x, y, self.test_x, self.test_y = load_mnist(self.root)
         self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.split, self.seed)
-        m = self.num_machines // world
+        check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
@@ -339,17 +363,19 @@ class MNISTDataModule(pl.LightningDataModule):
             if self.trainer.is_global_zero:
                 self._log_partition(Path(folder))
 
+    def split_name(self) -> str:
+        """``Dirichlet alpha=0.1, official``: the split, as the figure's title and the errors give it."""
+        if self.dirichlet_alpha is None:
+            return "IID"
+        return f"Dirichlet alpha={self.dirichlet_alpha:g}" + ("" if self.split == "dirichlet" else f", {self.split}")
+
     def class_counts(self):
         """Class counts per machine, shape ``(M, 10)``."""
         return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], 10)
 
     def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer
-        if self.dirichlet_alpha is None:
-            split = "IID"
-        else:
-            split = f"Dirichlet alpha={self.dirichlet_alpha:g}" + ("" if self.split == "dirichlet" else f", {self.split}")
-        title = f"Class distribution across {self.num_machines} machines ({split})"
+        title = f"Class distribution across {self.num_machines} machines ({self.split_name()})"
         self.partition_png = folder / "class_distribution.png"
         counts = self.class_counts()
         folder.mkdir(parents=True, exist_ok=True)

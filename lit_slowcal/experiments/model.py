@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lit_slowcal._lightning import batches_between_validations, batches_started
+from lit_slowcal._lightning import batches_started
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.simulated import SimulatedMachines
@@ -165,11 +165,12 @@ class LogisticRegression(pl.LightningModule):
                 f"Training diverged: {what} in round {rounds_done} "
                 f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
             )
-        # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds (and
-        # after the epoch's last), with the train loss averaged over the rounds since the last log.
+        # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds, when
+        # Lightning writes logs, and after the run's last round (on_train_batch_end makes Lightning
+        # write that one too), with the train loss averaged over the rounds since the last log.
         one_round = torch.stack([round_loss.detach().double(), round_loss.new_ones((), dtype=torch.float64)])
         self._loss_since_log = self._loss_since_log.to(one_round.device) + one_round  # on the loss's device
-        if rounds_done % self.trainer.log_every_n_steps and batch_idx + 1 < self.trainer.num_training_batches:
+        if rounds_done % self.trainer.log_every_n_steps and not self._last_round(batch_idx):
             return
         loss_sum, rounds = self._loss_since_log
         self._loss_since_log = torch.zeros(2, dtype=torch.float64)
@@ -196,15 +197,18 @@ class LogisticRegression(pl.LightningModule):
         logits = self.machines(x)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
-    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        # Lightning validates every `val_check_interval` rounds; make sure the final x is evaluated
-        # too when the last round is not a multiple of it (Lightning validates when a run stops).
+    def _last_round(self, batch_idx: int) -> bool:
+        """Whether this batch is the last of the run's last epoch."""
         trainer = self.trainer
         last_batch = batch_idx + 1 >= trainer.num_training_batches
-        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
-        every = batches_between_validations(trainer)  # None: validation is time based
-        if last_batch and last_epoch and (every is None or batches_started(trainer) % every != 0):
-            trainer.should_stop = True
+        return last_batch and trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        # A run that stops is validated (so the final x is evaluated even when the last round is not
+        # a multiple of `val_check_interval`) and has its last train metrics written even when the
+        # last round is not a multiple of `log_every_n_steps`: stop after the last round.
+        if self._last_round(batch_idx):
+            self.trainer.should_stop = True
 
     def _swap_output(self) -> None:
         # An optimizer whose trained model is not its query point (AC-SA: x^ag, not x^md) exchanges
