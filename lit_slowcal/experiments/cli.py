@@ -12,7 +12,13 @@ per-step batch     b                   K * b
 steps per round    K                   1
 =================  ==================  ==================
 
-and R = ceil(60,000 / (M * K * b)) rounds make one epoch for every method.
+and R = ceil(N / (M * K * b)) rounds make one epoch for every method (N = 60,000 for MNIST).
+
+``data.problem`` picks the problem (``MNIST`` by default, ``Synthetic``, ``Quadratic``; see
+``lit_slowcal.experiments.problems``); the model's shape and loss follow from it. Every fit measures
+the training objective, the excess loss against a cached float64 optimum and G_*, and, with
+``--diagnostics`` (the default), the machines' dispersion before each synchronisation and the
+per-step movement of query point and iterate (``lit_slowcal.experiments.diagnostics``).
 
 Torch's threads are set before anything is built (``--threads``, ``auto`` by default: one thread
 for steps as small as these; see ``lit_slowcal.experiments.threads``), and the choice is printed
@@ -41,6 +47,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_slowcal._validation import check_int, is_int
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
+from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
@@ -148,6 +155,21 @@ class SlowcalCLI(LightningCLI):
         parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
         parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
         parser.add_argument(
+            "--diagnostics",
+            type=bool,
+            default=True,
+            help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
+        )
+        parser.add_argument(
+            "--excess_loss", type=bool, default=True, help="solve for x* (float64, cached) and log excess_loss and G_star"
+        )
+        parser.add_argument(
+            "--cache_dir",
+            type=Optional[str],
+            default=None,
+            help="folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)",
+        )
+        parser.add_argument(
             "--threads",
             type=THREADS_TYPE,
             default="auto",
@@ -165,6 +187,10 @@ class SlowcalCLI(LightningCLI):
             compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+        # The model's shape and loss are the problem's.
+        parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
+        parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
+        parser.link_arguments("data", "model.loss", compute_fn=lambda d: d.problem.loss, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         self._configure_threads()
@@ -211,6 +237,13 @@ class SlowcalCLI(LightningCLI):
         rounds = check_int("checkpoint_every", self.setting("checkpoint_every"), minimum=0)
         steps = rounds * steps_per_round(self.setting("method"), self.setting("local_steps"))
         return LastCheckpoint(every_n_train_steps=steps or None)
+
+    def _diagnostics(self) -> Diagnostics:
+        return Diagnostics(
+            excess_loss=self.setting("excess_loss", True),
+            per_round=self.setting("diagnostics", True),
+            cache_dir=self.setting("cache_dir"),
+        )
 
     def run_name(self) -> str:
         """``<method>_M<M>_K<K>_b<b>_seed<seed>``: the run's folder under ``run_dir``."""
@@ -283,7 +316,10 @@ class SlowcalCLI(LightningCLI):
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         if trainer_config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, self._checkpoint_callback()]
+            callbacks = [*callbacks, self._checkpoint_callback()]
+        if not any(isinstance(c, Diagnostics) for c in callbacks):
+            callbacks = [*callbacks, self._diagnostics()]
+        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
@@ -303,6 +339,10 @@ class SlowcalCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()
+        # Problems other than MNIST have their own N, hence their own number of rounds per epoch.
+        data = self.datamodule
+        if isinstance(self.trainer.val_check_interval, int) and isinstance(data, MNISTDataModule):
+            self.trainer.val_check_interval = min(self.trainer.val_check_interval, data.num_rounds)
 
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
@@ -317,6 +357,7 @@ class SlowcalCLI(LightningCLI):
             f"  method {self.setting('method')}   M={data.num_machines}  K={self.setting('local_steps')}"
             f"  b={self.setting('batch_size')}   rounds {self.trainer.strategy.num_syncs}/{data.num_rounds}",
             f"  final test accuracy {get('test_acc'):.4f}   test loss {get('test_loss'):.4f}",
+            *_diagnostics_lines(self.trainer, get),
             f"  wall time {time.perf_counter() - self._start:.1f} s",
         ]
         if csv is not None:
@@ -327,6 +368,20 @@ class SlowcalCLI(LightningCLI):
         if data.partition_png is not None:
             lines.append(f"  class distribution: {data.partition_png}")
         print("\n".join(lines), flush=True)
+
+
+def _diagnostics_lines(trainer: Trainer, get: Any) -> list[str]:
+    """The summary's lines on the objective: f(x), the excess loss, f*, G_* (or why there is none)."""
+    found = next((c for c in trainer.callbacks if isinstance(c, Diagnostics)), None)
+    if found is None or found.objective is None:
+        return []
+    line = f"  train objective {get('train_objective'):.6f}"
+    if found.optimum is not None:
+        line += f"   excess loss {get('excess_loss'):.4e}   f* {found.optimum.value:.6f}   G_* {found.g_star:.4f}"
+    lines = [line]
+    if found.note:
+        lines.append(f"  ({found.note})")
+    return lines
 
 
 def _processes_per_node(devices: Any, accelerator: Any) -> int:

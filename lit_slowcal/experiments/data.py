@@ -23,6 +23,7 @@ from torch import Tensor
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
@@ -237,7 +238,11 @@ class _Slices:
 
 
 class MNISTDataModule(pl.LightningDataModule):
-    """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``).
+    """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``), or another problem.
+
+    ``problem`` picks what is trained on (``lit_slowcal.experiments.problems``): ``None`` or
+    ``MNIST()`` for the paper's experiment, ``Synthetic(alpha, beta)`` or ``Quadratic(...)``; the
+    split settings below apply to MNIST only, the other problems generate their machines' data.
 
     One epoch is R = ceil(N / (M * steps_per_round * batch_size)) rounds of ``steps_per_round``
     steps, so that all machines together see about N = 60,000 samples per epoch. Each training batch
@@ -256,6 +261,7 @@ class MNISTDataModule(pl.LightningDataModule):
             code's variant) instead of the plain split, where shard sizes vary.
         seed: seeds the partition and every machine's stream.
         eval_batch_size: batch size of the test set.
+        problem: the problem (``None``: MNIST).
     """
 
     def __init__(
@@ -268,6 +274,7 @@ class MNISTDataModule(pl.LightningDataModule):
         balanced: bool = False,
         seed: int = 1,
         eval_batch_size: int = 10_000,
+        problem: Optional[Problem] = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -291,11 +298,25 @@ class MNISTDataModule(pl.LightningDataModule):
         self.balanced = balanced
         self.seed = seed
         self.eval_batch_size = eval_batch_size
+        if problem is not None and not isinstance(problem, Problem):
+            raise ValueError(f"Invalid data.problem: {problem!r} (a Problem: MNIST, Synthetic or Quadratic)")
+        self.problem = MNIST() if problem is None else problem
+        self.problem_data: Optional[ProblemData] = None
         self.shards: list[Tensor] = []
         self.partition_png: Optional[Path] = None
         self._train: Optional[MachineStreams] = None
 
-    num_train_samples = MNIST_TRAIN_SIZE
+    @property
+    def num_train_samples(self) -> int:
+        """N, the samples one epoch's rounds cover: 60,000 for MNIST, else the shards' total."""
+        if isinstance(self.problem, MNIST):
+            return MNIST_TRAIN_SIZE
+        return sum(len(s) for s in self._build().shards)
+
+    def _build(self) -> ProblemData:
+        if self.problem_data is None:
+            self.problem_data = self.problem.build(self.num_machines, self.seed, self)
+        return self.problem_data
 
     @property
     def num_rounds(self) -> int:
@@ -316,27 +337,30 @@ class MNISTDataModule(pl.LightningDataModule):
         if self._train is not None:
             return
         world, rank = self._layout()
-        x, y, self.test_x, self.test_y = load_mnist(self.root)
-        self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.balanced, self.seed)
+        data = self._build()
+        x, y, self.test_x, self.test_y = data.train_x, data.train_y, data.test_x, data.test_y
+        self.shards = list(data.shards)
         m = self.num_machines // world
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
         )
         self._train_labels = y
-        if stage == "fit" and self.trainer is not None:
+        if stage == "fit" and self.trainer is not None and self.problem.loss == "cross_entropy":
             folder = self.trainer.log_dir or self.trainer.default_root_dir  # a collective: every rank asks
             if self.trainer.is_global_zero:
                 self._log_partition(Path(folder))
 
     def class_counts(self):
-        """Class counts per machine, shape ``(M, 10)``."""
-        return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], 10)
+        """Class counts per machine, shape ``(M, classes)``."""
+        return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], self.problem.num_outputs)
 
     def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer
         alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
         title = f"Class distribution across {self.num_machines} machines ({alpha}{', balanced' if self.balanced else ''})"
+        if not isinstance(self.problem, MNIST):
+            title = f"Class distribution across {self.num_machines} machines ({self.problem.describe()})"
         self.partition_png = folder / "class_distribution.png"
         counts = self.class_counts()
         # Drawing the figure takes longer than a short run trains; the runs of a sweep that share a

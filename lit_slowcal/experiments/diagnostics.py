@@ -1,0 +1,198 @@
+"""What the theory talks about, measured during a run: a Lightning callback the CLI adds to every fit.
+
+At every evaluation (every ``eval_every`` rounds and after the last), of the synchronised model x:
+
+``train_objective``
+    f(x), the paper's global objective on every machine's whole shard (``lit_slowcal.experiments.objective``).
+``excess_loss``
+    f(x) - f*, with x* and f* from the float64 solver (cached on disk). Only where f has an attained
+    minimiser: with ``model.weight_decay = 0``, MNIST and Synthetic (softmax regression) have none,
+    and the run says so once instead of presenting a number that is not an optimum.
+
+Once per run, before training (logged at step 0, printed in the summary): ``f_star``, ``G_star``
+(G_*^2 = 2 (1/M) sum_i ||grad f_i(x*)||^2 for the split in use) and ``optimum_grad_norm``.
+
+Per round, with ``--diagnostics`` (averaged over the rounds or steps since the previous evaluation):
+
+``dispersion``
+    (1/M) sum_i ||x_i - x_bar||^2 over all parameters, just before each synchronisation (after the
+    round's last local step), through the strategy's sync pre-hook: the drift of the machines that
+    Local-SGD's bias comes from.
+``query_step``, ``iterate_step``
+    The machines' mean per-step movement ||x_{t+1} - x_t|| of the parameters (the query point, where
+    gradients are taken), and, for an optimizer that keeps an iterate ``w`` in its state (SLowcal-SGD),
+    ||w_{t+1} - w_t|| next to it: the paper's slow query points.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lit_slowcal.experiments.objective import Objective, Optimum, heterogeneity, optimum
+from lit_slowcal.simulated import SimulatedMachines
+
+__all__ = ["Diagnostics"]
+
+
+class Diagnostics(Callback):
+    """Logs ``train_objective``, ``excess_loss`` (with ``f_star``, ``G_star``) and the per-round diagnostics.
+
+    Args:
+        excess_loss: compute x* (or read it from the cache) and log the excess loss and G_*.
+        per_round: log ``dispersion``, ``query_step`` and ``iterate_step``.
+        cache_dir: where optima are cached (``None``: ``objective.default_cache_dir()``).
+        tol: the solver's gradient-norm tolerance.
+    """
+
+    def __init__(self, excess_loss: bool = True, per_round: bool = True, cache_dir: Optional[str] = None, tol: float = 1e-8) -> None:
+        self.excess_loss = excess_loss
+        self.per_round = per_round
+        self.cache_dir = cache_dir
+        self.tol = tol
+        self.objective: Optional[Objective] = None
+        self.optimum: Optional[Optimum] = None
+        self.g_star: Optional[float] = None
+        self.note: Optional[str] = None  # why there is no excess loss, when there is none
+        self.solve_seconds: Optional[float] = None
+        self.cached: Optional[bool] = None
+        self._handles: list[Any] = []
+        self._has_iterate = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._dispersion = torch.zeros((), dtype=torch.float64)
+        self._syncs = 0
+        self._steps = torch.zeros(2, dtype=torch.float64)  # sums of the query point's and the iterate's step norms
+        self._step_count = 0
+        self._before_w: Optional[list[Tensor]] = None
+
+    # -- the objective and its optimum ----------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        data = trainer.datamodule
+        problem = getattr(data, "problem", None)
+        build = getattr(data, "_build", None)
+        if problem is None or build is None:  # not a lit_slowcal data module: nothing to measure on
+            return
+        decay = float(pl_module.hparams.get("weight_decay", 0.0))
+        self.objective = Objective(build(), problem.loss, decay)
+        if not self.excess_loss:
+            return
+        if decay == 0 and not problem.attained_without_weight_decay:
+            self.note = (
+                f"excess_loss: not logged: {problem.name} {'softmax regression' if problem.loss == 'cross_entropy' else ''} "
+                "without weight decay has no attained minimiser (f keeps falling as ||x|| grows), so there is no f*; "
+                "set --model.weight_decay=1e-4 (recommended: f is then strongly convex) to measure it"
+            ).replace("  ", " ")
+            self._say(trainer, self.note)
+            return
+        identity = {"problem": problem.describe(), "num_machines": data.num_machines, "seed": data.seed}
+        shape = (problem.num_outputs, problem.input_dim)
+        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol)
+        self.cached, self.solve_seconds = cached, found.seconds
+        if not found.converged:
+            self.note = (
+                f"excess_loss: not logged: the solver stopped at ||grad f|| = {found.grad_norm:.2e} > tol {self.tol:g} "
+                f"after {found.iterations} iterations ({path}); f is not minimised there"
+            )
+            self._say(trainer, self.note)
+            return
+        self.optimum = found
+        self.g_star = heterogeneity(self.objective, found.params)
+        how = f"cached in {path}" if cached else f"solved in {found.seconds:.1f} s, cached in {path}"
+        self._say(
+            trainer,
+            f"optimum: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
+            f"L-BFGS iterations ({how}); G_* = {self.g_star:.6g}",
+        )
+        metrics = {"f_star": found.value, "G_star": self.g_star, "optimum_grad_norm": found.grad_norm}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+
+    @staticmethod
+    def _say(trainer: pl.Trainer, line: str) -> None:
+        if trainer.is_global_zero:
+            print(line, flush=True)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.objective is None or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        value = self.objective(pl_module.machines.averaged_state())
+        pl_module.log("train_objective", value)
+        if self.optimum is not None:
+            pl_module.log("excess_loss", value - self.optimum.value)
+        if self._syncs:
+            pl_module.log("dispersion", float(self._dispersion) / self._syncs)
+        if self._step_count:
+            steps = self._steps / self._step_count
+            pl_module.log("query_step", float(steps[0]))
+            if self._has_iterate:
+                pl_module.log("iterate_step", float(steps[1]))
+        self._reset()
+
+    # -- per-round diagnostics ------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+        self._has_iterate = False
+        register = getattr(trainer.strategy, "register_sync_pre_hook", None)
+        if not self.per_round or register is None:
+            return
+        self._stacked = [p for m in pl_module.modules() if isinstance(m, SimulatedMachines) for p in m.parameters()]
+        if not self._stacked:
+            return
+        self._handles.append(register(self._before_sync))
+        optimizer = trainer.optimizers[0]
+        # An iterate w besides the query point x: SLowcal-SGD declares it as averaged state.
+        self._has_iterate = "w" in getattr(optimizer, "averaged_state", ())
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @torch.no_grad()
+    def _before_sync(self, averager: Any) -> None:
+        total = torch.zeros((), dtype=torch.float64, device=self._stacked[0].device)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for p in self._stacked:
+            mean = p.mean(0)
+            if world > 1:  # the mean over all machines of all processes
+                dist.all_reduce(mean)
+                mean /= world
+            total += (p - mean).double().square().sum()
+        count = torch.tensor(float(len(self._stacked[0])), dtype=torch.float64, device=total.device)
+        if world > 1:
+            both = torch.stack([total, count])
+            dist.all_reduce(both)
+            total, count = both[0], both[1]
+        self._dispersion = self._dispersion.to(total.device) + total / count
+        self._syncs += 1
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: Any, *args: Any) -> None:
+        state = optimizer.state
+        self._before = [p.clone() for p in self._stacked]
+        # Before its first step an optimizer with an iterate has none in its state yet: w_0 = x_0.
+        if self._has_iterate:
+            self._before_w = [state[p]["w"].clone() if "w" in state.get(p, {}) else p.clone() for p in self._stacked]
+
+    @torch.no_grad()
+    def _after_step(self, optimizer: Any, *args: Any) -> None:
+        x = sum((p - b).flatten(1).square().sum(1) for p, b in zip(self._stacked, self._before))
+        step = torch.stack([x.sqrt().mean().double(), torch.zeros((), dtype=torch.float64, device=x.device)])
+        if self._before_w is not None:
+            w = sum((optimizer.state[p]["w"] - b).flatten(1).square().sum(1) for p, b in zip(self._stacked, self._before_w))
+            step[1] = w.sqrt().mean()
+        self._steps = self._steps.to(step.device) + step
+        self._step_count += 1
+        self._before = self._before_w = None
