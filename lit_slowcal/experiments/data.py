@@ -318,6 +318,12 @@ class MNISTDataModule(pl.LightningDataModule):
             self.problem_data = self.problem.build(self.num_machines, self.seed, self)
         return self.problem_data
 
+    def mnist_data(self, num_machines: int, seed: int) -> ProblemData:
+        """MNIST from ``root``, split by ``dirichlet_alpha`` and ``balanced`` (the ``MNIST`` problem's data)."""
+        x, y, test_x, test_y = load_mnist(self.root)
+        shards = partition_shards(y, num_machines, self.dirichlet_alpha, self.balanced, seed)
+        return ProblemData(x, y, tuple(shards), test_x, test_y)
+
     @property
     def num_rounds(self) -> int:
         """R = ceil(N / (M * steps_per_round * batch_size))."""

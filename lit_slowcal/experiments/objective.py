@@ -27,6 +27,7 @@ Unregularised MNIST has no minimiser: 33 pixels are non-zero only in images of o
 raising that class's weight on them lowers f without limit (L-BFGS reaches f = 0.2119 at
 ||W|| = 75, then f = 0.1998 at ||W|| ~ 6,500, still falling). No f* is presented there
 (``Problem.attained_without_weight_decay``); lambda = 1e-4 makes f strongly convex with an attained x*.
+A small gradient alone proves nothing there: on separable data ||grad f|| -> 0 as ||x|| grows.
 
 ``heterogeneity`` gives G_*^2 = 2 (1/M) sum_i ||grad f_i(x*)||^2, the smallest G_* of the paper's
 G_*-dissimilarity assumption (1/M) sum_i ||grad f_i(x*)||^2 <= G_*^2 / 2.

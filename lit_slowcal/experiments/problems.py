@@ -104,14 +104,10 @@ class MNIST(Problem):
     num_outputs = 10
 
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
-        from lit_slowcal.experiments.data import load_mnist, partition_shards
-
-        root = getattr(data, "root", "data")
-        alpha = getattr(data, "dirichlet_alpha", 0.1)
-        balanced = getattr(data, "balanced", False)
-        x, y, test_x, test_y = load_mnist(root)
-        shards = partition_shards(y, num_machines, alpha, balanced, seed)
-        return ProblemData(x, y, tuple(shards), test_x, test_y)
+        # The files and the split settings are the data module's (lit_slowcal.experiments.data).
+        if not callable(getattr(data, "mnist_data", None)):
+            raise ValueError("MNIST is built by its data module: MNISTDataModule(problem=MNIST()), not on its own")
+        return data.mnist_data(num_machines, seed)
 
 
 def _rng(seed: int) -> np.random.Generator:
