@@ -17,7 +17,8 @@ Per round, with ``--diagnostics`` (averaged over the rounds or steps since the p
 ``dispersion``
     (1/M) sum_i ||x_i - x_bar||^2 over all parameters, just before each synchronisation (after the
     round's last local step), through the strategy's sync pre-hook: the drift of the machines that
-    Local-SGD's bias comes from.
+    Local-SGD's bias comes from. With several processes, the part between processes is added once
+    the round is over and the sums meet at the evaluation: no collective during training.
 ``query_step``, ``iterate_step``
     The machines' mean per-step movement ||x_{t+1} - x_t|| of the parameters (the query point, where
     gradients are taken), and, for an optimizer that keeps an iterate ``w`` in its state (SLowcal-SGD),
@@ -62,6 +63,7 @@ class Diagnostics(Callback):
         self.solve_seconds: Optional[float] = None
         self.cached: Optional[bool] = None
         self._handles: list[Any] = []
+        self._stacked: list[Tensor] = []
         self._has_iterate = False
         self._reset()
 
@@ -71,6 +73,7 @@ class Diagnostics(Callback):
         self._steps = torch.zeros(2, dtype=torch.float64)  # sums of the query point's and the iterate's step norms
         self._step_count = 0
         self._before_w: Optional[list[Tensor]] = None
+        self._local_means: Optional[list[Tensor]] = None
 
     # -- the objective and its optimum ----------------------------------------------------------
 
@@ -114,7 +117,7 @@ class Diagnostics(Callback):
         metrics = {"f_star": found.value, "G_star": self.g_star, "optimum_grad_norm": found.grad_norm}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
 
     @staticmethod
     def _say(trainer: pl.Trainer, line: str) -> None:
@@ -125,11 +128,16 @@ class Diagnostics(Callback):
         if self.objective is None or trainer.sanity_checking or trainer.state.fn != "fit":
             return
         value = self.objective(pl_module.machines.averaged_state())
-        pl_module.log("train_objective", value)
+        # float64 tensors: a Python float would be logged as float32 (excess losses are small differences).
+        pl_module.log("train_objective", torch.tensor(value, dtype=torch.float64))
         if self.optimum is not None:
-            pl_module.log("excess_loss", value - self.optimum.value)
+            pl_module.log("excess_loss", torch.tensor(value - self.optimum.value, dtype=torch.float64))
         if self._syncs:
-            pl_module.log("dispersion", float(self._dispersion) / self._syncs)
+            total = self._dispersion.clone()
+            if _world() > 1:
+                dist.all_reduce(total)
+            machines = len(self._stacked[0]) * _world()
+            pl_module.log("dispersion", float(total) / (machines * self._syncs))
         if self._step_count:
             steps = self._steps / self._step_count
             pl_module.log("query_step", float(steps[0]))
@@ -162,21 +170,27 @@ class Diagnostics(Callback):
 
     @torch.no_grad()
     def _before_sync(self, averager: Any) -> None:
+        # sum_i ||x_i - x_bar||^2 = sum_p [sum_{i in p} ||x_i - m_p||^2 + m ||m_p - x_bar||^2] over the
+        # processes p with m machines and local mean m_p. The first part is local; the second needs
+        # x_bar, which every machine holds once the round is over (on_train_batch_end): no collective
+        # during training. Processes add up their sums at the evaluation.
         total = torch.zeros((), dtype=torch.float64, device=self._stacked[0].device)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        means = []
         for p in self._stacked:
             mean = p.mean(0)
-            if world > 1:  # the mean over all machines of all processes
-                dist.all_reduce(mean)
-                mean /= world
             total += (p - mean).double().square().sum()
-        count = torch.tensor(float(len(self._stacked[0])), dtype=torch.float64, device=total.device)
-        if world > 1:
-            both = torch.stack([total, count])
-            dist.all_reduce(both)
-            total, count = both[0], both[1]
-        self._dispersion = self._dispersion.to(total.device) + total / count
+            means.append(mean)
+        self._dispersion = self._dispersion.to(total.device) + total
+        self._local_means = means if _world() > 1 else None
         self._syncs += 1
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._local_means is not None:  # the round's sync is done: every machine holds x_bar
+            m = len(self._stacked[0])
+            gap = sum((mean - p[0]).double().square().sum() for mean, p in zip(self._local_means, self._stacked))
+            self._dispersion = self._dispersion + m * gap
+            self._local_means = None
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, *args: Any) -> None:
@@ -196,3 +210,7 @@ class Diagnostics(Callback):
         self._steps = self._steps.to(step.device) + step
         self._step_count += 1
         self._before = self._before_w = None
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
