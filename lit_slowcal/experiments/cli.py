@@ -161,7 +161,10 @@ class SlowcalCLI(LightningCLI):
             help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
         )
         parser.add_argument(
-            "--excess_loss", type=bool, default=True, help="solve for x* (float64, cached) and log excess_loss and G_star"
+            "--objective",
+            type=bool,
+            default=True,
+            help="log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)",
         )
         parser.add_argument(
             "--cache_dir",
@@ -240,7 +243,7 @@ class SlowcalCLI(LightningCLI):
 
     def _diagnostics(self) -> Diagnostics:
         return Diagnostics(
-            excess_loss=self.setting("excess_loss", True),
+            objective=self.setting("objective", True),
             per_round=self.setting("diagnostics", True),
             cache_dir=self.setting("cache_dir"),
         )

@@ -45,14 +45,15 @@ class Diagnostics(Callback):
     """Logs ``train_objective``, ``excess_loss`` (with ``f_star``, ``G_star``) and the per-round diagnostics.
 
     Args:
-        excess_loss: compute x* (or read it from the cache) and log the excess loss and G_*.
+        objective: log the training objective, and compute x* (or read it from the cache) for the
+            excess loss and G_*.
         per_round: log ``dispersion``, ``query_step`` and ``iterate_step``.
         cache_dir: where optima are cached (``None``: ``objective.default_cache_dir()``).
         tol: the solver's gradient-norm tolerance.
     """
 
-    def __init__(self, excess_loss: bool = True, per_round: bool = True, cache_dir: Optional[str] = None, tol: float = 1e-8) -> None:
-        self.excess_loss = excess_loss
+    def __init__(self, objective: bool = True, per_round: bool = True, cache_dir: Optional[str] = None, tol: float = 1e-8) -> None:
+        self.measure_objective = objective
         self.per_round = per_round
         self.cache_dir = cache_dir
         self.tol = tol
@@ -81,12 +82,10 @@ class Diagnostics(Callback):
         data = trainer.datamodule
         problem = getattr(data, "problem", None)
         build = getattr(data, "_build", None)
-        if problem is None or build is None:  # not a lit_slowcal data module: nothing to measure on
+        if not self.measure_objective or problem is None or build is None:  # (not a lit_slowcal data module)
             return
         decay = float(pl_module.hparams.get("weight_decay", 0.0))
         self.objective = Objective(build(), problem.loss, decay)
-        if not self.excess_loss:
-            return
         if decay == 0 and not problem.attained_without_weight_decay:
             self.note = (
                 f"excess_loss: not logged: {problem.name} {'softmax regression' if problem.loss == 'cross_entropy' else ''} "
