@@ -97,3 +97,27 @@ def test_no_excess_loss_without_an_attained_minimiser_and_one_line_that_says_so(
     metrics = trainer.callback_metrics
     assert "train_objective" in metrics and "excess_loss" not in metrics and "G_star" not in metrics
     assert "dispersion" not in metrics and "query_step" not in metrics
+
+
+def test_the_cli_trains_the_quadratic_and_prints_the_optimum_in_its_summary(tmp_path, capsys):
+    from lit_slowcal.experiments.cli import SlowcalCLI
+
+    args = [
+        "fit", "--config", "configs/slowcal.yaml", "--wandb=false", "--trainer.enable_progress_bar=false",
+        f"--run_dir={tmp_path / 'runs'}", f"--cache_dir={tmp_path / 'cache'}", "--num_machines=4",
+        "--data.problem=Quadratic", "--data.problem.dim=3", "--data.problem.samples=20",
+        "--eval_every=50",  # more than the problem's R = ceil(80 / (4 * 16)) = 2 rounds: evaluated at the end
+    ]  # fmt: skip
+    cli = SlowcalCLI(args=args)
+    out = capsys.readouterr().out
+    assert cli.model.machines.weight.shape == (4, 1, 3) and cli.model.hparams.loss == "squared"
+    assert cli.trainer.strategy.num_syncs == cli.datamodule.num_rounds == 2
+    data = cli.datamodule.problem_data
+    theta, f_star, h, g_star = quadratic_closed_form(data, 0.0)
+    metrics = cli.trainer.callback_metrics
+    assert abs(float(metrics["f_star"]) - f_star) <= 1e-9 and abs(float(metrics["G_star"]) - g_star) <= 1e-9
+    assert float(metrics["excess_loss"]) > 0
+    assert f"f* {f_star:.6f}   G_* {g_star:.4f}" in out and "solved in" in out
+    assert not (tmp_path / "runs" / "slowcal_M4_K16_b1_seed1" / "version_0" / "class_distribution.png").exists()
+    SlowcalCLI(args=args)  # the same problem again: x* comes from the cache
+    assert "cached in" in capsys.readouterr().out
