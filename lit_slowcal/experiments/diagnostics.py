@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.objective import Objective, Optimum, heterogeneity, optimum
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -49,13 +50,24 @@ class Diagnostics(Callback):
         objective: log the training objective, and compute x* (or read it from the cache) for the
             excess loss and G_*.
         per_round: log ``dispersion``, ``query_step`` and ``iterate_step``.
+        step_every: measure the per-step movement in every ``step_every``-th round only (the first
+            included): copying x and w around every step would cost half a step (M = 16, K = 16).
         cache_dir: where optima are cached (``None``: ``objective.default_cache_dir()``).
         tol: the solver's gradient-norm tolerance.
     """
 
-    def __init__(self, objective: bool = True, per_round: bool = True, cache_dir: Optional[str] = None, tol: float = 1e-8) -> None:
+    def __init__(
+        self,
+        objective: bool = True,
+        per_round: bool = True,
+        step_every: int = 10,
+        cache_dir: Optional[str] = None,
+        tol: float = 1e-8,
+    ) -> None:
         self.measure_objective = objective
         self.per_round = per_round
+        self.step_every = check_int("step_every", step_every)
+        self._armed = False
         self.cache_dir = cache_dir
         self.tol = tol
         self.objective: Optional[Objective] = None
@@ -67,6 +79,9 @@ class Diagnostics(Callback):
         self._handles: list[Any] = []
         self._stacked: list[Tensor] = []
         self._has_iterate = False
+        self._before: list[Tensor] = []  # x (and w) before the step: buffers reused every step
+        self._before_w: list[Tensor] = []
+        self._pending = False
         self._reset()
 
     def _reset(self) -> None:
@@ -74,7 +89,6 @@ class Diagnostics(Callback):
         self._syncs = 0
         self._steps = torch.zeros(2, dtype=torch.float64)  # sums of the query point's and the iterate's step norms
         self._step_count = 0
-        self._before_w: Optional[list[Tensor]] = None
         self._local_means: Optional[list[Tensor]] = None
 
     # -- the objective and its optimum ----------------------------------------------------------
@@ -161,6 +175,9 @@ class Diagnostics(Callback):
         optimizer = trainer.optimizers[0]
         # An iterate w besides the query point x: SLowcal-SGD declares it as averaged state.
         self._has_iterate = "w" in getattr(optimizer, "averaged_state", ())
+        self._before = [torch.empty_like(p) for p in self._stacked]
+        self._before_w = [torch.empty_like(p) for p in self._stacked] if self._has_iterate else []
+        self._pending = False
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
@@ -193,25 +210,42 @@ class Diagnostics(Callback):
             self._dispersion = self._dispersion + m * gap
             self._local_means = None
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._armed = batch_idx % self.step_every == 0
+
     @torch.no_grad()
     def _before_step(self, optimizer: Any, *args: Any) -> None:
-        state = optimizer.state
-        self._before = [p.clone() for p in self._stacked]
-        # Before its first step an optimizer with an iterate has none in its state yet: w_0 = x_0.
+        if not self._armed:
+            return
+        torch._foreach_copy_(self._before, self._stacked)
         if self._has_iterate:
-            self._before_w = [state[p]["w"].clone() if "w" in state.get(p, {}) else p.clone() for p in self._stacked]
+            # Before its first step an optimizer with an iterate has none in its state yet: w_0 = x_0.
+            state = optimizer.state
+            torch._foreach_copy_(self._before_w, [state[p]["w"] if "w" in state.get(p, {}) else p for p in self._stacked])
+        self._pending = True
 
     @torch.no_grad()
     def _after_step(self, optimizer: Any, *args: Any) -> None:
-        x = sum((p - b).flatten(1).square().sum(1) for p, b in zip(self._stacked, self._before))
-        step = torch.stack([x.sqrt().mean().double(), torch.zeros((), dtype=torch.float64, device=x.device)])
-        if self._before_w is not None:
-            w = sum((optimizer.state[p]["w"] - b).flatten(1).square().sum(1) for p, b in zip(self._stacked, self._before_w))
-            step[1] = w.sqrt().mean()
+        if not self._pending:
+            return
+        self._pending = False
+        norms = [_machine_step(self._before, self._stacked)]
+        if self._has_iterate:
+            norms.append(_machine_step(self._before_w, [optimizer.state[p]["w"] for p in self._stacked]))
+        else:
+            norms.append(torch.zeros_like(norms[0]))
+        step = torch.stack(norms)
         self._steps = self._steps.to(step.device) + step
         self._step_count += 1
-        self._before = self._before_w = None
-
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _machine_step(before: list[Tensor], after: list[Tensor]) -> Tensor:
+    """The machines' mean ||after_i - before_i|| over all tensors (stacked along dim 0), in float64.
+
+    ``before`` is overwritten with the differences."""
+    torch._foreach_sub_(before, after)
+    squares = sum(torch.linalg.vector_norm(d.view(len(d), -1), dim=1).double().square() for d in before)
+    return squares.sqrt().mean()
