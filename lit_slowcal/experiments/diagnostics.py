@@ -192,12 +192,8 @@ class Diagnostics(Callback):
         # processes p with m machines and local mean m_p. The first part is local; the second needs
         # x_bar, which every machine holds once the round is over (on_train_batch_end): no collective
         # during training. Processes add up their sums at the evaluation.
-        total = torch.zeros((), dtype=torch.float64, device=self._stacked[0].device)
-        means = []
-        for p in self._stacked:
-            mean = p.mean(0)
-            total += (p - mean).double().square().sum()
-            means.append(mean)
+        means = [p.mean(0) for p in self._stacked]
+        total = sum(torch.linalg.vector_norm(p - mean).double().square() for p, mean in zip(self._stacked, means))
         self._dispersion = self._dispersion.to(total.device) + total
         self._local_means = means if _world() > 1 else None
         self._syncs += 1
