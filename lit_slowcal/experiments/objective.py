@@ -187,10 +187,11 @@ def solve(objective: Objective, shape: tuple[int, int], tol: float = 1e-8, max_i
             optimizer.step(closure)
             done = optimizer.state[weight]["n_iter"] - before
             value, grad_norm = norm()
+            # Unit steps must keep cutting the gradient norm (by 10 % a chunk); the line search phase
+            # ends only when it stalls (its gradient norm need not fall monotonically).
+            misses = 0 if line_search or grad_norm < 0.9 * best[0] else misses + 1
             if grad_norm < best[0]:
-                best, misses = (grad_norm, value, [p.detach().clone() for p in params]), 0
-            else:
-                misses += 1
+                best = (grad_norm, value, [p.detach().clone() for p in params])
             stalled = done < chunk  # the line search found no decrease (or the gradient is exactly 0)
             iterations += done
             if line_search and stalled:
