@@ -112,7 +112,14 @@ class Diagnostics(Callback):
         identity = {"problem": problem.describe(), "num_machines": data.num_machines, "seed": data.seed}
         shape = (problem.num_outputs, problem.input_dim)
         start = time.perf_counter()
-        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol)
+        shown = [start]
+
+        def progress(iterations: int, value: float, grad_norm: float) -> None:
+            if time.perf_counter() - shown[0] >= 30:  # a long solve (MNIST: minutes) says how far it is
+                shown[0] = time.perf_counter()
+                self._say(trainer, f"optimum: solving, {iterations} L-BFGS iterations, f = {value:.10g}, ||grad f|| = {grad_norm:.1e}")
+
+        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress)
         self.cached, self.solve_seconds = cached, time.perf_counter() - start
         if not found.converged:
             self.note = (

@@ -42,7 +42,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +146,13 @@ class Optimum:
         return {"weight": self.weight, "bias": self.bias}
 
 
-def solve(objective: Objective, shape: tuple[int, int], tol: float = 1e-8, max_iter: int = 10_000) -> Optimum:
+def solve(
+    objective: Objective,
+    shape: tuple[int, int],
+    tol: float = 1e-8,
+    max_iter: int = 10_000,
+    progress: Optional[Callable[[int, float, float], None]] = None,
+) -> Optimum:
     """x* of ``objective`` by L-BFGS in float64 from 0, until ||grad f||_2 <= ``tol`` or ``max_iter`` iterations.
 
     ``shape`` is the weight's ``(outputs, d)``. Two phases: L-BFGS with a strong Wolfe line search
@@ -154,6 +160,7 @@ def solve(objective: Objective, shape: tuple[int, int], tol: float = 1e-8, max_i
     of f (||grad f|| ~ sqrt(2 L eps f), a few 1e-8 on MNIST); then L-BFGS steps of length 1 without a
     line search, which need no measurable decrease of f, keeping the point of least gradient norm.
     Deterministic: same inputs, same x*. The result says whether it converged (``Optimum.converged``).
+    ``progress(iterations, f, ||grad f||)`` is called every 25 iterations.
     """
     start = time.perf_counter()
     x64 = objective.x.double()
@@ -192,6 +199,8 @@ def solve(objective: Objective, shape: tuple[int, int], tol: float = 1e-8, max_i
             misses = 0 if line_search or grad_norm < 0.9 * best[0] else misses + 1
             if grad_norm < best[0]:
                 best = (grad_norm, value, [p.detach().clone() for p in params])
+            if progress is not None:
+                progress(iterations + done, value, grad_norm)
             stalled = done < chunk  # the line search found no decrease (or the gradient is exactly 0)
             iterations += done
             if line_search and stalled:
@@ -253,6 +262,7 @@ def optimum(
     cache_dir: Optional[str | Path] = None,
     tol: float = 1e-8,
     max_iter: int = 10_000,
+    progress: Optional[Callable[[int, float, float], None]] = None,
 ) -> tuple[Optimum, Path, bool]:
     """``solve``'s result from the cache, or solved and cached: ``(optimum, cache file, whether it was cached)``.
 
@@ -268,7 +278,7 @@ def optimum(
                 return Optimum(**stored["optimum"]), path, True
         except Exception:  # an unreadable or foreign file: solve again and replace it
             pass
-    found = solve(objective, shape, tol=tol, max_iter=max_iter)
+    found = solve(objective, shape, tol=tol, max_iter=max_iter, progress=progress)
     with atomic_path(path) as tmp:
         torch.save({"key": key, "identity": identity, "optimum": asdict(found)}, tmp)
     return found, path, False
