@@ -185,7 +185,7 @@ def solve(
     best = (grad_norm, value, [p.detach().clone() for p in params])
     for line_search in ("strong_wolfe", None):
         optimizer = torch.optim.LBFGS(
-            params, lr=1, max_iter=chunk, max_eval=20 * chunk, history_size=20, line_search_fn=line_search,
+            params, lr=1, max_iter=chunk, max_eval=20 * chunk, history_size=100, line_search_fn=line_search,
             tolerance_grad=0.0, tolerance_change=0.0,
         )  # fmt: skip
         misses = 0
