@@ -136,3 +136,25 @@ def test_optimum_is_cached_by_its_inputs_and_the_second_call_does_not_solve(tmp_
     ):
         with pytest.raises(AssertionError, match="solved again"):
             optimum(other, (1, 4), ident, tmp_path)
+
+
+def test_a_cached_optimum_serves_looser_tolerances_and_starts_a_tighter_solve(tmp_path, monkeypatch):
+    data = Synthetic(dim=4, num_classes=3).build(3, seed=4)
+    obj = Objective(data, "cross_entropy", 1e-2)
+    identity = {"problem": "Synthetic(dim=4)", "num_machines": 3, "seed": 4}
+    rough, path, cached = optimum(obj, (3, 4), identity, tmp_path, tol=1e-3)
+    assert not cached and 1e-9 < rough.grad_norm <= 1e-3
+    assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-2)[2]  # looser: served from the cache
+    starts = []
+    real_solve = objective_module.solve
+
+    def recording_solve(*args, start=None, **kwargs):
+        starts.append(start)
+        return real_solve(*args, start=start, **kwargs)
+
+    monkeypatch.setattr(objective_module, "solve", recording_solve)
+    fine, path2, cached = optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)
+    assert not cached and path2 == path and fine.grad_norm <= 1e-9
+    assert len(starts) == 1 and torch.equal(starts[0].weight, rough.weight)  # went on from the cached point
+    assert fine.iterations > rough.iterations and abs(fine.value - rough.value) <= rough.grad_norm**2 / (2 * 1e-2)
+    assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)[0].value == fine.value  # the better one replaced it

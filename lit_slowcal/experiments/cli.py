@@ -44,7 +44,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_slowcal._validation import check_int, is_int
+from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
@@ -167,6 +167,12 @@ class SlowcalCLI(LightningCLI):
             help="log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)",
         )
         parser.add_argument(
+            "--optimum_tol",
+            type=float,
+            default=1e-8,
+            help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda)",
+        )
+        parser.add_argument(
             "--cache_dir",
             type=Optional[str],
             default=None,
@@ -246,6 +252,7 @@ class SlowcalCLI(LightningCLI):
             objective=self.setting("objective", True),
             per_round=self.setting("diagnostics", True),
             cache_dir=self.setting("cache_dir"),
+            tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-8)),
         )
 
     def run_name(self) -> str:
