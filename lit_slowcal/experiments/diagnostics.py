@@ -124,7 +124,8 @@ class Diagnostics(Callback):
         if not found.converged:
             self.note = (
                 f"excess_loss: not logged: the solver stopped at ||grad f|| = {found.grad_norm:.2e} > tol {self.tol:g} "
-                f"after {found.iterations} iterations ({path}); f is not minimised there"
+                f"after {found.iterations} iterations ({path}); f is not minimised there to that tolerance "
+                "(a looser --optimum_tol accepts it; a rerun goes on from it)"
             )
             self._say(trainer, self.note)
             return
