@@ -134,7 +134,8 @@ class Diagnostics(Callback):
         how = f"read in {self.solve_seconds:.2f} s from {path}" if cached else f"solved in {found.seconds:.1f} s, cached in {path}"
         self._say(
             trainer,
-            f"optimum: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
+            f"optimum of {problem.describe()} split over M={data.num_machines} with seed {data.seed} (x* depends on the "
+            f"split), weight decay {decay:g}: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
             f"L-BFGS iterations ({how}); G_* = {self.g_star:.6g}",
         )
         metrics = {"f_star": found.value, "G_star": self.g_star, "optimum_grad_norm": found.grad_norm}
