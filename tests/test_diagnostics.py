@@ -38,7 +38,7 @@ def fit(problem, method, weight_decay, tmp_path, machines=4, k=3, per_round=True
         method=method, num_machines=machines, lr=0.05, weight_decay=weight_decay,
         input_dim=problem.input_dim, num_classes=problem.num_outputs, loss=problem.loss,
     )  # fmt: skip
-    diagnostics = Diagnostics(cache_dir=str(tmp_path / "cache"), per_round=per_round, step_every=step_every)
+    diagnostics = Diagnostics(cache_dir=str(tmp_path / "cache"), per_round=per_round, step_every=step_every, tol=1e-10)
     recorder = Recorder()
     trainer = pl.Trainer(
         strategy=PeriodicAveragingStrategy(sync_every=k), accelerator="cpu", devices=1, max_epochs=1,
@@ -108,7 +108,7 @@ def test_the_cli_trains_the_quadratic_and_prints_the_optimum_in_its_summary(tmp_
         "fit", "--config", "configs/slowcal.yaml", "--wandb=false", "--trainer.enable_progress_bar=false",
         f"--run_dir={tmp_path / 'runs'}", f"--cache_dir={tmp_path / 'cache'}", "--num_machines=4",
         "--data.problem=Quadratic", "--data.problem.dim=3", "--data.problem.samples=20",
-        "--eval_every=50",  # more than the problem's R = ceil(80 / (4 * 16)) = 2 rounds: evaluated at the end
+        "--optimum_tol=1e-10", "--eval_every=50",  # more than the problem's R = ceil(80 / (4 * 16)) = 2 rounds: evaluated at the end
     ]  # fmt: skip
     cli = SlowcalCLI(args=args)
     out = capsys.readouterr().out
