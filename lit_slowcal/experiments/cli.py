@@ -161,6 +161,12 @@ class SlowcalCLI(LightningCLI):
             help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
         )
         parser.add_argument(
+            "--step_every",
+            type=int,
+            default=10,
+            help="with --diagnostics: measure the per-step movement of x and w in every N-th round (0: never)",
+        )
+        parser.add_argument(
             "--objective",
             type=bool,
             default=True,
@@ -252,6 +258,7 @@ class SlowcalCLI(LightningCLI):
         return Diagnostics(
             objective=self.setting("objective", True),
             per_round=self.setting("diagnostics", True),
+            step_every=check_int("step_every", self.setting("step_every", 10), minimum=0),
             cache_dir=self.setting("cache_dir"),
             tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-6)),
         )

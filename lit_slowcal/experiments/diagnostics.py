@@ -51,7 +51,7 @@ class Diagnostics(Callback):
             excess loss and G_*.
         per_round: log ``dispersion``, ``query_step`` and ``iterate_step``.
         step_every: measure the per-step movement in every ``step_every``-th round only (the first
-            included): copying x and w around every step would cost half a step (M = 16, K = 16).
+            included; 0: never): copying x and w around every step would cost half a step (M = 16, K = 16).
         cache_dir: where optima are cached (``None``: ``objective.default_cache_dir()``).
         tol: the solver's gradient-norm tolerance; with weight decay lambda > 0, f* is then exact to
             tol^2 / (2 lambda) (strong convexity). On MNIST with lambda = 1e-4, L-BFGS reaches 1e-6 in 600
@@ -68,7 +68,7 @@ class Diagnostics(Callback):
     ) -> None:
         self.measure_objective = objective
         self.per_round = per_round
-        self.step_every = check_int("step_every", step_every)
+        self.step_every = check_int("step_every", step_every, minimum=0)
         self._armed = False
         self.cache_dir = cache_dir
         self.tol = tol
@@ -222,7 +222,7 @@ class Diagnostics(Callback):
             self._local_means = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._armed = batch_idx % self.step_every == 0
+        self._armed = self.step_every > 0 and batch_idx % self.step_every == 0
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, *args: Any) -> None:
