@@ -10,9 +10,10 @@ trial's arguments included) and the runner's own "N trials in X s" (the trials a
 trial's ``wall_time_s`` from the results file.
 
 The minimal loop, in this process, for each of the same 45 runs: no Lightning, no LightningModule,
-no strategy. The project's ``partition`` and per-machine ``MachineStreams`` (``data.py``) give the
-very samples the runner's run draws; the machines are stacked tensors W ``(M, 10, 784)`` and bias
-``(M, 10)``, a step is one batched matmul (``baddbmm``, the form ``SimulatedMachines`` uses), the
+no strategy. The project's ``partition`` (the official split, as ``configs/paper.yaml``) and
+per-machine ``MachineStreams`` (``data.py``) give the very samples the runner's run draws; the
+machines are stacked tensors W ``(M, 10, 784)`` and bias ``(M, 10)`` starting from
+``official_init`` (``model.init: official``), a step is one batched matmul (``baddbmm``, the form ``SimulatedMachines`` uses), the
 per-machine mean cross-entropy summed over machines and ``backward``; the optimizer is
 ``SlowcalSGD`` (slowcal) or ``torch.optim.SGD`` (local_sgd, minibatch_sgd) on the stacked tensors,
 with the paper's learning rates; every K steps (every step for Minibatch-SGD, whose per-step batch
@@ -105,6 +106,7 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
     """One run of the minimal loop; returns (seconds without the intermediate evaluations, seconds of
     the intermediate evaluations, final test accuracy, final test loss, rounds)."""
     from lit_slowcal.experiments.data import MachineStreams, num_rounds
+    from lit_slowcal.experiments.model import official_init
     from lit_slowcal.experiments.partition import partition
     from lit_slowcal.optimizer import SlowcalSGD
 
@@ -112,10 +114,9 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
     start = time.perf_counter()
     steps, batch, lr = _settings(method, local_steps)
     rounds = num_rounds(len(y), num_machines, steps, batch)
-    shards = [torch.from_numpy(s) for s in partition(y.numpy(), num_machines, 0.1, balanced=True, seed=seed)]
+    shards = [torch.from_numpy(s) for s in partition(y.numpy(), num_machines, 0.1, split="official", seed=seed)]
     streams = MachineStreams(x, y, shards, list(range(num_machines)), batch, steps, rounds, seed)
-    W = torch.zeros(num_machines, 10, 784, requires_grad=True)  # x_0 = 0 on every machine
-    bias = torch.zeros(num_machines, 10, requires_grad=True)
+    W, bias = (t.requires_grad_() for t in official_init(num_machines, seed))  # each machine its own x_0
     opt = SlowcalSGD([W, bias], lr=lr) if method == "slowcal" else torch.optim.SGD([W, bias], lr=lr)
     sync_every = 1 if method == "minibatch_sgd" else local_steps
 

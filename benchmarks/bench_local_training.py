@@ -83,7 +83,7 @@ def make_data(num_machines: int, local_steps: int, batch_size: int, root: str):
         batch_size=batch_size,
         steps_per_round=local_steps,
         dirichlet_alpha=0.1,
-        balanced=True,
+        split="balanced",
         seed=1,
     )
     data.setup("fit")

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 __all__ = [
+    "KeepCommandLineModelArgs",
     "batches_between_validations",
     "batches_done_in_epoch",
     "batches_started",
@@ -84,3 +85,19 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> None
     """
     candidates: dict[str, Any] = callback._monitor_candidates(trainer)
     callback._save_last_checkpoint(trainer, candidates)
+
+
+class KeepCommandLineModelArgs:
+    """A ``LightningCLI`` mixin: the model's arguments are the command line's, never the checkpoint's.
+
+    Internal: ``LightningCLI._parse_ckpt_path``, overridden to do nothing. Lightning (2.5+) calls it
+    right after parsing: when ``ckpt_path`` names a file, it loads it and silently replaces the
+    model's arguments by the checkpoint's hyperparameters, so ``--ckpt_path X --model.lr=0.1``
+    trains with the checkpoint's rate while the logged config says 0.1, and an unreadable file fails
+    there with torch's raw error. lit_slowcal compares the whole configuration with the run stored
+    in the checkpoint instead and refuses a difference (``lit_slowcal.experiments.identity``). No
+    public switch turns the override off.
+    """
+
+    def _parse_ckpt_path(self) -> None:
+        return None

@@ -9,6 +9,9 @@ Durability, in order: the temporary file is flushed and ``fsync``-ed, renamed ov
 ``os.replace`` (atomic on POSIX and Windows), and the folder is ``fsync``-ed so that the rename
 itself survives a power loss. Permissions: an existing target keeps its mode bits; a new file gets
 the usual ``0o666`` less the process umask (as ``open`` would create it), not ``mkstemp``'s ``0o600``.
+
+Several processes writing one file take turns with ``locked``: an exclusive lock on a hidden
+``.<name>.lock`` file beside it (``fcntl.flock``), held while they read, append or replace it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any, Iterator, Union
 
-__all__ = ["atomic_path", "atomic_write", "fsync_dir"]
+__all__ = ["atomic_path", "atomic_write", "fsync_dir", "locked"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -87,3 +90,23 @@ def atomic_write(path: PathLike, mode: str = "w", **open_kwargs: Any) -> Iterato
     with atomic_path(path) as tmp, open(tmp, mode, **open_kwargs) as f:
         yield f
         f.flush()
+
+
+@contextlib.contextmanager
+def locked(path: PathLike) -> Iterator[None]:
+    """Hold an exclusive lock for ``path`` while the block runs: other processes' ``locked(path)`` wait.
+
+    The lock is ``fcntl.flock`` on ``.<name>.lock`` beside ``path`` (created once and left there), not
+    on ``path`` itself, so a writer may replace ``path`` (``atomic_write``) while holding it. The
+    kernel drops the lock when its holder exits, killed or not. POSIX only (Linux, macOS).
+    """
+    import fcntl
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

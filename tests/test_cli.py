@@ -64,6 +64,7 @@ def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats
 
     (version,) = (run_dir / f"{method}_M{M}_K{K}_b{b}_seed1").iterdir()
     assert (version / "class_distribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((version / "class_counts.csv").read_text().splitlines()) == 1 + M * 10
     assert (version / "config.yaml").exists()
     assert list((version / "wandb").glob("offline-run-*"))
     rows = read_metrics(version / "metrics.csv")
@@ -121,6 +122,7 @@ BAD_INPUT = [
     (["--model.lr=0"], ["model.lr: 0", "> 0"]),
     (["--data.dirichlet_alpha=0"], ["dirichlet_alpha: 0", "> 0", "null"]),
     (["--data.dirichlet_alpha=-1"], ["dirichlet_alpha: -1", "> 0"]),
+    (["--data.split=plain"], ["Invalid data.split: 'plain' (allowed: official, balanced, dirichlet)"]),
     (["--model.weight_power=-1"], ["weight_power: -1"]),
     (["--model.gamma=1.5"], ["gamma: 1.5", "(0, 1]"]),
     (["--num_machines=3", "--trainer.devices=2"], ["num_machines = 3", "not divisible", "processes (2"]),

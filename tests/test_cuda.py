@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cuda
 M, D = 4, 3
 
 # The main job on the CPU (configs/slowcal.yaml, README): final test accuracy and loss.
-CPU_TEST_ACC, CPU_TEST_LOSS = 0.9143, 0.3012
+CPU_TEST_ACC, CPU_TEST_LOSS = 0.9124, 0.3059
 # float32 on the GPU sums in another order than on the CPU: a few of the 10,000 test images flip.
 ACC_TOLERANCE, LOSS_TOLERANCE = 0.003, 0.01
 

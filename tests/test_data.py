@@ -285,7 +285,7 @@ def test_setup_without_trainer_reads_mnist_and_serves_rounds(mnist):
 
 
 def test_balanced_shards(cached_mnist):
-    dm = MNISTDataModule(num_machines=7, dirichlet_alpha=0.1, balanced=True)
+    dm = MNISTDataModule(num_machines=7, dirichlet_alpha=0.1, split="balanced")
     dm.setup("fit")
     sizes = sorted(len(s) for s in dm.shards)
     assert sizes == [8571] * 4 + [8572] * 3  # 60000 = 7 * 8571 + 3
@@ -323,11 +323,18 @@ def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
         ("dirichlet_alpha", float("inf")),
         ("dirichlet_alpha", "0.1"),
         ("dirichlet_alpha", True),
+        ("split", "plain"),
+        ("split", None),
     ],
 )
 def test_constructor_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"data\.{field}"):
         MNISTDataModule(**{field: value})
+
+
+def test_split_names_the_allowed_values():
+    with pytest.raises(ValueError, match=r"^Invalid data\.split: 'Official' \(allowed: official, balanced, dirichlet\)$"):
+        MNISTDataModule(split="Official")
 
 
 def test_iid_split_matches_global_class_mix(cached_mnist):
@@ -392,13 +399,13 @@ def test_partition_plot_is_written(cached_mnist, tmp_path):
 
 @pytest.fixture
 def counted_partition(monkeypatch):
-    """An empty split cache, and the (M, alpha, balanced, seed) of every split actually computed."""
+    """An empty split cache, and the (M, alpha, split, seed) of every split actually computed."""
     calls = []
     real = data_module.partition
 
-    def counting(labels, num_machines, alpha, *, balanced=False, seed=0, **kwargs):
-        calls.append((num_machines, alpha, balanced, seed))
-        return real(labels, num_machines, alpha, balanced=balanced, seed=seed, **kwargs)
+    def counting(labels, num_machines, alpha, *, split="dirichlet", seed=0, **kwargs):
+        calls.append((num_machines, alpha, split, seed))
+        return real(labels, num_machines, alpha, split=split, seed=seed, **kwargs)
 
     monkeypatch.setattr(data_module, "partition", counting)
     monkeypatch.setattr(data_module, "_PARTITIONS", {})
@@ -407,37 +414,41 @@ def counted_partition(monkeypatch):
 
 def test_split_is_computed_once_per_settings_and_handed_out_as_copies(mnist, counted_partition):
     y = mnist[1]
-    expected = [torch.from_numpy(s) for s in partition(y.numpy(), 16, 0.1, balanced=True, seed=7)]
-    first = partition_shards(y, 16, 0.1, True, 7)
+    expected = [torch.from_numpy(s) for s in partition(y.numpy(), 16, 0.1, split="balanced", seed=7)]
+    first = partition_shards(y, 16, 0.1, "balanced", 7)
     assert len(first) == 16 and all(torch.equal(a, b) for a, b in zip(first, expected))
     for shard in first:  # a run that scribbles over its shards...
         shard.fill_(-1)
-    second = partition_shards(y, 16, 0.1, True, 7)
-    assert counted_partition == [(16, 0.1, True, 7)]  # ...and the next run with the same settings
+    second = partition_shards(y, 16, 0.1, "balanced", 7)
+    assert counted_partition == [(16, 0.1, "balanced", 7)]  # ...and the next run with the same settings
     assert all(torch.equal(a, b) for a, b in zip(second, expected))  # gets the split intact
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(first, second))
 
     # Any other setting, or other labels, is a split of its own.
-    partition_shards(y, 16, 0.1, True, 8)
-    partition_shards(y, 16, 0.1, False, 7)
-    partition_shards(y, 32, 0.1, True, 7)
-    partition_shards(y, 16, None, True, 7)
-    partition_shards(y.clone(), 16, 0.1, True, 7)
-    assert len(counted_partition) == 6
-    # A value partition refuses is refused every time, even when an equal one is cached (1 == True).
+    partition_shards(y, 16, 0.1, "balanced", 8)
+    partition_shards(y, 16, 0.1, "dirichlet", 7)
+    partition_shards(y, 16, 0.1, "official", 7)
+    partition_shards(y, 32, 0.1, "balanced", 7)
+    partition_shards(y, 16, None, "balanced", 7)
+    partition_shards(y.clone(), 16, 0.1, "balanced", 7)
+    assert len(counted_partition) == 7
+    # A value partition refuses is refused every time, even when an equal one is cached (1 == 1.0).
+    partition_shards(y, 16, 0.1, "balanced", 1)
     for _ in range(2):
-        with pytest.raises(ValueError, match="Invalid balanced"):
-            partition_shards(y, 16, 0.1, 1, 7)
+        with pytest.raises(ValueError, match="Invalid split"):
+            partition_shards(y, 16, 0.1, "plain", 7)
+        with pytest.raises(ValueError, match="Invalid seed"):
+            partition_shards(y, 16, 0.1, "balanced", 1.0)
 
 
 def test_data_modules_of_the_same_split_share_it_and_cannot_corrupt_each_other(cached_mnist, counted_partition):
-    first = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, balanced=True, seed=2)
+    first = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
     first.setup("fit")
     expected = [s.clone() for s in first.shards]
     indices = first.train_dataloader().indices(0)
     first.shards[0].zero_()
     first.train_dataloader().shards[1].zero_()
-    second = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, balanced=True, seed=2)
+    second = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
     second.setup("fit")
     assert len(counted_partition) == 1
     assert all(torch.equal(a, b) for a, b in zip(second.shards, expected))
@@ -474,6 +485,16 @@ def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mni
 
     first, second = setup("a"), setup("b")
     assert len(drawn) == 1
+    # Each run folder gets the split's class counts next to its figure, drawn or copied.
+    counts = first.class_counts()
+    for folder in ("a", "b"):
+        lines = (tmp_path / folder / "class_counts.csv").read_text().splitlines()
+        assert lines[0] == "machine,class,count" and len(lines) == 1 + 8 * 10
+        table = np.zeros_like(counts)
+        for line in lines[1:]:
+            k, c, n = map(int, line.split(","))
+            table[k, c] = n
+        np.testing.assert_array_equal(table, counts)
     assert first.partition_png == tmp_path / "a" / "class_distribution.png"
     assert second.partition_png == tmp_path / "b" / "class_distribution.png"
     assert second.partition_png.read_bytes() == first.partition_png.read_bytes()

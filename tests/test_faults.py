@@ -13,16 +13,17 @@ BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few s
 
 
 @pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd"])
-def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, method):
+def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, capsys, method):
     from lit_slowcal.experiments.model import LogisticRegression
 
     rounds = []
     step = LogisticRegression.training_step
     monkeypatch.setattr(LogisticRegression, "training_step", lambda self, b, i: (rounds.append(i), step(self, b, i)))
     monkeypatch.chdir(REPO)
-    with pytest.raises(FloatingPointError) as info:
+    with pytest.raises(SystemExit) as info:
         main(["fit", f"--config=configs/{method}.yaml", "--wandb=false", f"--run_dir={tmp_path}", "--model.lr=1e38"])
-    message = str(info.value)
+    assert info.value.code == 1
+    (message,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit_slowcal: error: ")]
     assert f"method={method}" in message and "lr=1e+38" in message
     assert "Training diverged" in message and "round 1 " in message
     assert rounds == [0]  # stopped in the first round, not after the epoch

@@ -21,6 +21,7 @@ from lit_slowcal import _lightning
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lit_slowcal"
 INTERNALS = (
+    "_parse_ckpt_path",
     "_trainer",
     "_save_last_checkpoint",
     "_last_global_step_saved",
@@ -124,6 +125,16 @@ def test_counters_mean_what_lit_slowcal_assumes(tmp_path):
 
 
 # ------------------------------------------------------------------ ModelCheckpoint internals
+
+
+def test_lightning_cli_parses_ckpt_path_in_the_method_the_mixin_overrides():
+    """LightningCLI.__init__ calls _parse_ckpt_path (what KeepCommandLineModelArgs turns off)."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    assert callable(require(LightningCLI, "_parse_ckpt_path"))
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
 
 
 def test_model_checkpoint_has_last_global_step_saved(tmp_path):

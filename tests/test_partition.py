@@ -1,11 +1,14 @@
-"""Tests for lit_slowcal.experiments.partition on synthetic MNIST-shaped labels (10 classes x 6000)."""
+"""Tests for lit_slowcal.experiments.partition on synthetic MNIST-shaped labels (10 classes x 6000),
+and the official split on a small label set worked out by hand and on MNIST's own labels."""
 
+import gzip
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution, write_class_counts
 
 N, C = 60_000, 10
 
@@ -24,7 +27,7 @@ def assert_exact_partition(shards, n):
 MODES = {
     "iid": dict(alpha=None),
     "dirichlet": dict(alpha=0.1),
-    "balanced": dict(alpha=0.1, balanced=True),
+    "balanced": dict(alpha=0.1, split="balanced"),
 }
 
 
@@ -51,17 +54,18 @@ def test_does_not_touch_global_rng(labels):
     before = np.random.random()
     np.random.seed(0)
     partition(labels, 16, 0.1, seed=1)
-    partition(labels, 16, 0.1, balanced=True, seed=1)
+    partition(labels, 16, 0.1, split="balanced", seed=1)
+    partition(labels, 16, 0.1, split="official", seed=1)
     assert np.random.random() == before
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_alpha_1000_is_near_uniform(labels, balanced):
+@pytest.mark.parametrize("split", ["dirichlet", "balanced"])
+def test_alpha_1000_is_near_uniform(labels, split):
     # Global class proportions are 0.1 each.
-    counts = class_counts(labels, partition(labels, 16, 1000.0, balanced=balanced, seed=0))
+    counts = class_counts(labels, partition(labels, 16, 1000.0, split=split, seed=0))
     share = counts / counts.sum(axis=1, keepdims=True)
     deviation = np.abs(share - 0.1).max(axis=1)
-    if balanced:
+    if split == "balanced":
         # Machines fill their quotas in order, so the last one takes what is left and collects
         # the earlier machines' sampling noise: measured ~0.01 for the others, up to ~0.06 for it.
         assert np.all(deviation[:-1] <= 0.03)
@@ -110,7 +114,7 @@ def test_too_few_retries_raises():
 
 @pytest.mark.parametrize("m", [16, 64, 1000])
 def test_balanced_sizes_are_quotas(labels, m):
-    shards = partition(labels, m, 0.1, balanced=True, seed=0)
+    shards = partition(labels, m, 0.1, split="balanced", seed=0)
     sizes = np.array([len(s) for s in shards])
     assert sizes.min() >= N // m and sizes.max() <= math.ceil(N / m)
     assert np.all(np.abs(sizes - N / m) <= 0.1 * N / m)
@@ -119,7 +123,7 @@ def test_balanced_sizes_are_quotas(labels, m):
 
 def test_balanced_keeps_skew(labels):
     for m in (16, 64):
-        counts = class_counts(labels, partition(labels, m, 0.1, balanced=True, seed=0))
+        counts = class_counts(labels, partition(labels, m, 0.1, split="balanced", seed=0))
         dominant = counts.max(axis=1) / counts.sum(axis=1)
         assert dominant.mean() >= 0.5  # measured 0.53..0.75; IID would give 0.1
         iid = class_counts(labels, partition(labels, m, None, seed=0))
@@ -132,7 +136,7 @@ def test_balanced_handles_uneven_classes(alpha):
     # alpha=1e-3 the mixes q_m are one-hot in floating point, so a machine whose only class is
     # exhausted has no mass left and must fall back to drawing in proportion to the supply.
     y = np.concatenate([np.zeros(900, dtype=int), np.repeat(np.arange(1, 5), 25)])
-    shards = partition(y, 7, alpha, balanced=True, seed=2)
+    shards = partition(y, 7, alpha, split="balanced", seed=2)
     assert [len(s) for s in shards] == [143, 143, 143, 143, 143, 143, 142]
     assert_exact_partition(shards, 1000)
 
@@ -173,7 +177,8 @@ def test_iid_with_uneven_classes_and_gaps():
         (dict(min_size=-1), r"Invalid min_size: -1 \(must be an integer >= 0\)"),
         (dict(min_size=11), r"min_size=11 is impossible: 10 machines x 11 samples > 100"),
         (dict(max_retries=-1), r"Invalid max_retries: -1 \(must be an integer >= 0\)"),
-        (dict(balanced="yes"), r"Invalid balanced: 'yes' \(must be a bool\)"),
+        (dict(split="plain"), r"Invalid split: 'plain' \(allowed: official, balanced, dirichlet\)"),
+        (dict(split="official", seed=2**32), r"Invalid seed: 4294967296 \(the official split's RandomState takes seeds < 2\*\*32\)"),
         (dict(seed=-1), r"Invalid seed: -1 \(must be an integer >= 0\)"),
         (dict(seed=1.5), r"Invalid seed: 1.5 "),
         (
@@ -198,6 +203,107 @@ def test_numpy_scalars_are_accepted(labels):
         labels, np.int64(16), np.float64(0.1), seed=np.int32(3), min_size=np.int8(1), max_retries=np.uint8(5)
     )
     assert all(np.array_equal(a, b) for a, b in zip(plain, numpy))
+
+
+# ------------------------------------------------------------------ the official split
+
+
+def test_official_split_by_hand():
+    """Classes of 13, 7 and 10 samples (N = 30, C = 3) over M = 3 machines, alpha = 1, seed 1.
+
+    RandomState(1).dirichlet([1, 1, 1], 3) draws, one row per class (checked below to 4 places):
+        class 0: 0.2975 0.7024 0.0001
+        class 1: 0.5848 0.2578 0.1574
+        class 2: 0.1815 0.3734 0.4451
+    Greedy placement, threshold C / M = 1, loads in brackets:
+        class 0: 0.2975 -> m0 (load 0); 0.7024 -> m1 (m0 holds class 0; m1 load 0); 0.0001 -> m2.
+                 [0.2975, 0.7024, 0.0001]
+        class 1: 0.5848 -> m0 (0.2975 + 0.5848 = 0.8823 < 1); 0.2578 -> m1 (0.9602 < 1);
+                 0.1574 -> m2.  [0.8823, 0.9602, 0.1575]
+        class 2: 0.1815 -> m2 (m0: 1.0638, m1: 1.1417 do not fit; m2: 0.3390 does);
+                 0.3734: no machine without class 2 fits (m0: 1.2557, m1: 1.3336) -> the one with
+                 the smaller load, m0; 0.4451 -> m1, the last without class 2.
+    Amounts floor(share * N / C) = floor(share * 10):
+        class 0: m0 2, m1 7, m2 0 -> 9 of 13 dealt, 4 left out
+        class 1: m0 5, m1 2, m2 1 -> the class has 7: m2's run starts at its end and gets 0
+        class 2: m0 3, m1 4, m2 1 -> 8 of 10 dealt, 2 left out
+    Shards: m0 2 + 5 + 3 = 10, m1 7 + 2 + 4 = 13, m2 0 + 0 + 1 = 1; 24 of 30 samples.
+    """
+    y = np.array([0] * 13 + [1] * 7 + [2] * 10)
+    y = y[np.random.default_rng(0).permutation(y.size)]  # classes interleaved
+    rs = np.random.RandomState(1)
+    drawn = rs.dirichlet(np.ones(3), 3)
+    np.testing.assert_allclose(
+        drawn, [[0.2975, 0.7024, 0.0001], [0.5848, 0.2578, 0.1574], [0.1815, 0.3734, 0.4451]], atol=6e-5
+    )
+    shards = partition(y, 3, 1.0, split="official", seed=1)
+    assert [len(s) for s in shards] == [10, 13, 1]
+    np.testing.assert_array_equal(class_counts(y, shards), [[2, 5, 3], [7, 2, 4], [0, 0, 1]])
+    # Which samples: each class's indices shuffled by the same RandomState after the proportions,
+    # dealt in runs of the amounts above to machines 0, 1, 2.
+    amounts = [[2, 7, 0], [5, 2, 1], [3, 4, 1]]
+    expected = [[], [], []]
+    for c in range(3):
+        pool = rs.permutation(np.flatnonzero(y == c))
+        start = 0
+        for k in range(3):
+            expected[k] += list(pool[start : start + amounts[c][k]])
+            start += amounts[c][k]
+    for got, want in zip(shards, expected):
+        np.testing.assert_array_equal(got, np.sort(want))
+
+
+def test_official_split_is_determined_by_the_seed(labels):
+    a = partition(labels, 16, 0.1, split="official", seed=7)
+    b = partition(labels, 16, 0.1, split="official", seed=7)
+    c = partition(labels, 16, 0.1, split="official", seed=8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    for shards in (a, c):  # disjoint, sorted, some left out
+        assert all(s.dtype == np.int64 and np.all(np.diff(s) > 0) for s in shards)
+        every = np.concatenate(shards)
+        assert np.unique(every).size == every.size and every.min() >= 0 and every.max() < N
+        assert N - 1000 < every.size < N
+
+
+def mnist_train_labels() -> np.ndarray:
+    """MNIST's 60,000 training labels in file order, read from the shipped IDX file."""
+    path = Path(__file__).parents[1] / "data" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
+    with gzip.open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=np.uint8, offset=8).astype(np.int64)
+
+
+def test_official_split_check_figure_on_mnist():
+    """The paper code's split on MNIST, M = 64, alpha = 0.1, seed 1 (issue 11's check figure):
+    58,809 of the 60,000 training images assigned, shards of 108 to 3,637."""
+    y = mnist_train_labels()
+    shards = partition(y, 64, 0.1, split="official", seed=1)
+    sizes = [len(s) for s in shards]
+    assert (sum(sizes), min(sizes), max(sizes)) == (58_809, 108, 3_637)
+    counts = class_counts(y, shards)
+    assert np.all(counts.sum(axis=0) <= np.bincount(y))
+
+
+def test_official_split_refuses_an_empty_machine():
+    # 1024 machines and 10 classes of 600: the greedy placement leaves tens of machines empty.
+    y = np.repeat(np.arange(C), 600)
+    with pytest.raises(ValueError, match=r"the official split gives machine \d+ 0 samples, fewer than min_size=1"):
+        partition(y, 1024, 0.1, split="official", seed=0)
+    shards = partition(y, 1024, 0.1, split="official", seed=0, min_size=0)
+    assert len(shards) == 1024 and min(len(s) for s in shards) == 0
+
+
+def test_write_class_counts(tmp_path):
+    counts = np.array([[2, 5, 3], [7, 2, 4], [0, 0, 1]])
+    path = tmp_path / "class_counts.csv"
+    write_class_counts(counts, path)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "machine,class,count"
+    rows = [tuple(map(int, line.split(","))) for line in lines[1:]]
+    assert rows == [(k, c, int(counts[k, c])) for k in range(3) for c in range(3)]
+    with pytest.raises(ValueError, match=r"counts must be a 2-D \(machines, classes\) array, got shape \(3,\)"):
+        write_class_counts(np.array([1, 2, 3]), path)
+    assert path.read_text().splitlines() == lines  # a refused write leaves the file as it was
 
 
 def test_class_counts_small_example():

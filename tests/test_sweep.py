@@ -230,10 +230,13 @@ def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys):
 # ------------------------------------------------------------------------------------ results file
 
 
-def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
+def test_results_file_appends_new_trials_and_replaces_a_retried_one_atomically(tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     results = sw.ResultsFile(path)
-    results.put({"params": {"a": 1}, "status": "finished"})
+    results.put({"params": {"a": 1}, "status": "failed"})
+    inode = path.stat().st_ino
+    results.put({"params": {"a": 2}, "status": "finished"})
+    assert path.stat().st_ino == inode  # appended: the file itself stays
     before = path.read_bytes()
 
     def crash(src, dst):
@@ -241,12 +244,13 @@ def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        results.put({"params": {"a": 2}, "status": "finished"})
-    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]  # old file, no temp left
+        results.put({"params": {"a": 1}, "status": "finished"})  # a retried trial: the file is rewritten
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.jsonl.lock", "r.jsonl"]  # old file, no temp left
     monkeypatch.undo()
-    results.put({"params": {"a": 1}, "status": "failed"})  # same trial: replaced, not duplicated
+    results.put({"params": {"a": 1}, "status": "finished"})  # same trial: replaced, not duplicated
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"params": {"a": 1}, "status": "failed"},
+        {"params": {"a": 1}, "status": "finished"},
         {"params": {"a": 2}, "status": "finished"},
     ]
     assert sw.ResultsFile(path).get({"a": 2}) == {"params": {"a": 2}, "status": "finished"}

@@ -27,6 +27,7 @@ once: ``threads: 1 (auto: 16 machines x 1 sample x 784 features per step; --thre
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
 import signal
@@ -44,10 +45,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_slowcal._lightning import KeepCommandLineModelArgs
 from lit_slowcal._validation import check_int, check_number, is_int
+from lit_slowcal.checkpoint import read_checkpoint
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
+from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
@@ -96,8 +100,13 @@ def wandb_logged_in() -> bool:
         return False
 
 
-class SlowcalCLI(LightningCLI):
-    """LightningCLI with the paper's experiment settings and their derived values linked in."""
+class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
+    """LightningCLI with the paper's experiment settings and their derived values linked in.
+
+    A command that loads a checkpoint (``fit --ckpt_path``, ``validate``, ``test``) must describe the
+    checkpoint's run: its configuration is compared with the identity stored in the checkpoint
+    before anything is built (``lit_slowcal.experiments.identity``).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("model_class", LogisticRegression)
@@ -203,6 +212,7 @@ class SlowcalCLI(LightningCLI):
             compute_fn=_val_check_interval,
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
+        parser.link_arguments("seed_everything", "model.seed", compute_fn=_seed)
         # The model's shape and loss are the problem's.
         parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
         parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
@@ -212,6 +222,41 @@ class SlowcalCLI(LightningCLI):
         self._configure_threads()
         if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
             self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
+        # What defines this run (lit_slowcal.experiments.identity): stored in its checkpoints, and
+        # compared with the checkpoint it loads, if any, before anything is built.
+        parser = self._parser(self.subcommand)
+        dumped = parser.dump(self.run_config(), format="json", skip_unset=False, skip_validation=True)
+        self.identity = run_identity(json.loads(dumped))
+        self._resumed_step = 0
+        if self.subcommand and self.setting("ckpt_path"):
+            self._check_checkpoint(self.setting("ckpt_path"))
+
+    def _check_checkpoint(self, path: str) -> None:
+        """Refuse, before anything is built, a checkpoint that is unreadable, of another run, or done training."""
+        if "://" in path or not Path(path).is_file():  # remote, "best", missing...: Lightning resolves or refuses it
+            return
+        checkpoint = read_checkpoint(path)
+        verb = "resume" if self.subcommand == "fit" else f"{self.subcommand} with"
+        check_same_run(path, checkpoint, self.identity, verb)
+        self._resumed_step = step = int(checkpoint.get("global_step", 0))
+        if self.subcommand != "fit":
+            return
+        get = self.setting
+        steps_per_epoch = steps_per_round(get("method"), get("local_steps")) * num_rounds(
+            MNIST_TRAIN_SIZE, get("num_machines"), get("local_steps"), get("batch_size")
+        )
+        epochs_done, max_epochs, max_steps = step // steps_per_epoch, get("trainer.max_epochs"), get("trainer.max_steps")
+        if is_int(max_epochs) and 0 <= max_epochs <= epochs_done:
+            stop = f"{epochs_done} epoch(s) ({step} steps) and trainer.max_epochs is {max_epochs}"
+            more = f"--trainer.max_epochs={epochs_done + 1}"
+        elif is_int(max_steps) and 0 <= max_steps <= step:
+            stop, more = f"{step} steps and trainer.max_steps is {max_steps}", f"--trainer.max_steps={step + steps_per_epoch}"
+        else:
+            return
+        raise ValueError(
+            f"Cannot resume {path}: its run has trained {stop}, so there is nothing to train. Pass {more} (or more) "
+            f"to train on, or use `test --ckpt_path {path}` to evaluate it."
+        )
 
     def _configure_threads(self) -> None:
         """Torch's threads for this run (``--threads``), set before the trainer and its launcher exist."""
@@ -271,19 +316,37 @@ class SlowcalCLI(LightningCLI):
             f"_seed{get('seed_everything')}"
         )
 
-    def _loggers(self) -> list[Logger]:
-        run_dir = self.setting("run_dir")
-        name = self.run_name()
-        # Every rank must write to the same version folder: the launching process (rank 0) picks the
-        # next free version and its DDP children, started later, inherit it through the environment.
+    def _version(self) -> int:
+        """This run's version folder number under ``run_dir/<run name>``: the next free one.
+
+        Every rank must write to the same version folder: the launching process (rank 0) picks the
+        next free version and its DDP children, started later, inherit it through the environment.
+        The launcher claims the folder by creating it, so that runs of the same name started at
+        the same time (two sweeps) never share one.
+        """
         version = os.environ.get(RUN_VERSION_ENV)
         if version is None:
-            version = str(CSVLogger(save_dir=run_dir, name=name).version)
+            number = CSVLogger(save_dir=self.setting("run_dir"), name=self.run_name()).version
+            while True:
+                try:
+                    (Path(self.setting("run_dir")) / self.run_name() / f"version_{number}").mkdir(parents=True)
+                    break
+                except FileExistsError:
+                    number += 1
+            version = str(number)
             os.environ[RUN_VERSION_ENV] = version
             self._owns_version_env = True
-        loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=int(version))]
+        return int(version)
+
+    def run_folder(self) -> Path:
+        """``run_dir/<run name>/version_<n>``: where the run's logs, config.yaml, figure and checkpoints go."""
+        return Path(self.setting("run_dir")) / self.run_name() / f"version_{self._version()}"
+
+    def _loggers(self) -> list[Logger]:
+        run_dir, name, version = self.setting("run_dir"), self.run_name(), self._version()
+        loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=version)]
         if self.setting("wandb") and self.subcommand == "fit":
-            loggers.append(self._wandb_logger(name, str(Path(run_dir) / name / f"version_{version}")))
+            loggers.append(self._wandb_logger(name, str(self.run_folder())))
         return loggers
 
     def _wandb_logger(self, name: str, save_dir: str) -> WandbLogger:
@@ -331,13 +394,18 @@ class SlowcalCLI(LightningCLI):
         trainer_config = self.run_config(initialized=True).get("trainer")
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
+        elif trainer_config.get("logger") is False and trainer_config.get("default_root_dir") is None:
+            # Without a logger, Lightning writes config.yaml, the figure and checkpoints to the
+            # default_root_dir, the current folder by default: keep them in the run folder instead.
+            kwargs["default_root_dir"] = str(self.run_folder())
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        extra = [RunIdentity(self.identity)]
         if trainer_config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks = [*callbacks, self._checkpoint_callback()]
+            extra.append(self._checkpoint_callback())
         if not any(isinstance(c, Diagnostics) for c in callbacks):
-            callbacks = [*callbacks, self._diagnostics()]
-        kwargs["callbacks"] = callbacks
+            extra.append(self._diagnostics())
+        kwargs["callbacks"] = [*callbacks, *extra]
         trainer = super().instantiate_trainer(**kwargs)
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
@@ -363,6 +431,12 @@ class SlowcalCLI(LightningCLI):
             self.trainer.val_check_interval = min(self.trainer.val_check_interval, data.num_rounds)
 
     def after_fit(self) -> None:
+        if self.trainer.global_step == self._resumed_step:
+            raise ValueError(
+                f"The run trained nothing: it was at step {self.trainer.global_step} before and after fit with "
+                f"trainer.max_epochs={self.trainer.max_epochs}, trainer.max_steps={self.trainer.max_steps} and "
+                f"trainer.limit_train_batches={self.trainer.limit_train_batches}; raise the one that stops it."
+            )
         if not self.trainer.is_global_zero:
             return
         metrics = self.trainer.callback_metrics

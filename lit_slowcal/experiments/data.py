@@ -22,8 +22,16 @@ from torch import Tensor
 
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
-from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution
+from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
+from lit_slowcal.experiments.partition import (
+    SPLITS,
+    class_counts,
+    partition,
+    plot_class_distribution,
+    write_class_counts,
+)
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
+from lit_slowcal.files import atomic_path, locked
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
@@ -51,26 +59,40 @@ def _check_idx_file(path: Path, magic: int, size: int) -> None:
 
 def _prepare_raw_files(root: Path) -> None:
     """Decompress the shipped ``.gz`` files next to them (torchvision reads only decompressed files)
-    and check every file's size and magic number. Downloads with torchvision when nothing is there."""
+    and check every file's size and magic number. Downloads with torchvision when nothing is there.
+
+    Processes preparing the same folder at once (the ranks of a job, two jobs on a fresh clone)
+    take turns under a lock on ``raw/`` (``lit_slowcal.files.locked``): the first decompresses, the
+    others find the files done. Each file appears whole (``atomic_path``) or not at all."""
     raw = root / "MNIST" / "raw"
+    if not raw.is_dir():
+        return _download(root, list(_MNIST_FILES))
+    if all((raw / name).exists() for name in _MNIST_FILES):  # prepared: no lock (the folder may be read-only)
+        return _decompress_and_check(raw)
+    with locked(raw / "prepare"):
+        _decompress_and_check(raw)
+
+
+def _decompress_and_check(raw: Path) -> None:
     missing = []
     for name, (magic, size) in _MNIST_FILES.items():
         path, gz = raw / name, raw / f"{name}.gz"
         if not path.exists() and gz.exists():
-            tmp = path.with_suffix(".tmp")
             try:
-                with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                with gzip.open(gz, "rb") as src, atomic_path(path) as tmp, open(tmp, "wb") as dst:
                     shutil.copyfileobj(src, dst)
             except (OSError, EOFError) as err:
-                tmp.unlink(missing_ok=True)
                 raise ValueError(f"Corrupt MNIST file {gz}: {err}. Replace it with the original file.") from err
-            tmp.replace(path)
         if path.exists():
             _check_idx_file(path, magic, size)
         else:
             missing.append(name)
-    if not missing:
-        return
+    if missing:
+        _download(raw.parent.parent, missing)
+
+
+def _download(root: Path, missing: list[str]) -> None:
+    raw = root / "MNIST" / "raw"
     from torchvision.datasets import MNIST
 
     try:
@@ -114,30 +136,30 @@ def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tenso
 #: Per process, the most splits (and their figures) kept for the runs that follow (a sweep's runs
 #: repeat a few (M, seed) pairs).
 _CACHE_SIZE = 32
-# (M, alpha, balanced, seed) -> (the labels split, the shards); see partition_shards.
+# (M, alpha, split, seed) -> (the labels split, the shards); see partition_shards.
 _PARTITIONS: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
 # (counts shape, counts bytes, title) -> the class-distribution PNG.
 _FIGURES: dict[tuple, bytes] = {}
 
 
 def partition_shards(
-    labels: Tensor, num_machines: int, alpha: Optional[float], balanced: bool, seed: int
+    labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int
 ) -> list[Tensor]:
-    """``partition(labels, num_machines, alpha, balanced=balanced, seed=seed)`` as int64 tensors.
+    """``partition(labels, num_machines, alpha, split=split, seed=seed)`` as int64 tensors.
 
     Computed once per process for the same labels tensor (``load_mnist``'s) and settings: the runs
     of a sweep that share M and the seed share the split. Every call returns its own copies, so a
     caller that modifies its shards changes nobody else's.
     """
     # With the types: 1 == True == 1.0 as keys, but partition refuses some of them.
-    key = tuple((type(v), v) for v in (num_machines, alpha, balanced, seed))
+    key = tuple((type(v), v) for v in (num_machines, alpha, split, seed))
     try:
         hit = _PARTITIONS.get(key)
     except TypeError:  # an unhashable argument: partition says what is wrong with it
         key, hit = None, None
     if hit is None or hit[0] is not labels:
-        split = partition(labels.numpy(), num_machines, alpha, balanced=balanced, seed=seed)
-        hit = (labels, [torch.from_numpy(s) for s in split])
+        shards = partition(labels.numpy(), num_machines, alpha, split=split, seed=seed)
+        hit = (labels, [torch.from_numpy(s) for s in shards])
         if key is not None:
             _PARTITIONS.pop(key, None)
             _PARTITIONS[key] = hit
@@ -257,8 +279,10 @@ class MNISTDataModule(pl.LightningDataModule):
         steps_per_round: optimizer steps per communication round (K for the local methods, 1 for
             Minibatch-SGD, whose per-step batch is K * b).
         dirichlet_alpha: concentration of the class split (the paper: 0.1); ``None`` for a stratified IID split.
-        balanced: keep the Dirichlet class skew but give every machine about N / M samples (the official
-            code's variant) instead of the plain split, where shard sizes vary.
+        split: which Dirichlet split (``lit_slowcal.experiments.partition.partition``): ``official``
+            (the paper's code, draw for draw: shards of about N / M samples, some samples left out),
+            ``balanced`` (every machine N / M samples, each with its own Dirichlet class mix) or
+            ``dirichlet`` (plain, Hsu et al. 2019: shard sizes vary widely).
         seed: seeds the partition and every machine's stream.
         eval_batch_size: batch size of the test set.
         problem: the problem (``None``: MNIST).
@@ -271,7 +295,7 @@ class MNISTDataModule(pl.LightningDataModule):
         batch_size: int = 1,
         steps_per_round: int = 16,
         dirichlet_alpha: Optional[float] = 0.1,
-        balanced: bool = False,
+        split: str = "dirichlet",
         seed: int = 1,
         eval_batch_size: int = 10_000,
         problem: Optional[Problem] = None,
@@ -290,12 +314,14 @@ class MNISTDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"Invalid data.dirichlet_alpha: {dirichlet_alpha!r} (must be a finite number > 0, or null for IID)"
             )
+        if split not in SPLITS:
+            raise ValueError(f"Invalid data.split: {split!r} (allowed: {', '.join(SPLITS)})")
         self.root = root
         self.num_machines = num_machines
         self.batch_size = batch_size
         self.steps_per_round = steps_per_round
         self.dirichlet_alpha = dirichlet_alpha
-        self.balanced = balanced
+        self.split = split
         self.seed = seed
         self.eval_batch_size = eval_batch_size
         if problem is not None and not isinstance(problem, Problem):
@@ -319,9 +345,9 @@ class MNISTDataModule(pl.LightningDataModule):
         return self.problem_data
 
     def mnist_data(self, num_machines: int, seed: int) -> ProblemData:
-        """MNIST from ``root``, split by ``dirichlet_alpha`` and ``balanced`` (the ``MNIST`` problem's data)."""
+        """MNIST from ``root``, split by ``dirichlet_alpha`` and ``split`` (the ``MNIST`` problem's data)."""
         x, y, test_x, test_y = load_mnist(self.root)
-        shards = partition_shards(y, num_machines, self.dirichlet_alpha, self.balanced, seed)
+        shards = partition_shards(y, num_machines, self.dirichlet_alpha, self.split, seed)
         return ProblemData(x, y, tuple(shards), test_x, test_y)
 
     @property
@@ -339,14 +365,22 @@ class MNISTDataModule(pl.LightningDataModule):
             )
         return world, rank
 
+    def prepare_data(self) -> None:
+        """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on
+        one process per node, then all of them call ``setup``)."""
+        _prepare_raw_files(Path(self.root))
+
     def setup(self, stage: str) -> None:
         if self._train is not None:
             return
         world, rank = self._layout()
+        m = self.num_machines // world
+        processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
+        check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=self.problem.input_dim)
         data = self._build()
         x, y, self.test_x, self.test_y = data.train_x, data.train_y, data.test_x, data.test_y
         self.shards = list(data.shards)
-        m = self.num_machines // world
+        check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
@@ -357,18 +391,26 @@ class MNISTDataModule(pl.LightningDataModule):
             if self.trainer.is_global_zero:
                 self._log_partition(Path(folder))
 
+    def split_name(self) -> str:
+        """``Dirichlet alpha=0.1, official``: the split, as the figure's title and the errors give it
+        (another problem than MNIST: the problem, e.g. ``Synthetic(alpha=1, ...)``)."""
+        if not isinstance(self.problem, MNIST):
+            return self.problem.describe()
+        if self.dirichlet_alpha is None:
+            return "IID"
+        return f"Dirichlet alpha={self.dirichlet_alpha:g}" + ("" if self.split == "dirichlet" else f", {self.split}")
+
     def class_counts(self):
         """Class counts per machine, shape ``(M, classes)``."""
         return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], self.problem.num_outputs)
 
     def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer
-        alpha = "IID" if self.dirichlet_alpha is None else f"Dirichlet alpha={self.dirichlet_alpha:g}"
-        title = f"Class distribution across {self.num_machines} machines ({alpha}{', balanced' if self.balanced else ''})"
-        if not isinstance(self.problem, MNIST):
-            title = f"Class distribution across {self.num_machines} machines ({self.problem.describe()})"
+        title = f"Class distribution across {self.num_machines} machines ({self.split_name()})"
         self.partition_png = folder / "class_distribution.png"
         counts = self.class_counts()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_class_counts(counts, folder / "class_counts.csv")
         # Drawing the figure takes longer than a short run trains; the runs of a sweep that share a
         # split (same M and seed) share its PNG, drawn once per process and copied.
         key = (counts.shape, counts.tobytes(), title)
@@ -380,7 +422,6 @@ class MNISTDataModule(pl.LightningDataModule):
             while len(_FIGURES) > _CACHE_SIZE:
                 _FIGURES.pop(next(iter(_FIGURES)))
         else:
-            self.partition_png.parent.mkdir(parents=True, exist_ok=True)
             self.partition_png.write_bytes(png)
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):  # WandbLogger

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import math
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lit_slowcal._lightning import batches_between_validations, batches_started
+from lit_slowcal._lightning import batches_started
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.simulated import SimulatedMachines
 
-__all__ = ["LogisticRegression", "METHODS", "PAPER_LR"]
+__all__ = ["LogisticRegression", "METHODS", "PAPER_LR", "official_init"]
 
 Method = Literal["slowcal", "local_sgd", "minibatch_sgd"]
 METHODS: tuple[str, ...] = ("slowcal", "local_sgd", "minibatch_sgd")
@@ -48,7 +50,12 @@ class LogisticRegression(pl.LightningModule):
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
         weight_decay: L2 penalty added to every gradient.
         init: x_0 = 0 (``zeros``, the usual start of a convex problem: results then depend on the
-            seed only through the data) or PyTorch's default random ``nn.Linear`` initialisation.
+            seed only through the data), PyTorch's default random ``nn.Linear`` initialisation, the
+            same on every machine (``default``), or the paper code's (``official``): machine i starts
+            from its own default initialisation, the one the code draws for its worker i (see
+            ``official_init``), until the first synchronisation averages them.
+        seed: seeds the ``official`` initialisation (the CLI links ``seed_everything`` to it);
+            ``None`` takes ``torch.initial_seed()``, the seed ``seed_everything`` set.
         input_dim, num_classes: the linear model's shape (set from ``data.problem`` by the CLI).
         loss: ``cross_entropy`` (classes; logs ``test_acc`` too) or ``squared``, (z - y)^2 / 2 on one
             output (regression, e.g. the ``Quadratic`` problem).
@@ -63,7 +70,8 @@ class LogisticRegression(pl.LightningModule):
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
         weight_decay: float = 0.0,
-        init: Literal["zeros", "default"] = "zeros",
+        init: Literal["zeros", "default", "official"] = "zeros",
+        seed: Optional[int] = None,
         input_dim: int = 784,
         num_classes: int = 10,
         loss: Literal["cross_entropy", "squared"] = "cross_entropy",
@@ -71,8 +79,10 @@ class LogisticRegression(pl.LightningModule):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"Invalid method: {method!r} (allowed: {', '.join(METHODS)})")
-        if init not in ("zeros", "default"):
-            raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default)")
+        if init not in ("zeros", "default", "official"):
+            raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default, official)")
+        if seed is not None:
+            check_int("model.seed", seed, minimum=0)
         if loss not in ("cross_entropy", "squared"):
             raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared)")
         if lr is None:
@@ -103,6 +113,28 @@ class LogisticRegression(pl.LightningModule):
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)
         self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
+        if self.hparams.init == "official":
+            self._official_init()
+
+    def _official_init(self) -> None:
+        """Give each of this process's machines its own ``official_init`` weights."""
+        h = self.hparams
+        m = self.machines.num_machines
+        try:
+            rank = self.trainer.global_rank
+        except RuntimeError:
+            rank = 0
+        seed = torch.initial_seed() if h.seed is None else h.seed
+        weight, bias = official_init(h.num_machines, seed, h.input_dim, h.num_classes)
+        with torch.no_grad():
+            self.machines.weight.copy_(weight[rank * m : (rank + 1) * m])
+            self.machines.bias.copy_(bias[rank * m : (rank + 1) * m])
+
+    def on_fit_start(self) -> None:
+        # Several processes: the strategy broadcast rank 0's machines at setup; give every process
+        # its own machines' weights back (unless the run resumes from a checkpoint).
+        if self.hparams.init == "official" and self.trainer.world_size > 1 and not self.trainer.ckpt_path:
+            self._official_init()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
@@ -147,11 +179,12 @@ class LogisticRegression(pl.LightningModule):
                 f"Training diverged: {what} in round {rounds_done} "
                 f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
             )
-        # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds (and
-        # after the epoch's last), with the train loss averaged over the rounds since the last log.
+        # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds, when
+        # Lightning writes logs, and after the run's last round (on_train_batch_end makes Lightning
+        # write that one too), with the train loss averaged over the rounds since the last log.
         one_round = torch.stack([round_loss.detach().double(), round_loss.new_ones((), dtype=torch.float64)])
         self._loss_since_log = self._loss_since_log.to(one_round.device) + one_round  # on the loss's device
-        if rounds_done % self.trainer.log_every_n_steps and batch_idx + 1 < self.trainer.num_training_batches:
+        if rounds_done % self.trainer.log_every_n_steps and not self._last_round(batch_idx):
             return
         loss_sum, rounds = self._loss_since_log
         self._loss_since_log = torch.zeros(2, dtype=torch.float64)
@@ -180,15 +213,18 @@ class LogisticRegression(pl.LightningModule):
             return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
-    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        # Lightning validates every `val_check_interval` rounds; make sure the final x is evaluated
-        # too when the last round is not a multiple of it (Lightning validates when a run stops).
+    def _last_round(self, batch_idx: int) -> bool:
+        """Whether this batch is the last of the run's last epoch."""
         trainer = self.trainer
         last_batch = batch_idx + 1 >= trainer.num_training_batches
-        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
-        every = batches_between_validations(trainer)  # None: validation is time based
-        if last_batch and last_epoch and (every is None or batches_started(trainer) % every != 0):
-            trainer.should_stop = True
+        return last_batch and trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        # A run that stops is validated (so the final x is evaluated even when the last round is not
+        # a multiple of `val_check_interval`) and has its last train metrics written even when the
+        # last round is not a multiple of `log_every_n_steps`: stop after the last round.
+        if self._last_round(batch_idx):
+            self.trainer.should_stop = True
 
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
@@ -209,3 +245,26 @@ class LogisticRegression(pl.LightningModule):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch)
+
+
+def official_init(
+    num_machines: int, seed: int, input_dim: int = 784, num_classes: int = 10
+) -> tuple[Tensor, Tensor]:
+    """Every machine's initial weights in the paper's code: ``(M, num_classes, input_dim)``, ``(M, num_classes)``.
+
+    The code (github.com/dahan198/slowcal-sgd, ``main.py``) seeds torch with the seed, then builds
+    one model per worker, PyTorch's default ``nn.Linear`` initialisation (weight and bias uniform on
+    +-1 / sqrt(input_dim)), and the worker's ``DataLoader`` iterator, which draws one int64 (its
+    base seed) from the same generator. Worker i trains from its own weights; the first
+    synchronisation averages them. Here the same draws are made from a private generator seeded
+    alike, so torch's global random state is left untouched.
+    """
+    g = torch.Generator().manual_seed(seed)
+    bound = 1 / math.sqrt(input_dim)
+    weight = torch.empty(num_machines, num_classes, input_dim)
+    bias = torch.empty(num_machines, num_classes)
+    for i in range(num_machines):
+        nn.init.kaiming_uniform_(weight[i], a=math.sqrt(5), generator=g)  # as nn.Linear.reset_parameters
+        nn.init.uniform_(bias[i], -bound, bound, generator=g)
+        torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed
+    return weight, bias

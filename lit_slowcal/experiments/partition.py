@@ -2,8 +2,10 @@
 
 The paper (Dahan & Levy, NeurIPS 2024, appendix "Data Distribution Across Workers") splits MNIST
 over M in {16, 32, 64} machines with Dirichlet(alpha = 0.1) class proportions (Hsu et al., 2019).
-Every function here is pure numpy and deterministic from its ``seed``, so every rank of a
-distributed run computes the same split without communicating.
+Its code (github.com/dahan198/slowcal-sgd, ``split_dataset``) balances them with a procedure of its
+own, which ``split="official"`` reproduces draw for draw. Every function here is pure numpy and
+deterministic from its ``seed``, so every rank of a distributed run computes the same split
+without communicating.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from lit_slowcal._validation import check_int, is_int, is_number
+from lit_slowcal.files import atomic_write
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["partition", "class_counts", "plot_class_distribution"]
+__all__ = ["SPLITS", "partition", "class_counts", "write_class_counts", "plot_class_distribution"]
+
+#: The Dirichlet splits ``partition`` draws (``alpha`` given): the paper code's procedure, equal
+#: shard sizes, and the plain split of Hsu et al. (2019).
+SPLITS: tuple[str, ...] = ("official", "balanced", "dirichlet")
 
 
 def partition(
@@ -27,27 +34,48 @@ def partition(
     num_machines: int,
     alpha: float | None,
     *,
-    balanced: bool = False,
+    split: str = "dirichlet",
     seed: int = 0,
     min_size: int = 1,
     max_retries: int = 100,
 ) -> list[np.ndarray]:
     """Split sample indices over ``num_machines`` machines.
 
-    Three modes:
+    Four modes:
 
-    * ``alpha=None`` -- stratified IID. Each class's indices are shuffled and dealt round-robin,
-      so every machine holds ``floor`` or ``ceil`` of ``n_c / M`` samples of each class ``c`` and
-      ``floor`` or ``ceil`` of ``N / M`` samples in all.
-    * ``alpha > 0, balanced=False`` -- the paper's split (Hsu et al., 2019). For each class ``c``
-      draw ``p_c ~ Dirichlet(alpha * 1_M)`` and cut class ``c``'s shuffled indices at the cumulative
-      proportions ``p_c``. Machine sizes vary; the draw is repeated while some machine holds fewer
-      than ``min_size`` samples.
-    * ``alpha > 0, balanced=True`` -- same class skew, equal sizes. Machine ``m`` draws its class
-      mix ``q_m ~ Dirichlet(alpha * 1_C)`` and has a quota of ``floor`` or ``ceil`` of ``N / M``
+    * ``alpha=None`` -- stratified IID, whatever ``split``. Each class's indices are shuffled and
+      dealt round-robin, so every machine holds ``floor`` or ``ceil`` of ``n_c / M`` samples of each
+      class ``c`` and ``floor`` or ``ceil`` of ``N / M`` samples in all.
+    * ``split="official"`` -- the paper code's procedure, drawn with
+      ``np.random.RandomState(seed)`` in the code's order, so that a seed gives the very shards the
+      code gives (with the labels in MNIST's file order). Over the classes ``c = 0 .. C-1`` (the
+      sorted labels present):
+
+      1. draw ``p_c ~ Dirichlet(alpha * 1_M)`` for every class at once (a ``(C, M)`` draw);
+      2. place each class's proportions on machines greedily, class by class and, within a class,
+         in the order drawn: proportion ``p_ci`` goes to the first machine ``k`` that has no share
+         of class ``c`` yet and whose load (the sum of the shares it holds) is 0 or stays below
+         ``C / M`` with it (``load + p_ci < C / M``); when none qualifies, to the machine without a
+         share of ``c`` that has the smallest load (the first of equals);
+      3. machine ``k``'s amount of class ``c`` is ``floor(share_ck * N / C)``: with N / C the
+         average class size, not class ``c``'s own;
+      4. class by class, shuffle the class's indices (``RandomState.permutation``) and deal
+         consecutive runs of the amounts to machines ``0 .. M-1``; a run that passes the end of
+         the class is cut there (later machines may get fewer, or none), and what is left of a
+         class after the last machine is assigned to nobody.
+
+      Samples are dropped (MNIST, M = 64, alpha = 0.1, seed 1: 58,809 of 60,000 assigned, shards
+      of 108 to 3,637). The shares placed on one machine sum to about C / M, so machines hold
+      about N / M samples, give or take a large share that had to go somewhere.
+    * ``split="balanced"`` -- same class skew, equal sizes. Machine ``m`` draws its class mix
+      ``q_m ~ Dirichlet(alpha * 1_C)`` and has a quota of ``floor`` or ``ceil`` of ``N / M``
       samples. Machines fill their quotas in order from the unassigned pool: multinomial counts
       from ``q_m`` restricted to classes with samples left (renormalised), clipped to what is
       left, repeated until the quota is met.
+    * ``split="dirichlet"`` -- the plain split of Hsu et al. (2019), the paper's appendix. For each
+      class ``c`` draw ``p_c ~ Dirichlet(alpha * 1_M)`` and cut class ``c``'s shuffled indices at
+      the cumulative proportions ``p_c``. Machine sizes vary; the draw is repeated while some
+      machine holds fewer than ``min_size`` samples.
 
     Smaller ``alpha`` means more skew: at ``alpha = 0.01`` a machine mostly holds one class, at
     ``alpha = 1000`` every machine's class mix is close to the global one.
@@ -60,14 +88,14 @@ def partition(
         Number of machines M, ``1 <= M <= N``.
     alpha : float or None
         Dirichlet concentration, a finite number ``> 0``; ``None`` for the stratified IID split.
-    balanced : bool, default False
-        With ``alpha``, give every machine ``floor`` or ``ceil`` of ``N / M`` samples. The IID
-        split is balanced already, so this has no effect when ``alpha`` is None.
+    split : {"official", "balanced", "dirichlet"}, default "dirichlet"
+        Which Dirichlet split ``alpha`` draws (see above); no effect when ``alpha`` is None.
     seed : int, default 0
-        Seed of the ``np.random.default_rng`` that makes every draw; the global RNG is not used.
+        Seed of the ``np.random.default_rng`` that makes every draw (``np.random.RandomState`` for
+        the official split, as the paper's code; a seed below 2**32); the global RNG is not used.
     min_size : int, default 1
-        Least number of samples every machine must receive. Only the plain Dirichlet mode can
-        fall short; it then redraws.
+        Least number of samples every machine must receive. The plain Dirichlet split redraws
+        when a machine falls short; the official split, which draws once, raises.
     max_retries : int, default 100
         How many times the plain Dirichlet mode may redraw (so at most ``1 + max_retries``
         draws) before it gives up.
@@ -75,13 +103,15 @@ def partition(
     Returns
     -------
     list of np.ndarray
-        ``M`` sorted int64 index arrays. Each index in ``range(N)`` appears in exactly one of them.
+        ``M`` sorted int64 index arrays. Each index in ``range(N)`` appears in exactly one of them
+        (at most one for the official split, which leaves some out).
 
     Raises
     ------
     ValueError
-        For a bad argument, or when the plain Dirichlet mode could not give every machine
-        ``min_size`` samples within ``max_retries`` redraws.
+        For a bad argument, when the plain Dirichlet split could not give every machine
+        ``min_size`` samples within ``max_retries`` redraws, or when the official split gives a
+        machine fewer than ``min_size``.
 
     Examples
     --------
@@ -94,6 +124,8 @@ def partition(
     True
     >>> sorted(len(s) for s in partition(labels, 3, alpha=None))
     [333, 333, 334]
+    >>> [len(s) for s in partition(labels, 4, alpha=0.1, split="official", seed=1)]  # 988 of 1000
+    [236, 353, 172, 227]
     """
     y = _check_labels(labels)
     n = y.size
@@ -114,9 +146,22 @@ def partition(
             f"samples > {n} samples"
         )
     check_int("max_retries", max_retries, minimum=0)
-    if not isinstance(balanced, (bool, np.bool_)):
-        raise ValueError(f"Invalid balanced: {balanced!r} (must be a bool)")
+    if split not in SPLITS:
+        raise ValueError(f"Invalid split: {split!r} (allowed: {', '.join(SPLITS)})")
     check_int("seed", seed, minimum=0)  # np.random.default_rng takes no negative seed
+    if alpha is not None and split == "official":
+        if seed >= 2**32:
+            raise ValueError(f"Invalid seed: {seed!r} (the official split's RandomState takes seeds < 2**32)")
+        shards = _official(y, num_machines, float(alpha), np.random.RandomState(seed))
+        sizes = [s.size for s in shards]
+        if min(sizes) < min_size:
+            k = int(np.argmin(sizes))
+            raise ValueError(
+                f"the official split gives machine {k} {sizes[k]} samples, fewer than min_size={min_size} "
+                f"(M={num_machines}, alpha={alpha}, seed={seed}); use another seed, a larger alpha, fewer "
+                "machines or another split"
+            )
+        return [np.sort(s).astype(np.int64, copy=False) for s in shards]
 
     rng = np.random.default_rng(seed)
     # Indices of every class present, each shuffled once: the pools all modes draw from.
@@ -124,7 +169,7 @@ def partition(
 
     if alpha is None:
         shards = _iid(pools, num_machines, rng)
-    elif balanced:
+    elif split == "balanced":
         shards = _balanced_dirichlet(pools, num_machines, float(alpha), rng)
     else:
         shards = _dirichlet(pools, num_machines, float(alpha), rng, min_size, max_retries)
@@ -163,8 +208,39 @@ def _dirichlet(
     raise ValueError(
         f"could not give each of {m} machines at least min_size={min_size} samples with "
         f"alpha={alpha} in {1 + max_retries} draws (smallest machine got {smallest}); "
-        "use a larger alpha, fewer machines, a smaller min_size or balanced=True"
+        "use a larger alpha, fewer machines, a smaller min_size or another split"
     )
+
+
+def _official(y: np.ndarray, m: int, alpha: float, rs: np.random.RandomState) -> list[np.ndarray]:
+    # The paper code's split_dataset, draw for draw (see partition's docstring). Every float is
+    # computed by the same numpy operation on the same values as there, so that comparisons on the
+    # edge (load + p < C / M) and the floors come out the same.
+    classes = np.unique(y)
+    num_classes, n = classes.size, y.size
+    proportions = rs.dirichlet(np.full(m, alpha), num_classes)  # (C, M), row c for class c
+    share = np.zeros_like(proportions)  # share[c, k]: class c's proportion placed on machine k
+    load = np.zeros(m)  # load[k] = share[:, k].sum(), kept up to date
+    threshold = num_classes / m
+    for c in range(num_classes):
+        for p in proportions[c]:
+            free = share[c] == 0
+            fits = free & ((load + p < threshold) | (load == 0))
+            if fits.any():
+                k = int(np.argmax(fits))
+            else:
+                candidates = np.flatnonzero(free)
+                k = int(candidates[np.argmin(share[:, candidates].sum(axis=0))])
+            share[c, k] = p
+            load[k] = share[:, k].sum()
+    amounts = (share * n // num_classes).astype(np.int64)
+    pieces: list[list[np.ndarray]] = [[] for _ in range(m)]
+    for c, label in enumerate(classes):
+        pool = rs.permutation(np.flatnonzero(y == label))
+        ends = np.minimum(np.cumsum(amounts[c]), pool.size)
+        for k, (start, end) in enumerate(zip(np.concatenate(([0], ends[:-1])), ends)):
+            pieces[k].append(pool[start:end])
+    return [np.concatenate(p) for p in pieces]
 
 
 def _balanced_dirichlet(
@@ -238,6 +314,33 @@ def class_counts(
     for k, shard in enumerate(shards):
         counts[k] = np.bincount(y[np.asarray(shard, dtype=np.int64)], minlength=num_classes)
     return counts
+
+
+def write_class_counts(counts: np.ndarray, path: str | Path) -> None:
+    """Write ``counts[machine, class]`` (:func:`class_counts`) to ``path`` as CSV.
+
+    A header ``machine,class,count``, then one row per machine and class, zeros included, machine
+    by machine. The file is whole or absent (``lit_slowcal.files.atomic_write``).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "class_counts.csv"
+    >>> write_class_counts(np.array([[1, 0], [2, 3]]), path)
+    >>> print(path.read_text(), end="")
+    machine,class,count
+    0,0,1
+    0,1,0
+    1,0,2
+    1,1,3
+    """
+    c = np.asarray(counts)
+    if c.ndim != 2:
+        raise ValueError(f"counts must be a 2-D (machines, classes) array, got shape {c.shape}")
+    machines, classes = c.shape
+    with atomic_write(path) as f:
+        f.write("machine,class,count\n")
+        f.writelines(f"{k},{j},{int(c[k, j])}\n" for k in range(machines) for j in range(classes))
 
 
 def plot_class_distribution(

@@ -12,7 +12,7 @@ one new subclass of ``Problem`` here; the CLI finds it by its class name:
 ``python -m lit_slowcal fit --config configs/slowcal.yaml --data.problem=Synthetic --data.problem.alpha=0.5``.
 
 ``MNIST``
-    The paper's experiment: MNIST split by ``data.dirichlet_alpha`` / ``data.balanced`` (those two
+    The paper's experiment: MNIST split by ``data.dirichlet_alpha`` / ``data.split`` (those two
     settings apply to MNIST only), multinomial logistic regression. Without weight decay its
     objective has no attained minimiser (see ``attained_without_weight_decay``).
 ``Synthetic(alpha, beta)``

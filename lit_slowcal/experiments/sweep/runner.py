@@ -11,7 +11,9 @@
    as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
-   command skips the trials it holds. Failed and diverged trials are retried only with ``--retry-failed``.
+   command skips the trials it holds, and so does a sweep writing the same file at the same time
+   (each trial is checked against the file just before it runs). Failed and diverged trials are
+   retried only with ``--retry-failed``.
 5. The sweep ends with a markdown table (``table``).
 
 The training CLI is imported only when a sweep checks or runs trials; it never imports this package.
@@ -291,6 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
         try:
             for i, params in enumerate(todo, 1):
+                results.refresh()  # another sweep writing the same file may have run it meanwhile
+                if not pending(params):
+                    print(f"\n[{i}/{len(todo)}] {param_text(params)}: already in {results_path}", flush=True)
+                    continue
                 args = trial_args(sweep, params, extra)
                 print(f"\n[{i}/{len(todo)}] {param_text(params)}", flush=True)
                 outcome = run_trial(args)
