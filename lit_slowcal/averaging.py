@@ -30,6 +30,10 @@ here. Every attribute is optional; ``torch.optim.SGD`` declares nothing and gets
 What is averaged is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and
 delta_c, 2d floats a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d).
 
+Observers that are not the optimizer (diagnostics: how far the machines drifted apart in the round)
+register with ``register_sync_pre_hook``: ``hook(averager)`` runs at the start of every
+synchronisation, after the K-th step and before ``pre_sync()`` and the average.
+
 The averager's own ``average_state`` argument adds keys for optimizers that do not declare them
 (``average_state=["momentum_buffer"]`` averages SGD's momentum too).
 
@@ -42,13 +46,15 @@ bucket is reduced in place. With one process nothing is communicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.simulated import SimulatedMachines
@@ -116,6 +122,7 @@ class PeriodicAverager:
         self.num_syncs = 0
         self.floats_communicated = 0  # per machine, over all synchronisations
         self._hooks: list[Any] = []
+        self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
         if start_step:
             self.resume(start_step)
 
@@ -212,8 +219,21 @@ class PeriodicAverager:
 
     # -- the synchronisation -----------------------------------------------------------------
 
+    def register_sync_pre_hook(self, hook: Callable[["PeriodicAverager"], None]) -> RemovableHandle:
+        """Call ``hook(self)`` at the start of every ``sync()``, before ``optimizer.pre_sync()`` and the average.
+
+        The machines then hold their parameters after the round's last local step. Returns a handle
+        whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._sync_pre_hooks)
+        self._sync_pre_hooks[handle.id] = hook
+        return handle
+
     def sync(self) -> None:
-        """Synchronise now: ``optimizer.pre_sync()``, the average over all machines, ``optimizer.post_sync()``."""
+        """Synchronise now: the sync pre-hooks, ``optimizer.pre_sync()``, the average over all machines,
+        ``optimizer.post_sync()``."""
+        for hook in tuple(self._sync_pre_hooks.values()):
+            hook(self)
         pre = getattr(self.optimizer, "pre_sync", None)
         if callable(pre):
             pre()

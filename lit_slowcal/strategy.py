@@ -10,6 +10,7 @@ steps. The strategy only wires the averager in: all averaging logic lives in
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -24,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
@@ -91,6 +93,7 @@ class PeriodicAveragingStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
         self._direct = False  # see _direct_steps
+        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
 
     @property
     def sync_every(self) -> int:
@@ -103,10 +106,23 @@ class PeriodicAveragingStrategy(DDPStrategy):
             averager.sync_every = value
 
     def _averager(self, optimizer: Optimizer) -> PeriodicAverager:
-        return PeriodicAverager(
+        averager = PeriodicAverager(
             self.lightning_module, optimizer, self.sync_every, average_state=self.average_state,
             bucket_cap_mb=self.bucket_cap_mb,
         )  # fmt: skip
+        averager.register_sync_pre_hook(self._run_sync_pre_hooks)
+        return averager
+
+    def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
+        """``hook(averager)`` at the start of every synchronisation of every optimizer's averager,
+        those created later included (see ``PeriodicAverager.register_sync_pre_hook``)."""
+        handle = RemovableHandle(self._sync_pre_hooks)
+        self._sync_pre_hooks[handle.id] = hook
+        return handle
+
+    def _run_sync_pre_hooks(self, averager: PeriodicAverager) -> None:
+        for hook in tuple(self._sync_pre_hooks.values()):
+            hook(averager)
 
     @property
     def machines_per_rank(self) -> int:

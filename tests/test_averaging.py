@@ -297,3 +297,26 @@ def test_no_core_module_imports_the_app_and_there_are_no_cycles():
 
     for m in graph:
         visit(m, [])
+
+
+def test_sync_pre_hooks_see_the_machines_after_the_last_step_before_anything_is_averaged():
+    log = []
+    machines = _machines()
+    optimizer = ProtocolSGD(machines.parameters(), log)
+    averager = PeriodicAverager(machines, optimizer, sync_every=2).attach()
+    seen = []
+    handle = averager.register_sync_pre_hook(lambda a: seen.append((a, machines.weight.detach().clone(), len(log))))
+    reference = _machines()  # the same run without the hook: the result must be bitwise the same
+    ref_optimizer = ProtocolSGD(reference.parameters(), [])
+    ref_averager = PeriodicAverager(reference, ref_optimizer, sync_every=2).attach()
+    for seed in range(4):
+        _step(machines, optimizer, seed)
+        _step(reference, ref_optimizer, seed)
+        if seed == 1:
+            assert len(seen) == 1 and seen[0][0] is averager and seen[0][2] == 0  # before optimizer.pre_sync
+            assert torch.equal(seen[0][1], log[0][1])  # what pre_sync saw: nothing averaged yet
+            assert not torch.equal(seen[0][1][0], seen[0][1][1])
+            handle.remove()
+    assert len(seen) == 1 and averager.num_syncs == ref_averager.num_syncs == 2
+    for p, q in zip(machines.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

@@ -115,3 +115,41 @@ def test_any_number_of_methods_registry_order_first_then_others(tmp_path):
     path = tmp_path / "seven.png"
     report.plot_metric(acc, "accuracy", "seven methods", path)
     assert png_size(path) == (504, 432)
+
+
+def test_report_adds_excess_loss_figures_and_g_star_per_split(tmp_path, capsys):
+    records = []
+    for method, excess in (("slowcal", (0.01, 0.03)), ("local_sgd", (0.04, 0.06))):
+        for seed, final in zip((1, 2), excess):
+            run = tmp_path / f"{method}{seed}"
+            run.mkdir()
+            # Validation rows hold round and excess_loss; training rows leave excess_loss empty.
+            (run / "metrics.csv").write_text(
+                "epoch,excess_loss,round,step,train_loss\n"
+                f"0,,5.0,4,0.5\n0,{10 * final},5.0,4,\n0,{final},10.0,9,\n"
+            )
+            r = record(method, 64, 64, seed, 0.9, 0.3)
+            r["metrics"].update(excess_loss=final, G_star=2.0 + seed)  # G_* of seed 1's split: 3, seed 2's: 4
+            r["run_dir"] = str(run)
+            records.append(r)
+    results = tmp_path / "wd.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(results), "--out", str(tmp_path / "docs")]) == 0
+    docs = tmp_path / "docs"
+    assert png_size(docs / "wd_excess_loss.png") == (504, 432)  # one panel (M = 64)
+    assert png_size(docs / "wd_excess_rounds.png") == (624, 432)
+    table = (docs / "wd_results.md").read_text()
+    assert "![excess loss](wd_excess_loss.png)" in table and "![excess rounds](wd_excess_rounds.png)" in table
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows[0].startswith("| M | K | G_* | SLowcal-SGD acc |") and rows[0].endswith(
+        "| SLowcal-SGD excess loss | Local-SGD excess loss |"
+    )
+    # G_*: (3 + 4) / 2 = 3.5, std 0.7071; excess: slowcal 0.02 ± 0.01414, local_sgd 0.05 ± 0.01414
+    assert rows[2].startswith("| 64 | 64 | 3.5000 ± 0.7071 |")
+    assert rows[2].endswith("| 2.000e-02 ± 1.414e-02 | 5.000e-02 ± 1.414e-02 |")
+    # Against rounds: the mean over seeds at each round.
+    curves = report.excess_curves(records, 64, 64)
+    assert curves["slowcal"] == [(5.0, pytest.approx(0.2)), (10.0, pytest.approx(0.02))]
+    assert curves["local_sgd"] == [(5.0, pytest.approx(0.5)), (10.0, pytest.approx(0.05))]
+    assert report.main([str(results), "--out", str(tmp_path), "--curve", "64"]) == 2
+    assert "Invalid --curve: '64' (must be M,K, two integers, e.g. 64,64)" in capsys.readouterr().err

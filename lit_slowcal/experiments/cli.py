@@ -14,7 +14,13 @@ per-step batch     b                       K * b
 steps per round    K                       1
 =================  ======================  ====================================
 
-and R = ceil(60,000 / (M * K * b)) rounds make one epoch for every method.
+and R = ceil(N / (M * K * b)) rounds make one epoch for every method (N = 60,000 for MNIST).
+
+``data.problem`` picks the problem (``MNIST`` by default, ``Synthetic``, ``Quadratic``; see
+``lit_slowcal.experiments.problems``); the model's shape and loss follow from it. Every fit measures
+the training objective, the excess loss against a cached float64 optimum and G_*, and, with
+``--diagnostics`` (the default), the machines' dispersion before each synchronisation and the
+per-step movement of query point and iterate (``lit_slowcal.experiments.diagnostics``).
 
 Torch's threads are set before anything is built (``--threads``, ``auto`` by default: one thread
 for steps as small as these; see ``lit_slowcal.experiments.threads``), and the choice is printed
@@ -42,10 +48,11 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_slowcal._lightning import KeepCommandLineModelArgs
-from lit_slowcal._validation import check_int, is_int
+from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.checkpoint import read_checkpoint
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
+from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
@@ -156,6 +163,37 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
         parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
         parser.add_argument(
+            "--diagnostics",
+            type=bool,
+            default=True,
+            help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
+        )
+        parser.add_argument(
+            "--step_every",
+            type=int,
+            default=10,
+            help="with --diagnostics: measure the per-step movement of x and w in every N-th round (0: never)",
+        )
+        parser.add_argument(
+            "--objective",
+            type=bool,
+            default=True,
+            help="log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)",
+        )
+        parser.add_argument(
+            "--optimum_tol",
+            type=float,
+            default=1e-6,
+            help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
+            "(MNIST, lambda = 1e-4: 5e-9)",
+        )
+        parser.add_argument(
+            "--cache_dir",
+            type=Optional[str],
+            default=None,
+            help="folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)",
+        )
+        parser.add_argument(
             "--threads",
             type=THREADS_TYPE,
             default="auto",
@@ -174,6 +212,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         )
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
         parser.link_arguments("seed_everything", "model.seed", compute_fn=_seed)
+        # The model's shape and loss are the problem's.
+        parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
+        parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
+        parser.link_arguments("data", "model.loss", compute_fn=lambda d: d.problem.loss, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         self._configure_threads()
@@ -255,6 +297,15 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         rounds = check_int("checkpoint_every", self.setting("checkpoint_every"), minimum=0)
         steps = rounds * steps_per_round(self.setting("method"), self.setting("local_steps"))
         return LastCheckpoint(every_n_train_steps=steps or None)
+
+    def _diagnostics(self) -> Diagnostics:
+        return Diagnostics(
+            objective=self.setting("objective", True),
+            per_round=self.setting("diagnostics", True),
+            step_every=check_int("step_every", self.setting("step_every", 10), minimum=0),
+            cache_dir=self.setting("cache_dir"),
+            tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-6)),
+        )
 
     def run_name(self) -> str:
         """``<method>_M<M>_K<K>_b<b>_seed<seed>``: the run's folder under ``run_dir``."""
@@ -351,6 +402,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         extra = [RunIdentity(self.identity)]
         if trainer_config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
             extra.append(self._checkpoint_callback())
+        if not any(isinstance(c, Diagnostics) for c in callbacks):
+            extra.append(self._diagnostics())
         kwargs["callbacks"] = [*callbacks, *extra]
         trainer = super().instantiate_trainer(**kwargs)
         strategy = trainer.strategy
@@ -371,6 +424,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()
+        # Problems other than MNIST have their own N, hence their own number of rounds per epoch.
+        data = self.datamodule
+        if isinstance(self.trainer.val_check_interval, int) and isinstance(data, MNISTDataModule):
+            self.trainer.val_check_interval = min(self.trainer.val_check_interval, data.num_rounds)
 
     def after_fit(self) -> None:
         if self.trainer.global_step == self._resumed_step:
@@ -391,6 +448,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             f"  method {self.setting('method')}   M={data.num_machines}  K={self.setting('local_steps')}"
             f"  b={self.setting('batch_size')}   rounds {self.trainer.strategy.num_syncs}/{data.num_rounds}",
             f"  final test accuracy {get('test_acc'):.4f}   test loss {get('test_loss'):.4f}",
+            *_diagnostics_lines(self.trainer, get),
             f"  wall time {time.perf_counter() - self._start:.1f} s",
         ]
         if csv is not None:
@@ -401,6 +459,20 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if data.partition_png is not None:
             lines.append(f"  class distribution: {data.partition_png}")
         print("\n".join(lines), flush=True)
+
+
+def _diagnostics_lines(trainer: Trainer, get: Any) -> list[str]:
+    """The summary's lines on the objective: f(x), the excess loss, f*, G_* (or why there is none)."""
+    found = next((c for c in trainer.callbacks if isinstance(c, Diagnostics)), None)
+    if found is None or found.objective is None:
+        return []
+    line = f"  train objective {get('train_objective'):.6f}"
+    if found.optimum is not None:
+        line += f"   excess loss {get('excess_loss'):.4e}   f* {found.optimum.value:.6f}   G_* {found.g_star:.4f}"
+    lines = [line]
+    if found.note:
+        lines.append(f"  ({found.note})")
+    return lines
 
 
 def _processes_per_node(devices: Any, accelerator: Any) -> int:

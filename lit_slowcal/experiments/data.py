@@ -30,6 +30,7 @@ from lit_slowcal.experiments.partition import (
     plot_class_distribution,
     write_class_counts,
 )
+from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
 from lit_slowcal.files import atomic_path, locked
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
@@ -259,7 +260,11 @@ class _Slices:
 
 
 class MNISTDataModule(pl.LightningDataModule):
-    """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``).
+    """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``), or another problem.
+
+    ``problem`` picks what is trained on (``lit_slowcal.experiments.problems``): ``None`` or
+    ``MNIST()`` for the paper's experiment, ``Synthetic(alpha, beta)`` or ``Quadratic(...)``; the
+    split settings below apply to MNIST only, the other problems generate their machines' data.
 
     One epoch is R = ceil(N / (M * steps_per_round * batch_size)) rounds of ``steps_per_round``
     steps, so that all machines together see about N = 60,000 samples per epoch. Each training batch
@@ -280,6 +285,7 @@ class MNISTDataModule(pl.LightningDataModule):
             ``dirichlet`` (plain, Hsu et al. 2019: shard sizes vary widely).
         seed: seeds the partition and every machine's stream.
         eval_batch_size: batch size of the test set.
+        problem: the problem (``None``: MNIST).
     """
 
     def __init__(
@@ -292,6 +298,7 @@ class MNISTDataModule(pl.LightningDataModule):
         split: str = "dirichlet",
         seed: int = 1,
         eval_batch_size: int = 10_000,
+        problem: Optional[Problem] = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -317,11 +324,31 @@ class MNISTDataModule(pl.LightningDataModule):
         self.split = split
         self.seed = seed
         self.eval_batch_size = eval_batch_size
+        if problem is not None and not isinstance(problem, Problem):
+            raise ValueError(f"Invalid data.problem: {problem!r} (a Problem: MNIST, Synthetic or Quadratic)")
+        self.problem = MNIST() if problem is None else problem
+        self.problem_data: Optional[ProblemData] = None
         self.shards: list[Tensor] = []
         self.partition_png: Optional[Path] = None
         self._train: Optional[MachineStreams] = None
 
-    num_train_samples = MNIST_TRAIN_SIZE
+    @property
+    def num_train_samples(self) -> int:
+        """N, the samples one epoch's rounds cover: 60,000 for MNIST, else the shards' total."""
+        if isinstance(self.problem, MNIST):
+            return MNIST_TRAIN_SIZE
+        return sum(len(s) for s in self._build().shards)
+
+    def _build(self) -> ProblemData:
+        if self.problem_data is None:
+            self.problem_data = self.problem.build(self.num_machines, self.seed, self)
+        return self.problem_data
+
+    def mnist_data(self, num_machines: int, seed: int) -> ProblemData:
+        """MNIST from ``root``, split by ``dirichlet_alpha`` and ``split`` (the ``MNIST`` problem's data)."""
+        x, y, test_x, test_y = load_mnist(self.root)
+        shards = partition_shards(y, num_machines, self.dirichlet_alpha, self.split, seed)
+        return ProblemData(x, y, tuple(shards), test_x, test_y)
 
     @property
     def num_rounds(self) -> int:
@@ -349,29 +376,33 @@ class MNISTDataModule(pl.LightningDataModule):
         world, rank = self._layout()
         m = self.num_machines // world
         processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
-        check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=28 * 28)
-        x, y, self.test_x, self.test_y = load_mnist(self.root)
-        self.shards = partition_shards(y, self.num_machines, self.dirichlet_alpha, self.split, self.seed)
+        check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=self.problem.input_dim)
+        data = self._build()
+        x, y, self.test_x, self.test_y = data.train_x, data.train_y, data.test_x, data.test_y
+        self.shards = list(data.shards)
         check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
         )
         self._train_labels = y
-        if stage == "fit" and self.trainer is not None:
+        if stage == "fit" and self.trainer is not None and self.problem.loss == "cross_entropy":
             folder = self.trainer.log_dir or self.trainer.default_root_dir  # a collective: every rank asks
             if self.trainer.is_global_zero:
                 self._log_partition(Path(folder))
 
     def split_name(self) -> str:
-        """``Dirichlet alpha=0.1, official``: the split, as the figure's title and the errors give it."""
+        """``Dirichlet alpha=0.1, official``: the split, as the figure's title and the errors give it
+        (another problem than MNIST: the problem, e.g. ``Synthetic(alpha=1, ...)``)."""
+        if not isinstance(self.problem, MNIST):
+            return self.problem.describe()
         if self.dirichlet_alpha is None:
             return "IID"
         return f"Dirichlet alpha={self.dirichlet_alpha:g}" + ("" if self.split == "dirichlet" else f", {self.split}")
 
     def class_counts(self):
-        """Class counts per machine, shape ``(M, 10)``."""
-        return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], 10)
+        """Class counts per machine, shape ``(M, classes)``."""
+        return class_counts(self._train_labels.numpy(), [s.numpy() for s in self.shards], self.problem.num_outputs)
 
     def _log_partition(self, folder: Path) -> None:
         trainer = self.trainer

@@ -54,7 +54,9 @@ class LogisticRegression(pl.LightningModule):
             ``official_init``), until the first synchronisation averages them.
         seed: seeds the ``official`` initialisation (the CLI links ``seed_everything`` to it);
             ``None`` takes ``torch.initial_seed()``, the seed ``seed_everything`` set.
-        input_dim, num_classes: the linear model's shape.
+        input_dim, num_classes: the linear model's shape (set from ``data.problem`` by the CLI).
+        loss: ``cross_entropy`` (classes; logs ``test_acc`` too) or ``squared``, (z - y)^2 / 2 on one
+            output (regression, e.g. the ``Quadratic`` problem).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class LogisticRegression(pl.LightningModule):
         seed: Optional[int] = None,
         input_dim: int = 784,
         num_classes: int = 10,
+        loss: Literal["cross_entropy", "squared"] = "cross_entropy",
     ) -> None:
         super().__init__()
         entry = get_method(method)
@@ -78,6 +81,8 @@ class LogisticRegression(pl.LightningModule):
             raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default, official)")
         if seed is not None:
             check_int("model.seed", seed, minimum=0)
+        if loss not in ("cross_entropy", "squared"):
+            raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared)")
         if lr is None:
             lr = entry.paper_lr
         check_number("model.lr", lr)
@@ -90,7 +95,7 @@ class LogisticRegression(pl.LightningModule):
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
         self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
         self._loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
 
     def configure_model(self) -> None:
@@ -193,8 +198,10 @@ class LogisticRegression(pl.LightningModule):
         self._loss_since_log = checkpoint.get("train_loss_since_log", torch.zeros(2, dtype=torch.float64))
 
     def _machine_losses(self, x: Tensor, y: Tensor) -> Tensor:
-        """Each machine's mean cross-entropy over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""
+        """Each machine's mean loss over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""
         logits = self.machines(x)
+        if self.hparams.loss == "squared":
+            return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
     def _last_round(self, batch_idx: int) -> bool:
@@ -233,11 +240,14 @@ class LogisticRegression(pl.LightningModule):
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
         logits = self.machines.forward_averaged(x)
-        # Logged per epoch (Lightning computes and resets it at the end of the evaluation): update
-        # only; calling the metric would also compute this batch's accuracy, which nobody reads.
-        self.test_acc.update(logits, y)
-        self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
-        self.log("test_acc", self.test_acc, prog_bar=True)
+        if self.hparams.loss == "squared":
+            self.log("test_loss", 0.5 * (logits.squeeze(-1) - y).square().mean(), prog_bar=True)
+        else:
+            # Logged per epoch (Lightning computes and resets it at the end of the evaluation): update
+            # only; calling the metric would also compute this batch's accuracy, which nobody reads.
+            self.test_acc.update(logits, y)
+            self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
+            self.log("test_acc", self.test_acc, prog_bar=True)
         if self.trainer.state.fn == "fit":
             self.log("round", float(getattr(self.trainer.strategy, "num_syncs", 0)))
 

@@ -5,6 +5,13 @@ final test accuracy (and test loss) against K, one panel per M, one line per met
 seeds with a min-max band, K on a log2 axis. Writes ``<name>_accuracy.png``, ``<name>_loss.png``
 and ``<name>_results.md`` (rows M, K; per method mean ± std over seeds), ``<name>`` being the
 results file's stem. Only finished trials count; diverged and failed ones are listed under the table.
+
+When the trials logged an excess loss f(x) - f* (``lit_slowcal.experiments.diagnostics``; runs with
+weight decay), the report adds ``<name>_excess_loss.png`` (final excess loss against K, log scale,
+one panel per M) and ``<name>_excess_rounds.png`` (excess loss against rounds, log scale, for one
+(M, K), every method: ``--curve M,K``, by default the largest M and K; read from each trial's
+``metrics.csv``), and the table gains the excess loss per method and G_* of each M's split (mean
+over seeds; G_* depends on the split, hence on M and the seed, not on K or the method).
 Each output is written atomically (``lit_slowcal.files``): a report stopped midway leaves the previous
 files whole.
 """
@@ -101,10 +108,13 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
     return cells
 
 
-def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str, path: str | Path) -> None:
+def plot_metric(
+    cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str, path: str | Path, log_y: bool = False
+) -> None:
     """Metric against K (log2 axis), one panel per M, mean line and min-max band per method.
 
     The figure's format is the suffix of ``path`` (PNG without one); the file is replaced atomically.
+    ``log_y``: a logarithmic metric axis (excess losses).
     """
     from matplotlib.figure import Figure
 
@@ -127,6 +137,8 @@ def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str
                 alpha=0.2, lw=0,
             )  # fmt: skip
         ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
         ax.set_title(f"M = {m}")
@@ -136,34 +148,103 @@ def plot_metric(cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str
     axes[0].legend(fontsize="small")
     n = max((c.n for c in cells.values()), default=0)
     fig.suptitle(f"{title} (mean over {n} seeds, band: min to max)")
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str | Path) -> None:
     # The temporary file's suffix is not the target's: the format is given, not inferred.
     fmt = Path(path).suffix[1:].lower() or "png"
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format=fmt)
 
 
+def split_cells(records: list[dict[str, Any]], metric: str) -> dict[int, Cell]:
+    """``{M: Cell}`` of a per-split metric (``G_star``): one value per (M, seed), whatever K or the method."""
+    by_split: dict[tuple[int, Any], float] = {}
+    for r in records:
+        p, v = r.get("params", {}), r.get("metrics", {}).get(metric)
+        if r.get("status") == "finished" and v is not None and math.isfinite(v) and "num_machines" in p:
+            by_split.setdefault((int(p["num_machines"]), p.get(_SEED)), float(v))
+    cells: dict[int, list[float]] = {}
+    for (m, _), v in sorted(by_split.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        cells.setdefault(m, []).append(v)
+    return {m: Cell(tuple(vs)) for m, vs in cells.items()}
+
+
+def excess_curves(records: list[dict[str, Any]], m: int, k: int) -> dict[str, list[tuple[float, float]]]:
+    """``{method: [(round, mean excess loss over seeds), ...]}`` at (M, K), from each finished trial's ``metrics.csv``."""
+    import csv
+
+    per_method: dict[str, dict[float, list[float]]] = {}
+    for r in records:
+        p = r.get("params", {})
+        if r.get("status") != "finished" or (p.get("num_machines"), p.get("local_steps")) != (m, k) or not r.get("run_dir"):
+            continue
+        path = Path(r["run_dir"]) / "metrics.csv"
+        if not path.exists():
+            continue
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("excess_loss") and row.get("round"):
+                    per_method.setdefault(str(p["method"]), {}).setdefault(float(row["round"]), []).append(
+                        float(row["excess_loss"])
+                    )
+    return {
+        method: [(rnd, statistics.fmean(vs)) for rnd, vs in sorted(points.items())]
+        for method, points in per_method.items()
+    }
+
+
+def plot_excess_rounds(curves: dict[str, list[tuple[float, float]]], m: int, k: int, path: str | Path) -> None:
+    """Excess loss against rounds (log scale), one line per method."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.2, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for method in _methods(list(curves)):
+        points = curves[method]
+        color = METHODS[method].color if method in METHODS else None
+        ax.plot([r for r, _ in points], [v for _, v in points], marker=".", color=color, label=_label(method))
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("excess loss f(x) - f*")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"Excess loss against rounds, M = {m}, K = {k} (mean over seeds)")
+    _save(fig, path)
+
+
 def markdown_table(
-    acc: dict[tuple[int, int, str], Cell], loss: dict[tuple[int, int, str], Cell], skipped: Sequence[str] = ()
+    acc: dict[tuple[int, int, str], Cell],
+    loss: dict[tuple[int, int, str], Cell],
+    skipped: Sequence[str] = (),
+    excess: Optional[dict[tuple[int, int, str], Cell]] = None,
+    g_star: Optional[dict[int, Cell]] = None,
 ) -> str:
-    """Rows (M, K); per method the test accuracy and test loss as mean ± std over seeds (best accuracy in bold)."""
+    """Rows (M, K); per method the test accuracy and test loss as mean ± std over seeds (best accuracy in bold),
+    and, when given, the excess loss per method and G_* of the row's split (per M)."""
     keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
     methods = _methods([method for _, _, method in [*acc, *loss]])
     labels = [_label(m) for m in methods]
-    header = ["M", "K", *(f"{lab} acc" for lab in labels), *(f"{lab} loss" for lab in labels)]
+    header = ["M", "K", *(["G_*"] if g_star else []), *(f"{lab} acc" for lab in labels), *(f"{lab} loss" for lab in labels)]
+    if excess:
+        header += [f"{lab} excess loss" for lab in labels]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
-    def cell(c: Optional[Cell], bold: bool = False) -> str:
+    def cell(c: Optional[Cell], bold: bool = False, fmt: str = ".4f") -> str:
         if c is None:
             return "n/a"
-        text = f"{c.mean:.4f} ± {c.std:.4f}"
+        text = f"{c.mean:{fmt}} ± {c.std:{fmt}}"
         return f"**{text}**" if bold else text
 
     for m, k in keys:
         accs = {method: acc.get((m, k, method)) for method in methods}
         best = max((c.mean for c in accs.values() if c is not None), default=None)
-        row = [str(m), str(k)]
+        row = [str(m), str(k)] + ([cell(g_star.get(m))] if g_star else [])
         row += [cell(c, bold=c is not None and len(methods) > 1 and c.mean == best) for c in accs.values()]
         row += [cell(loss.get((m, k, method))) for method in methods]
+        if excess:
+            row += [cell(excess.get((m, k, method)), fmt=".3e") for method in methods]
         lines.append("| " + " | ".join(row) + " |")
     seeds = sorted({c.n for c in acc.values()})
     notes = [
@@ -171,9 +252,25 @@ def markdown_table(
         f"Final test accuracy and test loss after one epoch: mean ± sample std over {'/'.join(map(str, seeds))} seeds "
         "(bold: the best mean accuracy of the row).",
     ]
+    if excess or g_star:
+        notes.append(
+            "Excess loss: f(x) - f* of the final x on the training objective (every machine's shard, weight decay "
+            "included); G_*: sqrt(2 (1/M) sum_i ||grad f_i(x*)||^2) of the split, per M (mean ± std over seeds)."
+        )
     if skipped:
         notes.append(f"Not counted ({len(skipped)}): " + "; ".join(skipped) + ".")
     return "\n".join(lines + notes) + "\n"
+
+
+def _curve_choice(text: Optional[str], excess: dict[tuple[int, int, str], Cell]) -> Optional[tuple[int, int]]:
+    """(M, K) of the rounds figure: ``--curve M,K``, else the largest M, then K, with an excess loss."""
+    if text is None:
+        return max(((m, k) for m, k, _ in excess), default=None)
+    try:
+        m, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"Invalid --curve: {text!r} (must be M,K, two integers, e.g. 64,64)") from None
+    return m, k
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -186,12 +283,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("results", type=Path, help="JSON-lines file written by `lit_slowcal sweep`")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="output folder (default: docs)")
     parser.add_argument("--name", help="file name prefix (default: the results file's stem)")
+    parser.add_argument(
+        "--curve", help="M,K of the excess-loss-against-rounds figure (default: the largest M and K with an excess loss)"
+    )
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem
     try:
         records = load_results(opts.results)
         acc = aggregate(records, "test_acc")
         loss = aggregate(records, "test_loss")
+        excess = aggregate(records, "excess_loss")
+        g_star = split_cells(records, "G_star")
+        curve = _curve_choice(opts.curve, excess)
     except (OSError, ValueError) as err:
         print(f"lit_slowcal report: error: {err}", file=sys.stderr)
         return 2
@@ -208,15 +311,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paths = [opts.out / f"{name}_accuracy.png", opts.out / f"{name}_loss.png", opts.out / f"{name}_results.md"]
     plot_metric(acc, "final test accuracy", "MNIST test accuracy against K", paths[0])
     plot_metric(loss, "final test loss", "MNIST test loss against K", paths[1])
-    table = markdown_table(acc, loss, skipped)
+    table = markdown_table(acc, loss, skipped, excess=excess, g_star=g_star)
     head = f"# Results of {opts.results.name}\n\n![test accuracy]({paths[0].name})\n\n![test loss]({paths[1].name})\n\n"
+    if excess:
+        figures = [opts.out / f"{name}_excess_loss.png"]
+        plot_metric(excess, "final excess loss f(x) - f*", "Excess loss against K", figures[0], log_y=True)
+        curves = excess_curves(records, *curve) if curve else {}
+        if curves:
+            figures.append(opts.out / f"{name}_excess_rounds.png")
+            plot_excess_rounds(curves, *curve, figures[1])
+        head += "".join(f"![{f.stem.removeprefix(name + '_').replace('_', ' ')}]({f.name})\n\n" for f in figures)
+        paths[2:2] = figures
     wall = sum(float(r.get("wall_time_s") or 0.0) for r in records)
     finished = sum(r.get("status") == "finished" for r in records)
     tail = (
         f"\n{len(records)} trials ({finished} finished), {wall / 60:.1f} min of training in all. "
         f"Made by `python -m lit_slowcal report {opts.results.as_posix()} --out {opts.out.as_posix()}`.\n"
     )
-    with atomic_write(paths[2], encoding="utf-8") as f:
+    with atomic_write(paths[-1], encoding="utf-8") as f:
         f.write(head + table + tail)
     print(table)
     print("wrote " + ", ".join(map(str, paths)))

@@ -1,0 +1,160 @@
+"""The training objective f, its float64 optimum (and cache), and G_*: against closed forms and an independent Newton solver."""
+
+import numpy as np
+import pytest
+import torch
+
+from lit_slowcal.experiments import objective as objective_module
+from lit_slowcal.experiments.objective import Objective, heterogeneity, optimum, solve
+from lit_slowcal.experiments.problems import Quadratic, Synthetic
+
+
+def _weights(data):
+    """Per-sample weight 1 / (M n_i), in numpy."""
+    w = np.zeros(len(data.train_y))
+    for s in data.shards:
+        w[s.numpy()] = 1.0 / (len(data.shards) * len(s))
+    return w
+
+
+def quadratic_closed_form(data, lam):
+    """theta* = H^-1 g, f*, H and G_* of f(theta) = sum_j w_j (a_j . theta - y_j)^2 / 2 + lam/2 ||theta||^2, theta = (W, b)."""
+    x, y = data.train_x.double().numpy(), data.train_y.double().numpy()
+    a = np.hstack([x, np.ones((len(y), 1))])
+    w = _weights(data)
+    h = a.T @ (w[:, None] * a) + lam * np.eye(a.shape[1])
+    g = a.T @ (w * y)
+    theta = np.linalg.solve(h, g)
+    f_star = 0.5 * np.sum(w * y * y) - 0.5 * g @ theta
+    grads = [a[s].T @ (a[s] @ theta - y[s]) / len(s) + lam * theta for s in (sh.numpy() for sh in data.shards)]
+    g_star = np.sqrt(2 * np.mean([gi @ gi for gi in grads]))
+    return theta, f_star, h, g_star
+
+
+@pytest.mark.parametrize("lam", [0.0, 1e-3])
+def test_quadratic_optimum_excess_loss_and_g_star_equal_their_closed_forms(lam):
+    data = Quadratic(dim=6, heterogeneity=1.5, samples=40).build(5, seed=3)
+    obj = Objective(data, "squared", lam)
+    assert obj.exact  # a small problem is evaluated in float64 throughout
+    theta, f_star, h, g_star = quadratic_closed_form(data, lam)
+    found = solve(obj, (1, 6), tol=1e-10)
+    assert found.converged and found.grad_norm <= 1e-10
+    assert abs(found.value - f_star) <= 1e-9 * max(1.0, abs(f_star))
+    np.testing.assert_allclose(np.r_[found.weight[0].numpy(), found.bias.numpy()], theta, atol=1e-9, rtol=0)
+    assert abs(heterogeneity(obj, found.params) - g_star) <= 1e-9
+    assert g_star > 1.0  # heterogeneous indeed: the machines' gradients at x* do not vanish
+    # The excess loss at any x is (theta - theta*)^T H (theta - theta*) / 2.
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        point = theta + rng.normal(0, 0.3, theta.shape)
+        params = {"weight": torch.from_numpy(point[:-1]).reshape(1, -1), "bias": torch.from_numpy(point[-1:])}
+        d = point - theta
+        assert abs((obj(params) - found.value) - 0.5 * d @ h @ d) <= 1e-9
+
+
+def newton_logistic(x, y, w, classes, lam, iters=30):
+    """f* of weighted softmax regression + lam/2 ||(W, b)||^2 by Newton's method with the exact Hessian (numpy)."""
+    a = np.hstack([x, np.ones((len(y), 1))])
+    d = a.shape[1]
+    theta = np.zeros((classes, d))
+    onehot = np.eye(classes)[y]
+
+    def value(t):
+        z = a @ t.T
+        zmax = z.max(1, keepdims=True)
+        lse = zmax[:, 0] + np.log(np.exp(z - zmax).sum(1))
+        return np.sum(w * (lse - z[np.arange(len(y)), y])) + 0.5 * lam * np.sum(t * t)
+
+    for _ in range(iters):
+        z = a @ theta.T
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        grad = ((w[:, None] * (p - onehot)).T @ a + lam * theta).reshape(-1)
+        hess = np.zeros((classes * d, classes * d))
+        for c in range(classes):
+            for k in range(classes):
+                coef = w * p[:, c] * ((c == k) - p[:, k])
+                hess[c * d : (c + 1) * d, k * d : (k + 1) * d] = a.T @ (coef[:, None] * a)
+        hess += lam * np.eye(classes * d)
+        theta = theta - np.linalg.solve(hess, grad).reshape(classes, d)
+    return theta, value(theta), np.linalg.norm(grad)
+
+
+def test_solver_on_a_small_logistic_problem_matches_newtons_method():
+    data = Synthetic(alpha=0.5, beta=0.5, dim=5, num_classes=3).build(4, seed=2)
+    lam = 1e-2
+    obj = Objective(data, "cross_entropy", lam)
+    found = solve(obj, (3, 5), tol=1e-9)
+    theta, f_newton, _ = newton_logistic(
+        data.train_x.double().numpy(), data.train_y.numpy(), _weights(data), 3, lam
+    )
+    assert found.converged and found.grad_norm <= 1e-9
+    assert abs(found.value - f_newton) <= 1e-12
+    # f is lam-strongly convex: ||x - x*|| <= ||grad f(x)|| / lam.
+    distance = np.linalg.norm(np.hstack([found.weight.numpy(), found.bias.numpy()[:, None]]) - theta)
+    assert distance <= found.grad_norm / lam
+    # And the objective agrees with the independent one at another point.
+    params = {"weight": torch.ones(3, 5, dtype=torch.float64) * 0.1, "bias": torch.tensor([0.3, -0.2, 0.0], dtype=torch.float64)}
+    a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
+    t = np.hstack([params["weight"].numpy(), params["bias"].numpy()[:, None]])
+    z = a @ t.T
+    lse = np.log(np.exp(z).sum(1))
+    expected = np.sum(_weights(data) * (lse - z[np.arange(len(z)), data.train_y.numpy()])) + 0.5 * lam * np.sum(t * t)
+    assert abs(obj(params) - expected) <= 1e-12
+
+
+def test_a_float32_objective_of_a_large_problem_is_close_to_float64(monkeypatch):
+    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+    data = Synthetic(dim=8, num_classes=4).build(3, seed=1)
+    cheap = Objective(data, "cross_entropy", 1e-3)
+    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 2**24)
+    exact = Objective(data, "cross_entropy", 1e-3)
+    assert not cheap.exact and exact.exact
+    params = {"weight": torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), "bias": torch.zeros(4)}
+    assert abs(cheap(params) - exact(params)) <= 1e-6 * abs(exact(params))
+
+
+def test_optimum_is_cached_by_its_inputs_and_the_second_call_does_not_solve(tmp_path, monkeypatch):
+    data = Quadratic(dim=4, samples=30).build(3, seed=1)
+    obj = Objective(data, "squared", 1e-3)
+    identity = {"problem": "Quadratic(dim=4)", "num_machines": 3, "seed": 1}
+    first, path, cached = optimum(obj, (1, 4), identity, tmp_path)
+    assert not cached and path.exists() and path.parent == tmp_path / "optima"
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("solved again")
+
+    monkeypatch.setattr(objective_module, "solve", no_solving)
+    again, path2, cached = optimum(obj, (1, 4), identity, tmp_path)
+    assert cached and path2 == path
+    assert again.value == first.value and torch.equal(again.weight, first.weight) and again.grad_norm == first.grad_norm
+    # Another weight decay, another split or another problem setting is another key: solved anew.
+    for other, ident in (
+        (Objective(data, "squared", 2e-3), identity),
+        (Objective(Quadratic(dim=4, samples=30).build(3, seed=2), "squared", 1e-3), identity),
+        (obj, {**identity, "problem": "Quadratic(dim=4, noise=0.2)"}),
+    ):
+        with pytest.raises(AssertionError, match="solved again"):
+            optimum(other, (1, 4), ident, tmp_path)
+
+
+def test_a_cached_optimum_serves_looser_tolerances_and_starts_a_tighter_solve(tmp_path, monkeypatch):
+    data = Synthetic(dim=4, num_classes=3).build(3, seed=4)
+    obj = Objective(data, "cross_entropy", 1e-2)
+    identity = {"problem": "Synthetic(dim=4)", "num_machines": 3, "seed": 4}
+    rough, path, cached = optimum(obj, (3, 4), identity, tmp_path, tol=1e-3)
+    assert not cached and 1e-9 < rough.grad_norm <= 1e-3
+    assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-2)[2]  # looser: served from the cache
+    starts = []
+    real_solve = objective_module.solve
+
+    def recording_solve(*args, start=None, **kwargs):
+        starts.append(start)
+        return real_solve(*args, start=start, **kwargs)
+
+    monkeypatch.setattr(objective_module, "solve", recording_solve)
+    fine, path2, cached = optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)
+    assert not cached and path2 == path and fine.grad_norm <= 1e-9
+    assert len(starts) == 1 and torch.equal(starts[0].weight, rough.weight)  # went on from the cached point
+    assert fine.iterations > rough.iterations and abs(fine.value - rough.value) <= rough.grad_norm**2 / (2 * 1e-2)
+    assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)[0].value == fine.value  # the better one replaced it
