@@ -35,7 +35,8 @@ def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extr
         "command": [
             "${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml",
             "--trainer.limit_train_batches=7", "--eval_every=3", "--trainer.log_every_n_steps=2",
-            "--wandb=false", f"--run_dir={tmp_path / 'runs'}", *extra, "${args}",
+            "--wandb=false", f"--run_dir={tmp_path / 'runs'}", "--objective=false", "--diagnostics=false",
+            *extra, "${args}",
         ],
     }  # fmt: skip
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -188,6 +189,17 @@ def test_trials_that_cannot_be_stacked_run_one_at_a_time_and_say_why(tmp_path, m
     assert "stacking: 0 trials in 0 groups" in out and "1 trials not stacked: trainer.max_epochs is 2" in out
     (record,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert record["status"] == "finished" and "stacked" not in record
+
+
+def test_trials_with_the_objective_or_diagnostics_on_run_one_at_a_time_and_say_why(command_line):
+    base = ["fit", "--config", "configs/paper.yaml", "--wandb=false"]
+    config = lambda *extra: command_line.parse(base + list(extra)).fit.as_dict()
+    assert stacked.stackable(config("--objective=false", "--diagnostics=false")) is None
+    assert stacked.stackable(config("--diagnostics=false")) == "objective is on (not stacked yet; --objective=false to stack)"
+    assert stacked.stackable(config("--objective=false")) == "diagnostics is on (not stacked yet; --diagnostics=false to stack)"
+    assert stacked.stackable(config("--objective=false", "--diagnostics=false", "--data.problem=Quadratic")).startswith(
+        "data.problem is set"
+    )
 
 
 def test_stack_memory_must_be_positive(tmp_path, capsys):

@@ -28,7 +28,9 @@ the optimizer and the averaging) and the other trials go on.
 
 With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
 (every logged row at its step). What cannot be stacked runs one trial at a time as before
-(``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from. A group is split to fit the memory
+(``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from, another
+problem than MNIST, the training objective or the per-round diagnostics switched on (``--objective``,
+``--diagnostics``, both on by default). A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -78,7 +80,28 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
     limit = trainer.get("limit_train_batches")
     if limit is not None and not (isinstance(limit, (int, float)) and (limit == 1.0 or float(limit).is_integer())):
         return f"trainer.limit_train_batches is {limit!r}"
+    if (config.get("data") or {}).get("problem") is not None:
+        return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
+    if config.get("objective", True):
+        return "objective is on (not stacked yet; --objective=false to stack)"
+    if config.get("diagnostics", True):
+        return "diagnostics is on (not stacked yet; --diagnostics=false to stack)"
     return None
+
+
+def _problem(config: dict[str, Any]) -> Any:
+    """The trial's problem, as its data module builds it (``data.problem``; ``None``: MNIST)."""
+    from lit_slowcal.experiments.problems import MNIST
+
+    problem = (config.get("data") or {}).get("problem")
+    return MNIST() if problem is None else problem
+
+
+def _model_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The model's arguments as the CLI instantiates it: the parsed ``model`` section with the shape and
+    loss that the CLI links from the problem (``model.input_dim``, ``model.num_classes``, ``model.loss``)."""
+    problem = _problem(config)
+    return {**config["model"], "input_dim": problem.input_dim, "num_classes": problem.num_outputs, "loss": problem.loss}
 
 
 def _group_key(config: dict[str, Any]) -> str:
@@ -103,8 +126,9 @@ def trial_bytes(config: dict[str, Any]) -> int:
     from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
 
     m, steps, b = config["num_machines"], config["data"]["steps_per_round"], config["data"]["batch_size"]
-    dim = config["model"]["input_dim"]
-    params = m * (dim + 1) * config["model"]["num_classes"] * 4
+    problem = _problem(config)
+    dim = problem.input_dim
+    params = m * (dim + 1) * problem.num_outputs * 4
     rounds = num_rounds(MNIST_TRAIN_SIZE, m, steps, b)
     return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
 
@@ -185,7 +209,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         data.setup("fit")
         streams.append(data)
         seed_everything(t.config["seed_everything"], verbose=False)  # as the CLI, for init=default
-        model = LogisticRegression(**t.config["model"])
+        model = LogisticRegression(**_model_settings(t.config))
         model.configure_model()
         models.append(model)
     rounds = streams[0].num_rounds
@@ -195,7 +219,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     test_x, test_y = streams[0].test_x, streams[0].test_y
 
     # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
-    stack = LogisticRegression(**{**first["model"], "num_machines": T * M, "init": "zeros"})
+    stack = LogisticRegression(**{**_model_settings(first), "num_machines": T * M, "init": "zeros"})
     stack.configure_model()
     big = dict(stack.machines.named_parameters())
     with torch.no_grad():
