@@ -35,8 +35,7 @@ def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extr
         "command": [
             "${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml",
             "--trainer.limit_train_batches=7", "--eval_every=3", "--trainer.log_every_n_steps=2",
-            "--wandb=false", f"--run_dir={tmp_path / 'runs'}", "--objective=false", "--diagnostics=false",
-            *extra, "${args}",
+            "--wandb=false", f"--run_dir={tmp_path / 'runs'}", *extra, "${args}",
         ],
     }  # fmt: skip
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -88,7 +87,9 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
     for t, (outcome, params, csv_text) in zip(parsed, reference):
         assert outcome["status"] == t.outcome["status"] == "finished"
         assert t.outcome["metrics"] == outcome["metrics"], t.params  # every value, bit for bit
-        assert set(t.outcome["metrics"]) == {"train_loss", "round", "samples_seen", "floats_communicated", "test_loss", "test_acc"}
+        # The defaults: the training objective and the per-round diagnostics (no f* without weight decay).
+        assert set(t.outcome["metrics"]) == {"train_loss", "round", "samples_seen", "floats_communicated", "test_loss", "test_acc",
+                                             "train_objective", "dispersion", "query_step"} | ({"iterate_step"} if t.params["method"] == "slowcal" else set())
         for name, value in params.items():
             assert torch.equal(t.final_state["params"][name], value), (t.params, name)
         assert metrics_csv(t.outcome["run_dir"]) == csv_text
@@ -191,14 +192,12 @@ def test_trials_that_cannot_be_stacked_run_one_at_a_time_and_say_why(tmp_path, m
     assert record["status"] == "finished" and "stacked" not in record
 
 
-def test_trials_with_the_objective_or_diagnostics_on_run_one_at_a_time_and_say_why(command_line):
+def test_trials_of_another_problem_run_one_at_a_time_and_say_why(command_line):
     base = ["fit", "--config", "configs/paper.yaml", "--wandb=false"]
-    config = lambda *extra: command_line.parse(base + list(extra)).fit.as_dict()
-    assert stacked.stackable(config("--objective=false", "--diagnostics=false")) is None
-    assert stacked.stackable(config("--diagnostics=false")) == "objective is on (not stacked yet; --objective=false to stack)"
-    assert stacked.stackable(config("--objective=false")) == "diagnostics is on (not stacked yet; --diagnostics=false to stack)"
-    assert stacked.stackable(config("--objective=false", "--diagnostics=false", "--data.problem=Quadratic")).startswith(
-        "data.problem is set"
+    assert stacked.stackable(command_line.parse(base).fit.as_dict()) is None  # objective and diagnostics on
+    config = command_line.parse(base + ["--data.problem=Quadratic"]).fit.as_dict()
+    assert stacked.stackable(config) == (
+        "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
     )
 
 

@@ -82,10 +82,6 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return f"trainer.limit_train_batches is {limit!r}"
     if (config.get("data") or {}).get("problem") is not None:
         return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
-    if config.get("objective", True):
-        return "objective is on (not stacked yet; --objective=false to stack)"
-    if config.get("diagnostics", True):
-        return "diagnostics is on (not stacked yet; --diagnostics=false to stack)"
     return None
 
 
@@ -156,14 +152,57 @@ def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTr
     return out
 
 
+class _Settings:
+    """The parsed configuration as ``SlowcalCLI``'s methods read it (``setting``)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def setting(self, key: str, default: Any = None) -> Any:
+        return self.config.get(key, default)
+
+
 def _run_name(config: dict[str, Any]) -> str:
     from lit_slowcal.experiments.cli import SlowcalCLI
 
-    class _Settings:
-        def setting(self, key: str, default: Any = None) -> Any:
-            return config.get(key, default)
+    return SlowcalCLI.run_name(_Settings(config))  # type: ignore[arg-type]
 
-    return SlowcalCLI.run_name(_Settings())  # type: ignore[arg-type]
+
+class _Module:
+    """A trial's model as the ``Diagnostics`` callback sees it: the model itself, with ``log`` collecting
+    what the callback logs (``values``) instead of Lightning's logging."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self.values: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        self.values[name] = value
+
+    def logged(self) -> dict[str, float]:
+        """The collected values as Lightning logs them from an epoch hook: a Python float as a float32
+        tensor, a tensor in its dtype, each the epoch mean of one value with batch size 1."""
+        out = {k: float(_epoch_mean(v if isinstance(v, Tensor) else torch.tensor(v), 1)) for k, v in self.values.items()}
+        self.values = {}
+        return out
+
+
+def _diagnostics(config: dict[str, Any], data: Any, model: nn.Module, logger: Any, averager: Any, optimizer: Any) -> Any:
+    """The trial's ``Diagnostics`` callback, built as the CLI builds it, with its single run's view of the
+    Trainer: the trial's data module, its CSV logger, the averager's sync pre-hook, the optimizer."""
+    from types import SimpleNamespace
+
+    from lit_slowcal.experiments.cli import SlowcalCLI
+
+    callback = SlowcalCLI._diagnostics(_Settings(config))  # type: ignore[arg-type]
+    trainer = SimpleNamespace(
+        datamodule=data, loggers=[logger], callback_metrics={}, is_global_zero=True, sanity_checking=False,
+        state=SimpleNamespace(fn="fit"), strategy=averager, optimizers=[optimizer],
+    )  # fmt: skip
+    return callback, trainer, _Module(model)
 
 
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
@@ -250,9 +289,29 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 f.write(config_text(t))
         loggers.append(logger)
 
+    # Each trial's Diagnostics (training objective, optimum, per-round diagnostics), as its single run's.
+    watch = [
+        _diagnostics(t.config, streams[i], models[i], loggers[i], averager, optimizer)
+        if t.config.get("objective", True) or t.config.get("diagnostics", True)
+        else None
+        for i, t in enumerate(group)
+    ]
+    for w in watch:
+        if w is not None:
+            callback, shim, module = w
+            callback.on_fit_start(shim, module)
+    for w in watch:
+        if w is not None:
+            w[0].on_train_start(w[1], w[2])
+
     active = [True] * T
     metrics: list[dict[str, float]] = [{} for _ in range(T)]
     history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(T)]  # (step, row) as logged
+    for i, w in enumerate(watch):
+        if w is not None and w[1].callback_metrics:  # f_star, G_star, optimum_grad_norm: logged at step 0
+            row = {k: float(v) for k, v in w[1].callback_metrics.items()}
+            metrics[i].update(row)
+            history[i].append((0, row))
     errors: list[Optional[str]] = [None] * T
     loss_since_log = torch.zeros(T, 2, dtype=torch.float64)
     steps = indices.shape[1]
@@ -270,6 +329,11 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             weight = torch.stack([m.machines.weight.mean(0) for m in models])  # averaged_state, per trial
             bias = torch.stack([m.machines.bias.mean(0) for m in models])
             logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(T, -1, -1), weight.transpose(1, 2))
+        logged = [{} for _ in range(T)]
+        for i, w in enumerate(watch):  # at the evaluated point, as the callback's hook runs before the model's swap back
+            if w is not None and active[i]:
+                w[0].on_validation_epoch_end(w[1], w[2])
+                logged[i] = w[2].logged()
         if callable(swap):
             swap()
         n = len(test_y)
@@ -280,12 +344,16 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 "test_loss": float(_epoch_mean(F.cross_entropy(logits[i], test_y), n)),
                 "test_acc": float(multiclass_accuracy(logits[i], test_y, num_classes=logits.shape[-1], average="micro")),
                 "round": float(averager.num_syncs),
+                **logged[i],
             }
             metrics[i].update(row)
             loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
             history[i].append((r - 1, row))
 
     for r in range(1, n_batches + 1):
+        for w in watch:
+            if w is not None:
+                w[0].on_train_batch_start(w[1], w[2], None, r - 1)
         idx = indices[r - 1]
         xs, ys = x_all[idx], y_all[idx]
         losses = []
@@ -339,6 +407,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             evaluate(r)
         if not any(active):
             break
+    for w in watch:
+        if w is not None:
+            w[0].on_train_end(w[1], w[2])
 
     wall = (time.perf_counter() - start) / T
     for i, t in enumerate(group):
