@@ -103,13 +103,16 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
 def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_path, monkeypatch, command_line):
     monkeypatch.chdir(REPO)
     torch.set_num_threads(1)
-    sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01, 1e38), seeds=(1,), methods=("local_sgd",)))
+    # With weight decay: f*, G_* and the excess loss too (a loose solver tolerance keeps the solve short).
+    extra = ("--model.weight_decay=1e-4", "--optimum_tol=0.5", f"--cache_dir={tmp_path / 'cache'}")
+    sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01, 1e38), seeds=(1,), methods=("local_sgd",), extra=extra))
     trials = sw.expand_trials(sweep)
     reference = single_runs(monkeypatch, sweep, trials)
     parsed = [stacked.StackedTrial(p, sw.trial_args(sweep, p), command_line.parse(sw.trial_args(sweep, p)).fit.as_dict()) for p in trials]
     stacked.run_group(parsed)
     ok, bad = parsed
     assert ok.outcome["status"] == "finished" and ok.outcome["metrics"] == reference[0][0]["metrics"]
+    assert {"f_star", "G_star", "optimum_grad_norm", "excess_loss", "train_objective"} <= set(ok.outcome["metrics"])
     assert torch.equal(ok.final_state["params"]["weight"], reference[0][1]["weight"])
     assert reference[1][0]["status"] == bad.outcome["status"] == "diverged"
     assert bad.outcome["error"] == reference[1][0]["error"]
