@@ -18,6 +18,9 @@ round at a time, without a Trainer:
   ``MachineStreams.indices``), concatenated along the machine dimension;
 * the T averaged models are evaluated on the test set in one batched matmul, every ``eval_every``
   rounds and after the last round, with ``swap_output`` around it as the model does.
+* each trial runs its single run's ``Diagnostics`` callback (training objective, optimum, per-round
+  diagnostics) on its own data module, model and logger, with the averager's sync pre-hook and the
+  group's optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
 alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
