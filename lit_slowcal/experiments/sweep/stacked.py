@@ -32,8 +32,7 @@ the optimizer and the averaging) and the other trials go on.
 With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
 (every logged row at its step). What cannot be stacked runs one trial at a time as before
 (``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from, another
-problem than MNIST, the training objective or the per-round diagnostics switched on (``--objective``,
-``--diagnostics``, both on by default). A group is split to fit the memory
+problem than MNIST (``data.problem``). A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -292,27 +291,20 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 f.write(config_text(t))
         loggers.append(logger)
 
-    # Each trial's Diagnostics (training objective, optimum, per-round diagnostics), as its single run's.
-    watch = [
-        _diagnostics(t.config, streams[i], models[i], loggers[i], averager, optimizer)
-        if t.config.get("objective", True) or t.config.get("diagnostics", True)
-        else None
-        for i, t in enumerate(group)
-    ]
-    for w in watch:
-        if w is not None:
-            callback, shim, module = w
-            callback.on_fit_start(shim, module)
-    for w in watch:
-        if w is not None:
-            w[0].on_train_start(w[1], w[2])
+    # Each trial's Diagnostics (training objective, optimum, per-round diagnostics): the CLI adds it to
+    # every fit; what --objective / --diagnostics switch off it skips.
+    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], averager, optimizer) for i, t in enumerate(group)]
+    for callback, shim, module in watch:
+        callback.on_fit_start(shim, module)
+    for callback, shim, module in watch:
+        callback.on_train_start(shim, module)
 
     active = [True] * T
     metrics: list[dict[str, float]] = [{} for _ in range(T)]
     history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(T)]  # (step, row) as logged
-    for i, w in enumerate(watch):
-        if w is not None and w[1].callback_metrics:  # f_star, G_star, optimum_grad_norm: logged at step 0
-            row = {k: float(v) for k, v in w[1].callback_metrics.items()}
+    for i, (_, shim, _) in enumerate(watch):
+        if shim.callback_metrics:  # f_star, G_star, optimum_grad_norm: logged at step 0
+            row = {k: float(v) for k, v in shim.callback_metrics.items()}
             metrics[i].update(row)
             history[i].append((0, row))
     errors: list[Optional[str]] = [None] * T
@@ -333,10 +325,10 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             bias = torch.stack([m.machines.bias.mean(0) for m in models])
             logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(T, -1, -1), weight.transpose(1, 2))
         logged = [{} for _ in range(T)]
-        for i, w in enumerate(watch):  # at the evaluated point, as the callback's hook runs before the model's swap back
-            if w is not None and active[i]:
-                w[0].on_validation_epoch_end(w[1], w[2])
-                logged[i] = w[2].logged()
+        for i, (callback, shim, module) in enumerate(watch):  # at the evaluated point: the callback's
+            if active[i]:  # hook runs before the model's, which swaps back
+                callback.on_validation_epoch_end(shim, module)
+                logged[i] = module.logged()
         if callable(swap):
             swap()
         n = len(test_y)
@@ -354,9 +346,8 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             history[i].append((r - 1, row))
 
     for r in range(1, n_batches + 1):
-        for w in watch:
-            if w is not None:
-                w[0].on_train_batch_start(w[1], w[2], None, r - 1)
+        for callback, shim, module in watch:
+            callback.on_train_batch_start(shim, module, None, r - 1)
         idx = indices[r - 1]
         xs, ys = x_all[idx], y_all[idx]
         losses = []
@@ -410,9 +401,8 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             evaluate(r)
         if not any(active):
             break
-    for w in watch:
-        if w is not None:
-            w[0].on_train_end(w[1], w[2])
+    for callback, shim, module in watch:
+        callback.on_train_end(shim, module)
 
     wall = (time.perf_counter() - start) / T
     for i, t in enumerate(group):
