@@ -57,6 +57,10 @@ def main(argv=None) -> None:
             averager.sync()
     if fabric.global_rank == 0 and args.out:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
+    # No process tears gloo down while its peer still talks to it (an abort at exit otherwise, under load).
+    fabric.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ One exception: tests marked ``@pytest.mark.cuda`` need a CUDA device. Where
 ``torch.cuda.is_available()`` is False they are skipped (with the reason below), the session says
 how many did not run, and that does not fail it. Where CUDA is available they run like any other
 test, and a skip of one of them fails the session as well.
+
+Every case of a test parametrized over ``method`` other than ``slowcal`` is marked ``other_methods``:
+the same code path again for another method. ``.ci/run`` runs the whole suite with the README's
+command, then once more with the oldest Lightning allowed, there with ``-m "not other_methods"``
+(said in its output): the Lightning integration is the same for every method, and the second pass
+stays short.
 """
 
 import pytest
@@ -17,9 +23,15 @@ _cuda_not_run: list[str] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped (and counted) where there is none")
+    config.addinivalue_line("markers", "other_methods: a method-parametrized case for a method other than slowcal")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "method" in params and params["method"] != "slowcal":
+            item.add_marker(pytest.mark.other_methods)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
