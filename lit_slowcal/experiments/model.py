@@ -89,6 +89,9 @@ class LogisticRegression(pl.LightningModule):
         check_int("num_machines", num_machines)
         self.save_hyperparameters()
         self.hparams.lr = float(lr)
+        # Linked from data.problem when the classes are instantiated: some Lightning versions (2.5) save the
+        # parsed config as the hyperparameters, which lacks them.
+        self.hparams.update(input_dim=input_dim, num_classes=num_classes, loss=loss)
         try:  # the method's own options, checked by its optimizer now rather than when training starts
             entry.optimizer([torch.zeros(1)], self.hparams)
         except ValueError as err:
