@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 __all__ = [
     "KeepCommandLineModelArgs",
-    "batches_between_validations",
     "batches_done_in_epoch",
     "batches_started",
     "last_saved_step",
@@ -49,20 +48,6 @@ def batches_done_in_epoch(trainer: pl.Trainer) -> int:
     the public ``batch_idx`` is only given to hooks, not to ``LightningDataModule.state_dict``.
     """
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-
-def batches_between_validations(trainer: pl.Trainer) -> int | float | None:
-    """Every how many training batches Lightning validates during fit.
-
-    ``inf`` when an epoch's length is unknown, ``None`` when validation is time based (a
-    ``val_check_interval`` given as a duration, which recent Lightning releases accept).
-
-    Internal: ``trainer.val_check_batch``, set by Lightning once the train dataloader is known.
-    The public ``trainer.val_check_interval`` is what the user passed: an int number of batches or
-    a float fraction of an epoch, whose conversion to batches (and its rounding) would have to be
-    copied from Lightning.
-    """
-    return trainer.val_check_batch
 
 
 def last_saved_step(callback: ModelCheckpoint) -> int:

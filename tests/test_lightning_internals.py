@@ -30,7 +30,6 @@ INTERNALS = (
     "epoch_loop",
     "batch_progress",
     "total_batch_idx",
-    "val_check_batch",
 )
 
 
@@ -54,7 +53,7 @@ class Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.Linear(2, 1)
-        self.seen: list[tuple[int, int, int, object]] = []
+        self.seen: list[tuple[int, int, int]] = []
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch).sum()
@@ -66,7 +65,6 @@ class Tiny(pl.LightningModule):
                 batch_idx,
                 _lightning.batches_started(t),
                 _lightning.batches_done_in_epoch(t),
-                _lightning.batches_between_validations(t),
             )
         )
 
@@ -109,18 +107,12 @@ def test_fit_loop_has_batch_progress_current_processed(tmp_path):
     require(tiny_trainer(tmp_path), "fit_loop.epoch_loop.batch_progress.current.processed")
 
 
-def test_trainer_has_val_check_batch_once_fitting(tmp_path):
-    trainer = tiny_trainer(tmp_path, max_epochs=1)
-    fit(trainer, Tiny())
-    require(trainer, "val_check_batch")
-
-
 def test_counters_mean_what_lit_slowcal_assumes(tmp_path):
     """Over two epochs of three batches, validating every two: after batch i of epoch e, the batches
-    started over all epochs are 3e + i + 1, those done in the epoch i + 1, and the interval 2."""
+    started over all epochs are 3e + i + 1, those done in the epoch i + 1."""
     model = Tiny()
     fit(tiny_trainer(tmp_path, val_check_interval=2), model)
-    expected = [(i, 3 * e + i + 1, i + 1, 2) for e in range(2) for i in range(3)]
+    expected = [(i, 3 * e + i + 1, i + 1) for e in range(2) for i in range(3)]
     assert model.seen == expected, f"Lightning {lightning.__version__}"
 
 
