@@ -6,7 +6,7 @@ import torch
 
 from lit_slowcal.experiments import objective as objective_module
 from lit_slowcal.experiments.objective import Objective, heterogeneity, optimum, solve
-from lit_slowcal.experiments.problems import Quadratic, Synthetic
+from lit_slowcal.experiments.problems import ProblemData, Quadratic, Synthetic
 
 
 def _weights(data):
@@ -158,3 +158,24 @@ def test_a_cached_optimum_serves_looser_tolerances_and_starts_a_tighter_solve(tm
     assert len(starts) == 1 and torch.equal(starts[0].weight, rough.weight)  # went on from the cached point
     assert fine.iterations > rough.iterations and abs(fine.value - rough.value) <= rough.grad_norm**2 / (2 * 1e-2)
     assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)[0].value == fine.value  # the better one replaced it
+
+
+def test_a_large_problem_with_samples_left_out_is_evaluated_on_its_inputs_without_a_copy(monkeypatch):
+    """The split leaves samples out (as MNIST's official split does): f reads the input tensor as it is
+    and keeps the used rows of the product, bitwise the product of the used rows alone."""
+    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+    full = Synthetic(dim=8, num_classes=4).build(3, seed=1)
+    shards = tuple(s[: len(s) * 2 // 3] for s in full.shards)  # a third of every shard unused
+    data = ProblemData(full.train_x, full.train_y, shards, full.test_x, full.test_y)
+    obj = Objective(data, "cross_entropy", 1e-3)
+    assert not obj.exact and obj.x.data_ptr() == data.train_x.data_ptr()
+    used = torch.cat(shards).sort().values
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        weight, bias = torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
+        logits = torch.addmm(bias, data.train_x[used], weight.T).double()  # the used rows alone, float32
+        w = torch.tensor(_weights(data))[used]
+        penalty = 0.5e-3 * (weight.double().square().sum() + bias.double().square().sum())
+        expected = float((w * torch.nn.functional.cross_entropy(logits, data.train_y[used], reduction="none")).sum() + penalty)
+        assert obj({"weight": weight, "bias": bias}) == expected
+    assert torch.equal(obj.inputs64(), data.train_x[used].double())  # the solver's float64 inputs

@@ -11,9 +11,9 @@ training update does (``SlowcalSGD`` and ``torch.optim.SGD`` add lambda x to eve
 
 ``Objective`` evaluates f for the linear model of ``lit_slowcal.experiments.model`` in one pass over
 all shards (one matrix product), with float64 reductions. Problems up to 2^24 input values keep a
-float64 copy of their inputs and are exact to float64; larger ones (MNIST: 47M) keep the float32
-inputs, and the logits of one float32 product carry a relative error of about 1e-7 (measured on
-MNIST at x*: 2e-8 in f).
+float64 copy of their inputs and are exact to float64; larger ones (MNIST: 47M) use the float32
+inputs as they are, without a copy, and the logits of one float32 product carry a relative error of
+about 1e-7 (measured on MNIST at x*: 2e-8 in f).
 
 ``solve`` finds x* in float64 with L-BFGS (strong Wolfe line search) from x = 0 and stops when
 ||grad f(x)||_2 <= ``tol``; with lambda > 0, f is lambda-strongly convex and then
@@ -93,8 +93,15 @@ class Objective:
         everything = len(used) == n
         self._train_x = data.train_x  # for per-machine gradients (heterogeneity)
         self._train_y = data.train_y
-        x = data.train_x if everything else data.train_x[used]
-        self.x = x.double() if x.numel() <= FLOAT64_LIMIT else x
+        # Large inputs (MNIST: 188 MB) are not copied: f is evaluated on all of them and the rows of the
+        # used samples are kept from the product. A matrix product computes every row on its own, so
+        # those rows are bitwise the product of the used rows alone, and a run's set-up saves the copy.
+        self._rows: Optional[Tensor] = None if everything else used
+        if len(used) * (data.train_x.numel() // max(1, n)) <= FLOAT64_LIMIT:
+            self.x = (data.train_x if everything else data.train_x[used]).double()
+            self._rows = None
+        else:
+            self.x = data.train_x
         self.y = (data.train_y if everything else data.train_y[used]).to(torch.int64 if loss == "cross_entropy" else torch.float64)
         self.weights = weights if everything else weights[used]
 
@@ -103,8 +110,15 @@ class Objective:
         """Whether f is evaluated in float64 throughout (inputs kept in float64)."""
         return self.x.dtype == torch.float64
 
+    def inputs64(self) -> Tensor:
+        """The used samples' inputs in float64 (a new tensor unless they are kept so): the solver's."""
+        return (self.x if self._rows is None else self.x[self._rows]).double()
+
     def _value(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        logits = torch.addmm(bias.to(x.dtype), x, weight.to(x.dtype).T).double()
+        logits = torch.addmm(bias.to(x.dtype), x, weight.to(x.dtype).T)
+        if self._rows is not None and len(logits) != len(self.y):  # all inputs: keep the used samples' rows
+            logits = logits[self._rows]
+        logits = logits.double()
         value = (self.weights * _loss(self.loss, logits, self.y)).sum()
         if self.weight_decay:
             value = value + 0.5 * self.weight_decay * (weight.double().square().sum() + bias.double().square().sum())
@@ -117,7 +131,7 @@ class Objective:
 
     def value_and_grad64(self, params: dict[str, Tensor], x64: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor]]:
         """f and its gradient in float64 at ``params`` (on the float64 inputs ``x64``, made when not given)."""
-        x64 = self.x.double() if x64 is None else x64
+        x64 = self.inputs64() if x64 is None else x64
         weight = params["weight"].detach().double().requires_grad_()
         bias = params["bias"].detach().double().requires_grad_()
         with torch.enable_grad():
@@ -166,7 +180,7 @@ def solve(
     previous result instead of 0.
     """
     began = time.perf_counter()
-    x64 = objective.x.double()
+    x64 = objective.inputs64()
     weight = torch.zeros(shape, dtype=torch.float64)
     bias = torch.zeros(shape[0], dtype=torch.float64)
     if start is not None:
