@@ -20,9 +20,11 @@ the machine, and the CPUs other processes used during it are printed (``/proc/st
 idle "alone" was. A job still running after ``--limit`` seconds is stopped and shown as "> limit".
 
 Then the import time of ``lit_slowcal.experiments.cli`` next to ``import torch`` alone (fresh
-interpreters, median), with ``import lightning.pytorch`` and ``import torchmetrics`` to show where
-the difference goes: Lightning imports torchmetrics when it loads, and torchmetrics imports
-torchvision and matplotlib when they are installed.
+interpreters, median; wall and CPU time), with ``import lightning.pytorch``, ``torchmetrics`` and
+``torch._dynamo`` to show where the difference goes: ``import lightning.pytorch`` is the floor of
+any app on Lightning (it imports ``torch._dynamo`` in ``lightning.fabric.wrappers``, and
+torchmetrics, which imports matplotlib.pyplot and, from 1.9, torchvision's models when they are
+installed).
 
 ``--steps`` instead prints the measurement behind ``--threads auto``'s rule
 (``lit_slowcal/experiments/threads.py``): one local step of the model (``SimulatedMachines`` of
@@ -33,6 +35,7 @@ during which other processes used the CPUs is left out and the size measured aga
 
     python benchmarks/bench_conditions.py [--repeats 2] [--limit 20] [--import-repeats 3] [--policies auto,default]
     python benchmarks/bench_conditions.py --steps [--step-repeats 5] [--shapes 16x1,64x1024]
+    python benchmarks/bench_conditions.py --imports [--repeats 2] [--import-repeats 3]
 """
 
 from __future__ import annotations
@@ -281,41 +284,56 @@ def conditions(repeats: int, import_repeats: int, limit: float, policies: tuple[
         imports(import_repeats, med[(policies[0], "alone setup")])
 
 
-def _import_seconds(module: str) -> tuple[float, float, float]:
+def start_up(repeats: int, import_repeats: int, limit: float) -> None:
+    """The default job's set-up alone (``auto`` policy; median of ``repeats`` after one unmeasured), then the imports."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        (tmp_path / "_bench_clock.py").write_text(CLOCK)
+        Job("auto", tmp_path / "runs", tmp_path).result(limit)
+        setups = [Job("auto", tmp_path / "runs", tmp_path).result(limit)["setup"] for _ in range(repeats)]
+    imports(import_repeats, statistics.median(setups))
+
+
+def _import_seconds(module: str) -> tuple[float, float, float, float]:
     """A fresh interpreter importing ``module``: (the import alone, process start to the import's end,
-    the whole interpreter including its exit)."""
-    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t, time.time())"
+    the whole interpreter including its exit, the import's CPU time: less sensitive to other load)."""
+    code = ("import time; t, c = time.perf_counter(), time.process_time(); import " + module
+            + "; print(time.perf_counter() - t, time.time(), time.process_time() - c)")  # fmt: skip
     start, wall = time.time(), time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True)
     wall = time.perf_counter() - wall
-    alone, done = (float(x) for x in out.stdout.split())
-    return alone, done - start, wall
+    alone, done, cpu = (float(x) for x in out.stdout.split())
+    return alone, done - start, wall, cpu
 
 
 def imports(repeats: int, setup: float) -> None:
     modules = ("torch", "lit_slowcal.experiments.cli", "lightning.pytorch", "torchmetrics", "torch._dynamo",
                "matplotlib.pyplot")  # fmt: skip
-    times: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modules}
+    times: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modules}
     for _ in range(repeats):
         for module in modules:  # alternating, so that noise hits all
             times[module].append(_import_seconds(module))
-    med = {m: [statistics.median(t[i] for t in v) for i in range(3)] for m, v in times.items()}
-    torch_import, torch_ready = med["torch"][0], med["torch"][1]
-    print(f"\nimports, a fresh interpreter each (median of {repeats}): the import; from starting the process to the "
-          "import's end; the whole interpreter, its exit included")  # fmt: skip
+    med = {m: [statistics.median(t[i] for t in v) for i in range(4)] for m, v in times.items()}
+    torch_import, torch_ready, torch_cpu = med["torch"][0], med["torch"][1], med["torch"][3]
+    print(f"\nimports, a fresh interpreter each (median of {repeats}): the import, wall and CPU; from starting the "
+          f"process to the import's end; the whole interpreter, its exit included; {background()}")  # fmt: skip
     for module in modules:
-        alone, ready, wall = med[module]
-        against = "(without torch)     " if module == "matplotlib.pyplot" else f"({alone - torch_import:+5.2f} s against torch)"
-        print(f"  import {module:<29} {alone:5.2f} s {against}   ready {ready:5.2f} s   whole {wall:5.2f} s")
-    cli_extra, metrics_extra = med["lit_slowcal.experiments.cli"][0] - torch_import, med["torchmetrics"][0] - torch_import
-    dynamo, pyplot = med["torch._dynamo"][0] - torch_import, med["matplotlib.pyplot"][0]
-    print(f"  torchmetrics, which Lightning imports when it loads (with torchvision and matplotlib), accounts for "
-          f"{metrics_extra:.2f} s of the cli's {cli_extra:+.2f} s; in it torch._dynamo {dynamo:.2f} s (through "
-          f"torchvision; Lightning imports it too: lightning.fabric.wrappers) and matplotlib.pyplot {pyplot:.2f} s")  # fmt: skip
+        alone, ready, wall, cpu = med[module]
+        against = "(without torch)            " if module == "matplotlib.pyplot" else (
+            f"({alone - torch_import:+5.2f} s, cpu {cpu - torch_cpu:+5.2f} s)")  # fmt: skip
+        print(f"  import {module:<29} {alone:5.2f} s, cpu {cpu:5.2f} s {against} vs torch   ready {ready:5.2f} s   "
+              f"whole {wall:5.2f} s")  # fmt: skip
+    cpu_of = {m: med[m][3] - torch_cpu for m in modules}
+    print(f"  the floor of any Lightning app, import lightning.pytorch against import torch: cpu {cpu_of['lightning.pytorch']:+.2f} s; "
+          f"in it torch._dynamo {cpu_of['torch._dynamo']:.2f} s (lightning.fabric.wrappers imports it, whatever else is "
+          f"installed) and torchmetrics (Lightning imports it; it imports matplotlib.pyplot, {med['matplotlib.pyplot'][3]:.2f} s "
+          f"alone, and since 1.9 torchvision's models, which import torch._dynamo first); lit_slowcal's own share "
+          f"(the cli against lightning.pytorch): cpu {cpu_of['lit_slowcal.experiments.cli'] - cpu_of['lightning.pytorch']:+.2f} s")  # fmt: skip
     if math.isfinite(setup):
         print(f"  the default job, from starting the process to its first training step: {setup:.2f} s, "
               f"{setup - torch_ready:+.2f} s against starting a process that imports torch (goal <= "
-              f"+{GOAL_IMPORT_S:.0f} s); {setup - torch_ready - metrics_extra:+.2f} s without torchmetrics' share")
+              f"+{GOAL_IMPORT_S:.0f} s); {setup - torch_ready - (med['lightning.pytorch'][0] - torch_import):+.2f} s "
+              f"beyond importing Lightning")  # fmt: skip
 
 
 # ---- --steps: the measurement behind the auto rule ------------------------------------------
@@ -450,6 +468,9 @@ def main() -> None:
     parser.add_argument("--import-repeats", type=int, default=3, help="fresh interpreters per import (default 3)")
     parser.add_argument("--steps", action="store_true", help="print the step measurement behind --threads auto instead")
     parser.add_argument(
+        "--imports", action="store_true", help="only the start-up: the default job alone (--repeats times) and the imports"
+    )
+    parser.add_argument(
         "--shapes",
         default=",".join(f"{m}x{b}" for m, b in STEP_CONFIGS),
         help="with --steps: machines x samples per step to time, e.g. 16x1,64x1024 (default: 16 ... 262,144 samples)",
@@ -460,6 +481,8 @@ def main() -> None:
     if args.steps:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         steps(args.step_repeats, shapes)
+    elif args.imports:
+        start_up(args.repeats, args.import_repeats, args.limit)
     else:
         conditions(args.repeats, args.import_repeats, args.limit, tuple(args.policies.split(",")))
 

@@ -23,19 +23,29 @@ training and the final evaluation (MNIST is decoded once, before). The ratio is 
 
 The runs also evaluate the model every ``eval_every`` = 10 rounds (their test curve): 966
 evaluations of 10,000 x 784 in the 45 runs. The minimal loop does the same evaluations too, timed
-apart (column ``evals``), and a second ratio compares against the loop with them.
+apart (column ``+evals``), and a second ratio compares against the loop with them. By default the
+runs also log the training objective f(x) at every evaluation (one product of the 60,000
+training images, 6x a test evaluation) and the per-round diagnostics
+(``lit_slowcal.experiments.diagnostics``); the minimal loop computes f at the same evaluations too,
+timed apart (column ``+obj.``).
 
-Cross-check: the final test accuracy (and loss) of every run, runner against minimal loop. The two
+The runner runs the grid twice (``--variants``): ``bare``, with ``--objective=false
+--diagnostics=false``, the minimal loop's work, which the goal (1.5x the minimal loop) is about;
+and ``default``, as configured, against the minimal loop with the same evaluations and objective.
+
+Cross-checks: the final test accuracy (and loss) of every run, runner against minimal loop (the two
 compute the same float operations in the same order, so they should agree exactly; any difference
-is printed.
+is printed); and every metric that ``sweeps/results/paper.jsonl`` holds for the run, compared
+exactly (results must not change).
 
 The minimal loop runs before and after the runner, and the ratio uses their mean: on a shared
-machine a busy spell then hits both sides.
+machine a busy spell then hits both sides. The load average and the CPUs other processes used
+during each runner are printed.
 
 ``--full`` also runs the whole 135-run paper grid (seeds 1, 2, 3) through the runner and prints its
 wall time.
 
-    python benchmarks/bench_grid.py [--threads 1] [--full] [--root data]
+    python benchmarks/bench_grid.py [--threads 1] [--variants bare,default] [--full] [--root data]
 """
 
 from __future__ import annotations
@@ -56,24 +66,25 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "sweeps" / "paper.yaml"
+STORED = ROOT / "sweeps" / "results" / "paper.jsonl"
 GOAL_RATIO = 1.5
 GOAL_FULL_S = 90.0
 
 
-def _sweep_file(folder: Path, seeds: list[int] | None) -> Path:
-    """sweeps/paper.yaml with its runs logging under ``folder`` (and only ``seeds``, if given)."""
+def _sweep_file(folder: Path, seeds: list[int] | None, flags: list[str] = ()) -> Path:
+    """sweeps/paper.yaml with its runs logging under ``folder`` (and only ``seeds``, if given), ``flags`` added."""
     spec = yaml.safe_load(SWEEP.read_text())
     if seeds is not None:
         spec["parameters"]["seed_everything"] = {"values": seeds}
-    spec["command"] = [*spec["command"], f"--run_dir={folder / 'runs'}"]
+    spec["command"] = [*spec["command"], f"--run_dir={folder / 'runs'}", *flags]
     path = folder / f"paper_seed{'_'.join(map(str, seeds))}.yaml" if seeds else folder / "paper.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
-def run_sweep(folder: Path, seeds: list[int] | None, threads: int) -> tuple[float, float, list[dict]]:
+def run_sweep(folder: Path, seeds: list[int] | None, threads: int, flags: list[str] = ()) -> tuple[float, float, list[dict]]:
     """The runner as a user runs it; returns (command wall s, the runner's trials s, result records)."""
-    sweep = _sweep_file(folder, seeds)
+    sweep = _sweep_file(folder, seeds, flags)
     results = folder / f"{sweep.stem}.jsonl"
     log = folder / f"{sweep.stem}.log"
     cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(sweep), "--results", str(results),
@@ -103,7 +114,8 @@ def _settings(method: str, local_steps: int) -> tuple[int, int, float]:
 
 def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mnist, eval_every: int = 10):
     """One run of the minimal loop; returns (seconds without the intermediate evaluations, seconds of
-    the intermediate evaluations, final test accuracy, final test loss, rounds)."""
+    the intermediate evaluations, final test accuracy, final test loss, rounds, seconds of the
+    training objective at every evaluation, the final one included)."""
     from lit_slowcal.experiments.data import MachineStreams, num_rounds
     from lit_slowcal.experiments.model import official_init
     from lit_slowcal.experiments.partition import partition
@@ -124,7 +136,21 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
             logits = F.linear(test_x, W.mean(0), bias.mean(0))
             return (logits.argmax(1) == test_y).float().mean().item(), F.cross_entropy(logits, test_y).item()
 
-    t, eval_s = 0, 0.0
+    def objective_seconds(state: dict) -> float:
+        """f(x) on every machine's shard (weights 1 / (M n_i), float64 reduction), as the runs log it."""
+        e = time.perf_counter()
+        if not state:  # once per run: the per-sample weights and the used samples
+            weights = torch.zeros(len(y), dtype=torch.float64)
+            for shard in shards:
+                weights[shard] = 1.0 / (num_machines * len(shard))
+            used = weights.nonzero().squeeze(1)
+            state.update(used=used, weights=weights[used], labels=y[used])
+        with torch.no_grad():
+            logits = torch.addmm(bias.mean(0), x, W.mean(0).T)[state["used"]].double()
+            (state["weights"] * F.cross_entropy(logits, state["labels"], reduction="none")).sum().item()
+        return time.perf_counter() - e
+
+    t, eval_s, objective_s, objective_state = 0, 0.0, 0.0, {}
     for r, (xs, ys) in enumerate(streams, 1):  # one round: (steps, M, batch, 784), (steps, M, batch)
         for k in range(len(xs)):
             xk, yk = xs[k], ys[k]
@@ -143,8 +169,10 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
             e = time.perf_counter()
             evaluate()
             eval_s += time.perf_counter() - e
+            objective_s += objective_seconds(objective_state)
     acc, loss = evaluate()
-    return time.perf_counter() - start - eval_s, eval_s, acc, loss, rounds
+    objective_s += objective_seconds(objective_state)
+    return time.perf_counter() - start - eval_s - objective_s, eval_s, acc, loss, rounds, objective_s
 
 
 def minimal_grid(trials: list[dict], mnist) -> dict[str, tuple]:
@@ -158,12 +186,43 @@ def _key(params: dict) -> str:
     return f"{params['method']}_M{params['num_machines']}_K{params['local_steps']}_seed{params['seed_everything']}"
 
 
+#: The runner's variants: the runs as configured (the objective and the per-round diagnostics on, the
+#: CLI's default) and without them (the same work as the minimal loop, which computes neither).
+VARIANTS = {"default": [], "bare": ["--objective=false", "--diagnostics=false"]}
+
+
+def check_stored(records: list[dict]) -> tuple[int, list[str]]:
+    """Every metric of sweeps/results/paper.jsonl's record of the same trial, compared exactly with ``records``'."""
+    stored = {_key(r["params"]): r for r in map(json.loads, STORED.read_text().splitlines()) if r["status"] == "finished"}
+    same, differ = 0, []
+    for record in records:
+        old = stored.get(_key(record["params"]))
+        if old is None:
+            continue
+        diff = {k: (v, record["metrics"].get(k)) for k, v in old["metrics"].items() if record["metrics"].get(k) != v}
+        if diff:
+            differ.append(f"{_key(record['params'])}: {diff}")
+        else:
+            same += 1
+    return same, differ
+
+
 def main() -> None:
+    from bench_conditions import OtherLoad  # this folder is on sys.path when the script runs
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1, the runner's default)")
     p.add_argument("--full", action="store_true", help="also run the whole 135-run paper grid through the runner")
     p.add_argument("--root", default=str(ROOT / "data"), help="folder holding MNIST/raw/")
+    p.add_argument(
+        "--variants", default="bare,default", help="runner variants, comma-separated: bare (--objective=false "
+        "--diagnostics=false: the minimal loop's work) and default (as configured) (default: both)",
+    )  # fmt: skip
     args = p.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or not variants:
+        p.error(f"--variants: {args.variants!r} (allowed: {', '.join(VARIANTS)})")
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
 
@@ -176,57 +235,86 @@ def main() -> None:
     mnist = load_mnist(args.root)
     load_s = time.perf_counter() - start
     print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs; {len(trials)} runs "
-          f"(sweeps/paper.yaml, seed 1); MNIST decoded in {load_s:.2f} s (minimal loop: once, not counted)")  # fmt: skip
+          f"(sweeps/paper.yaml, seed 1); MNIST decoded in {load_s:.2f} s (minimal loop: once, not counted); "
+          f"load average {open('/proc/loadavg').read().split()[0]}")  # fmt: skip
 
     minimal_grid(trials[:1], mnist)  # warm-up
     first = minimal_grid(trials, mnist)
-    with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
-        wall, trials_s, records = run_sweep(Path(tmp), [1], args.threads)
+    runs: dict[str, tuple[float, float, list[dict], float]] = {}
+    for variant in variants:
+        load = OtherLoad(children=True)
+        load.start()
+        with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
+            wall, trials_s, records = run_sweep(Path(tmp), [1], args.threads, VARIANTS[variant])
+        load.stop()
+        runs[variant] = (wall, trials_s, records, load.cpus())
     second = minimal_grid(trials, mnist)
 
-    print(f"\n{'run':<28} {'rounds':>6} {'runner s':>9} {'minimal s':>10} {'ratio':>6} {'(+evals)':>9}  "
-          f"{'acc runner':>10} {'acc minimal':>11}")  # fmt: skip
-    by_key = {_key(r["params"]): r for r in records}
-    total_runner = total_minimal = total_evals = 0.0
+    names = {"bare": "bare s", "default": "default s"}
+    print(f"\n{'run':<28} {'rounds':>6} " + " ".join(f"{names[v]:>9}" for v in variants)
+          + f" {'minimal s':>10} {'+evals':>7} {'+obj.':>6}  {'acc runner':>10} {'acc minimal':>11}")  # fmt: skip
+    by_key = {v: {_key(r["params"]): r for r in runs[v][2]} for v in variants}
+    total = {v: 0.0 for v in variants}
+    total_minimal = total_evals = total_objective = 0.0
     mismatches = []
     for params in trials:
         key = _key(params)
-        record = by_key[key]
         seconds = (first[key][0] + second[key][0]) / 2
         evals = (first[key][1] + second[key][1]) / 2
-        _, _, acc, loss, rounds = first[key]
-        acc_r, loss_r = record["metrics"].get("test_acc"), record["metrics"].get("test_loss")
-        total_runner += record["wall_time_s"]
+        objective = (first[key][5] + second[key][5]) / 2
+        _, _, acc, loss, rounds, _ = first[key]
         total_minimal += seconds
         total_evals += evals
-        if record["status"] != "finished" or acc_r is None or abs(acc_r - acc) > 1e-6 or abs(loss_r - loss) > 1e-5:
-            mismatches.append(f"{key}: runner {record['status']} acc {acc_r} loss {loss_r}, minimal acc {acc} loss {loss}")
-        print(f"{key:<28} {rounds:>6} {record['wall_time_s']:>9.3f} {seconds:>10.3f} "
-              f"{record['wall_time_s'] / seconds:>6.2f} {evals:>+9.3f}  {acc_r:>10.4f} {acc:>11.4f}")  # fmt: skip
+        total_objective += objective
+        cells = []
+        for v in variants:
+            record = by_key[v][key]
+            acc_r, loss_r = record["metrics"].get("test_acc"), record["metrics"].get("test_loss")
+            total[v] += record["wall_time_s"]
+            cells.append(f"{record['wall_time_s']:>9.3f}")
+            if record["status"] != "finished" or acc_r is None or abs(acc_r - acc) > 1e-6 or abs(loss_r - loss) > 1e-5:
+                mismatches.append(f"{key} ({v}): runner {record['status']} acc {acc_r} loss {loss_r}, minimal acc {acc} loss {loss}")
+        print(f"{key:<28} {rounds:>6} {' '.join(cells)} {seconds:>10.3f} {evals:>+7.3f} {objective:>+6.3f}  "
+              f"{acc_r:>10.4f} {acc:>11.4f}")  # fmt: skip
     m1 = sum(v[0] for v in first.values())
     m2 = sum(v[0] for v in second.values())
-    print(f"\nminimal loop, {len(trials)} runs (final evaluation only): {m1:.1f} s before the runner, {m2:.1f} s "
-          f"after; mean {total_minimal:.1f} s. The runs' evaluations every 10 rounds would add {total_evals:.1f} s")  # fmt: skip
-    print(f"runner, {len(trials)} runs: {wall:.1f} s the whole command (start-up, MNIST, argument checks), "
-          f"{trials_s:.1f} s the trials (sum of their wall_time_s: {total_runner:.1f} s)")  # fmt: skip
-    print(f"ratio runner / minimal loop: {wall / total_minimal:.2f}x the command, {trials_s / total_minimal:.2f}x "
-          f"the trials (goal <= {GOAL_RATIO}x)")  # fmt: skip
-    with_evals = total_minimal + total_evals
-    print(f"against the minimal loop with the same evaluations ({with_evals:.1f} s): {wall / with_evals:.2f}x the "
-          f"command, {trials_s / with_evals:.2f}x the trials")  # fmt: skip
+    print(f"\nminimal loop, {len(trials)} runs (final test evaluation only): {m1:.1f} s before the runner, {m2:.1f} s "
+          f"after; mean {total_minimal:.1f} s. The runs' test evaluations every 10 rounds would add {total_evals:.1f} s, "
+          f"the training objective at each evaluation {total_objective:.1f} s more")  # fmt: skip
+    bases = {
+        "bare": [("the minimal loop", total_minimal), ("with the same test evaluations", total_minimal + total_evals)],
+        "default": [("with the same test evaluations and objective", total_minimal + total_evals + total_objective),
+                    ("the minimal loop", total_minimal)],
+    }  # fmt: skip
+    for v in variants:
+        wall, trials_s, records, others = runs[v]
+        flags = " ".join(VARIANTS[v]) or "as configured: objective and diagnostics on"
+        print(f"\nrunner, {v} ({flags}), {len(trials)} runs: {wall:.1f} s the whole command (start-up, MNIST, "
+              f"argument checks), {trials_s:.1f} s the trials (sum of their wall_time_s: {total[v]:.1f} s); other "
+              f"processes used {others:.2f} CPUs meanwhile")  # fmt: skip
+        for i, (what, base) in enumerate(bases[v]):
+            goal = f" (goal <= {GOAL_RATIO}x)" if v == "bare" and i == 0 else ""
+            print(f"  against {what} ({base:.1f} s): {wall / base:.2f}x the command, {trials_s / base:.2f}x the trials{goal}")
+        same, differ = check_stored(records)
+        print(f"  against {STORED.relative_to(ROOT)}: every stored metric identical in {same} of {len(records)} runs"
+              + "".join(f"\n    differs: {line}" for line in differ))  # fmt: skip
     if mismatches:
-        print(f"final test metrics differ in {len(mismatches)} of {len(trials)} runs:")
+        print(f"\nfinal test metrics differ from the minimal loop's in {len(mismatches)} cases:")
         for line in mismatches:
             print("  " + line)
     else:
-        print(f"final test accuracy and loss: the same in all {len(trials)} runs (accuracy to 1e-6, loss to 1e-5)")
+        print(f"\nfinal test accuracy and loss: the same as the minimal loop's in all {len(trials)} runs (accuracy to "
+              "1e-6, loss to 1e-5)")  # fmt: skip
 
     if args.full:
-        with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
-            wall, trials_s, records = run_sweep(Path(tmp), None, args.threads)
-        done = sum(r["status"] == "finished" for r in records)
-        print(f"\nthe whole paper grid ({len(records)} runs, {done} finished) through the runner: {wall:.1f} s the "
-              f"command, {trials_s:.1f} s the trials (goal < {GOAL_FULL_S:.0f} s)")  # fmt: skip
+        for v in variants:
+            with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
+                wall, trials_s, records = run_sweep(Path(tmp), None, args.threads, VARIANTS[v])
+            done = sum(r["status"] == "finished" for r in records)
+            same, differ = check_stored(records)
+            print(f"\nthe whole paper grid, {v} ({len(records)} runs, {done} finished) through the runner: {wall:.1f} s "
+                  f"the command, {trials_s:.1f} s the trials (goal < {GOAL_FULL_S:.0f} s); stored metrics identical in "
+                  f"{same} of {len(records)} runs; load average {open('/proc/loadavg').read().split()[0]}")  # fmt: skip
 
 
 if __name__ == "__main__":
