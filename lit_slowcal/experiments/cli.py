@@ -56,7 +56,6 @@ from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
-from lit_slowcal.experiments.main import DEBUG_ENV
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
@@ -110,11 +109,12 @@ class _OneLineErrorParser(LightningArgumentParser):
 
     The message is jsonargparse's, without the usage it prints before it and without the name of the link
     function that checked the value (the check's own message names the field, the value and what is
-    allowed). ``LIT_SLOWCAL_DEBUG=1`` or ``exit_on_error=False`` keep jsonargparse's own behaviour.
+    allowed). ``exit_on_error=False`` and jsonargparse's debug mode (``JSONARGPARSE_DEBUG``) keep
+    jsonargparse's own behaviour.
     """
 
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
-        if not self.exit_on_error or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
         message = " ".join(_LINK_PREFIX.sub("", str(message)).split())
         prog = self.prog.replace(" [options]", "")
