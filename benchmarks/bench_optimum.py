@@ -48,7 +48,7 @@ def main() -> None:
         for seed in args.seeds:
             data = MNISTDataModule(root=args.root, num_machines=args.num_machines, split="official", seed=seed)
             objective = Objective(data._build(), "cross_entropy", args.weight_decay)
-            identity = {"problem": data.problem.describe(), "num_machines": args.num_machines, "seed": seed, "split": "official"}
+            identity = {"problem": data.problem.describe(), "num_machines": args.num_machines, "seed": seed}  # as the CLI's
             began = time.perf_counter()
 
             def progress(steps: int, value: float, grad_norm: float) -> None:

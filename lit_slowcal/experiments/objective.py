@@ -15,8 +15,10 @@ float64 copy of their inputs and are exact to float64; larger ones (MNIST: 47M) 
 inputs, and the logits of one float32 product carry a relative error of about 1e-7 (measured on
 MNIST at x*: 2e-8 in f).
 
-``solve`` finds x* in float64 with L-BFGS (strong Wolfe line search) from x = 0 and stops when
-||grad f(x)||_2 <= ``tol``; with lambda > 0, f is lambda-strongly convex and then
+``solve`` finds x* in float64 by Newton's method from x = 0: conjugate gradients on exact
+Hessian-vector products, preconditioned by the Hessian's diagonal and, once that is too slow, by the
+whole Hessian factorised; a line search on f far from x*, unit steps near it. It stops when
+||grad f(x)||_2 <= ``tol`` (default 1e-8); with lambda > 0, f is lambda-strongly convex and then
 f(x) - f* <= ||grad f(x)||^2 / (2 lambda). ``optimum`` caches the result under
 ``<cache_dir>/optima/`` (default cache folder ``$XDG_CACHE_HOME/lit_slowcal``, else
 ``~/.cache/lit_slowcal``; ``--cache_dir`` to choose), keyed by a SHA-256 of everything x* depends
