@@ -39,6 +39,7 @@ def test_quadratic_optimum_excess_loss_and_g_star_equal_their_closed_forms(lam):
     theta, f_star, h, g_star = quadratic_closed_form(data, lam)
     found = solve(obj, (1, 6), tol=1e-10)
     assert found.converged and found.grad_norm <= 1e-10
+    assert found.iterations == 1 and found.cg_iterations <= 7  # f is quadratic: one Newton step, CG exact in 7 dimensions
     assert abs(found.value - f_star) <= 1e-9 * max(1.0, abs(f_star))
     np.testing.assert_allclose(np.r_[found.weight[0].numpy(), found.bias.numpy()], theta, atol=1e-9, rtol=0)
     assert abs(heterogeneity(obj, found.params) - g_star) <= 1e-9
