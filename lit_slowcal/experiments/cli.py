@@ -213,9 +213,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         parser.add_argument(
             "--optimum_tol",
             type=float,
-            default=1e-6,
+            default=1e-8,
             help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
-            "(MNIST, lambda = 1e-4: 5e-9)",
+            "(MNIST, lambda = 1e-4: 5e-13)",
         )
         parser.add_argument(
             "--cache_dir",
@@ -334,7 +334,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             per_round=self.setting("diagnostics", True),
             step_every=check_int("step_every", self.setting("step_every", 10), minimum=0),
             cache_dir=self.setting("cache_dir"),
-            tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-6)),
+            tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-8)),
         )
 
     def run_name(self) -> str:
