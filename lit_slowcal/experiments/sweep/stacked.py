@@ -32,7 +32,13 @@ the optimizer and the averaging) and the other trials go on.
 With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
 (every logged row at its step). What cannot be stacked runs one trial at a time as before
 (``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from, another
-problem than MNIST (``data.problem``). A group is split to fit the memory
+problem than MNIST (``data.problem``).
+
+A group trains where its trials' single runs train (``trainer.accelerator``, one device): on the CPU,
+or on the first CUDA device with the training set, the sample indices, the parameters, the optimizer
+state, the evaluation and the objective all there; the initial points are drawn on the CPU as in the
+CPU run. On CUDA, float32 sums run in another order: the results are within 1e-6 relative of the CPU
+run rather than bit for bit (``tests/test_cuda.py``). A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -73,8 +79,13 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return "it resumes from a checkpoint"
     if trainer.get("max_epochs") != 1:
         return f"trainer.max_epochs is {trainer.get('max_epochs')} (stacking runs one epoch)"
-    if str(trainer.get("accelerator")) != "cpu" or trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
-        return "it runs on several or non-CPU devices"
+    if trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
+        return "it runs on several devices (stacking runs on one: trainer.devices=1)"
+    device = _device(config)
+    if device is None:
+        return f"trainer.accelerator is {trainer.get('accelerator')!r} (stacking runs on cpu, or gpu / cuda with CUDA)"
+    if trainer.get("precision") not in (None, 32, "32", "32-true"):
+        return f"trainer.precision is {trainer.get('precision')!r} (stacking trains in float32: 32-true)"
     if trainer.get("strategy") != "periodic_averaging" or trainer.get("logger") not in (None, True):
         return "it sets its own strategy or logger"
     if trainer.get("max_steps", -1) != -1 or trainer.get("max_time") is not None:
@@ -85,6 +96,24 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
     if (config.get("data") or {}).get("problem") is not None:
         return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
     return None
+
+
+def _device(config: dict[str, Any]) -> Optional[torch.device]:
+    """The device a trial's single run trains on, as Lightning picks it for ``trainer.accelerator`` and one
+    device: the CPU, or the first CUDA device (``gpu``, ``cuda``, or ``auto`` where CUDA is available);
+    ``None`` for another accelerator, or for gpu / cuda without CUDA (the single run then says why)."""
+    accelerator = str((config.get("trainer") or {}).get("accelerator", "auto"))
+    cuda = torch.cuda.is_available()
+    if accelerator == "cpu" or (accelerator == "auto" and not cuda and not _mps()):
+        return torch.device("cpu")
+    if accelerator in ("gpu", "cuda", "auto") and cuda:
+        return torch.device("cuda", 0)
+    return None
+
+
+def _mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def _problem(config: dict[str, Any]) -> Any:
@@ -131,12 +160,14 @@ def trial_bytes(config: dict[str, Any]) -> int:
     return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
 
 
-def default_memory_budget() -> int:
-    """A quarter of this machine's memory, at most 8 GiB."""
+def default_memory_budget(device: Optional[torch.device] = None) -> int:
+    """A quarter of this machine's memory (on a CUDA device: of the smaller of it and the device's), at most 8 GiB."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         total = 8 * 2**30
+    if device is not None and device.type == "cuda":
+        total = min(total, torch.cuda.get_device_properties(device).total_memory)
     return min(total // 4, 8 * 2**30)
 
 
@@ -152,22 +183,6 @@ def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTr
         per = max(1, budget // max(1, trial_bytes(members[0].config)))
         out += [members[i : i + per] for i in range(0, len(members), per)]
     return out
-
-
-class _Settings:
-    """The parsed configuration as ``SlowcalCLI``'s methods read it (``setting``)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def setting(self, key: str, default: Any = None) -> Any:
-        return self.config.get(key, default)
-
-
-def _run_name(config: dict[str, Any]) -> str:
-    from lit_slowcal.experiments.cli import SlowcalCLI
-
-    return SlowcalCLI.run_name(_Settings(config))  # type: ignore[arg-type]
 
 
 class _Module:
@@ -197,9 +212,9 @@ def _diagnostics(config: dict[str, Any], data: Any, model: nn.Module, logger: An
     Trainer: the trial's data module, its CSV logger, the averager's sync pre-hook, the optimizer."""
     from types import SimpleNamespace
 
-    from lit_slowcal.experiments.cli import SlowcalCLI
+    from lit_slowcal.experiments.cli import diagnostics_callback
 
-    callback = SlowcalCLI._diagnostics(_Settings(config))  # type: ignore[arg-type]
+    callback = diagnostics_callback(config.get)
     trainer = SimpleNamespace(
         datamodule=data, loggers=[logger], callback_metrics={}, is_global_zero=True, sanity_checking=False,
         state=SimpleNamespace(fn="fit"), strategy=averager, optimizers=[optimizer],
@@ -231,6 +246,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from torchmetrics.functional.classification import multiclass_accuracy
 
     from lit_slowcal.averaging import PeriodicAverager
+    from lit_slowcal.experiments.cli import run_name
     from lit_slowcal.experiments.data import MNISTDataModule
     from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
@@ -242,6 +258,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     T, M = len(group), first["num_machines"]
     log_every = first["trainer"]["log_every_n_steps"]
     every = first["trainer"]["val_check_interval"]
+    device = _device(first)
 
     # Each trial's data and model, built by the single run's own classes.
     streams, models = [], []
@@ -255,13 +272,15 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         models.append(model)
     rounds = streams[0].num_rounds
     n_batches = _num_batches(first, rounds)
-    indices = torch.cat([d._train.indices(0)[:n_batches] for d in streams], dim=2)  # (R, steps, T*M, b)
-    x_all, y_all = streams[0]._train.x, streams[0]._train.y
-    test_x, test_y = streams[0].test_x, streams[0].test_y
+    # Everything the steps and the evaluations read, on the trials' device.
+    indices = torch.cat([d._train.indices(0)[:n_batches] for d in streams], dim=2).to(device)  # (R, steps, T*M, b)
+    x_all, y_all = streams[0]._train.x.to(device), streams[0]._train.y.to(device)
+    test_x, test_y = streams[0].test_x.to(device), streams[0].test_y.to(device)
 
     # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
     stack = LogisticRegression(**{**_model_settings(first), "num_machines": T * M, "init": "zeros"})
     stack.configure_model()
+    stack.to(device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
     big = dict(stack.machines.named_parameters())
     with torch.no_grad():
         for i, model in enumerate(models):
@@ -282,7 +301,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     loggers = []
     for t in group:
-        name = _run_name(t.config)
+        name = run_name(t.config.get)
         logger = CSVLogger(save_dir=t.config["run_dir"], name=name)
         logger.experiment  # creates the version folder: the next trial of the same name takes the next one
         write_class_counts(streams[len(loggers)].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
@@ -308,7 +327,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             metrics[i].update(row)
             history[i].append((0, row))
     errors: list[Optional[str]] = [None] * T
-    loss_since_log = torch.zeros(T, 2, dtype=torch.float64)
+    loss_since_log = torch.zeros(T, 2, dtype=torch.float64, device=device)
     steps = indices.shape[1]
     samples_per_round = steps * indices.shape[3] * M
 
@@ -381,7 +400,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 )
                 active[i] = False
                 freeze(i)
-        loss_since_log += torch.stack([round_loss.double(), torch.ones(T, dtype=torch.float64)], 1)
+        loss_since_log += torch.stack([round_loss.double(), torch.ones(T, dtype=torch.float64, device=device)], 1)
         if r % log_every == 0 or r == n_batches:
             mean_loss = (loss_since_log[:, 0] / loss_since_log[:, 1]).float()
             loss_since_log.zero_()
@@ -417,9 +436,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             "stacked": T,
         }
         if t.config.get("wandb"):
-            _wandb_run(t.config, _run_name(t.config), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
+            _wandb_run(t.config, run_name(t.config.get), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
         t.final_state = {
-            "params": {n: p.detach().clone() for n, p in models[i].machines.named_parameters()},
+            "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
         }
 
 
@@ -462,7 +481,6 @@ def run_stacked(
         budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
         record: ``(params, outcome, args, label) -> None``, called for every trial when its group ends.
     """
-    budget = default_memory_budget() if budget is None else budget
     stacked, alone, reasons = [], [], {}
     for params, args, parsed in trials:
         config = parsed.get("fit").as_dict()
@@ -472,6 +490,8 @@ def run_stacked(
         else:
             alone.append((params, list(args)))
             reasons[why] = reasons.get(why, 0) + 1
+    if budget is None:
+        budget = min([default_memory_budget(d) for d in {_device(t.config) for t in stacked}] or [default_memory_budget()])
     groups = group_trials(stacked, budget)
     print(
         f"stacking: {len(stacked)} trials in {len(groups)} groups (memory budget {budget / 2**20:.0f} MiB, "
