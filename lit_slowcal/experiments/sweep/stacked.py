@@ -57,8 +57,10 @@ from torch import Tensor, nn
 
 __all__ = ["StackedTrial", "default_memory_budget", "group_trials", "run_group", "stackable", "trial_bytes"]
 
-# Settings a group's trials may differ in: each trial's own learning rate and seed.
-_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir")
+# Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
+# method's steps per round: every machine takes one step per b samples whatever K, so the trials of
+# one epoch step together and each synchronises and evaluates on its own schedule).
+_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir", "local_steps", "data.steps_per_round")
 
 
 @dataclass
@@ -234,11 +236,23 @@ def _epoch_mean(value: Tensor, n: int) -> Tensor:
     return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
 
 
+class _Sub:
+    """The trials of a group that share K (``data.steps_per_round``): rows ``[start, stop)`` of the stack,
+    their own optimizer (one parameter group per learning rate) and averager, on their own schedule."""
+
+    def __init__(self, members: list[int], start: int, steps_per_round: int, rounds: int) -> None:
+        self.members, self.start, self.stop = members, start, start + len(members)
+        self.k, self.rounds, self.steps = steps_per_round, rounds, steps_per_round * rounds
+        self.optimizer: Any = None
+        self.averager: Any = None
+        self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
+
+
 def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> None:
     """Train the trials of one group together; fills every trial's ``outcome`` as ``run_trial`` returns it.
 
     Args:
-        group: trials whose configurations differ only in the learning rate and the seed.
+        group: trials whose configurations differ only in the learning rate, the seed and K.
         config_text: ``(trial) -> str``, the ``config.yaml`` written into each trial's log folder.
     """
     from lightning.pytorch.loggers import CSVLogger
@@ -253,16 +267,19 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from lit_slowcal.experiments.partition import write_class_counts
 
     start = time.perf_counter()
-    first = group[0].config
+    # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
+    order = sorted(range(len(group)), key=lambda i: group[i].config["data"]["steps_per_round"])
+    trials = [group[i] for i in order]
+    first = trials[0].config
     entry = get_method(first["method"])
-    T, M = len(group), first["num_machines"]
+    T, M = len(trials), first["num_machines"]
     log_every = first["trainer"]["log_every_n_steps"]
     every = first["trainer"]["val_check_interval"]
     device = _device(first)
 
     # Each trial's data and model, built by the single run's own classes.
     streams, models = [], []
-    for t in group:
+    for t in trials:
         data = MNISTDataModule(**{k: v for k, v in t.config["data"].items()})
         data.setup("fit")
         streams.append(data)
@@ -270,12 +287,29 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         model = LogisticRegression(**_model_settings(t.config))
         model.configure_model()
         models.append(model)
-    rounds = streams[0].num_rounds
-    n_batches = _num_batches(first, rounds)
-    # Everything the steps and the evaluations read, on the trials' device.
-    indices = torch.cat([d._train.indices(0)[:n_batches] for d in streams], dim=2).to(device)  # (R, steps, T*M, b)
+    subs: list[_Sub] = []
+    for i, t in enumerate(trials):
+        k = t.config["data"]["steps_per_round"]
+        if not subs or subs[-1].k != k:
+            subs.append(_Sub([], i, k, _num_batches(t.config, streams[i].num_rounds)))
+        subs[-1].members.append(i)
+        subs[-1].stop = i + 1
+    of = [s for s in subs for _ in s.members]  # each trial's block
+    steps = max(s.steps for s in subs)  # a block whose epoch is shorter stops stepping earlier
+    b = streams[0].batch_size
+
+    # Every trial's sample indices of its epoch, one row per step (its rounds' steps in order), padded
+    # with sample 0 after its last step; and everything the steps and evaluations read, on the device.
+    columns = []
+    for i, d in enumerate(streams):
+        idx = d._train.indices(0)[: of[i].rounds].reshape(-1, M, b)
+        columns.append(torch.cat([idx, idx.new_zeros(steps - len(idx), M, b)]) if len(idx) < steps else idx)
+    indices = torch.cat(columns, dim=1).to(device)  # (steps, T*M, b)
     x_all, y_all = streams[0]._train.x.to(device), streams[0]._train.y.to(device)
     test_x, test_y = streams[0].test_x.to(device), streams[0].test_y.to(device)
+    chunk = max(1, min(steps, 2**26 // max(1, T * M * b * x_all.shape[1])))  # steps gathered at once (<= 256 MiB)
+    xs_buf = x_all.new_empty((chunk, T * M * b, x_all.shape[1]))
+    ys_buf = y_all.new_empty((chunk, T * M * b))
 
     # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
     stack = LogisticRegression(**{**_model_settings(first), "num_machines": T * M, "init": "zeros"})
@@ -290,21 +324,21 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         for name in list(dict(model.machines.named_parameters())):
             setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
     trial_params = [list(m.machines.parameters()) for m in models]
+    big_params = list(big.values())
 
-    by_lr: dict[float, list[Tensor]] = {}
-    for model, ps in zip(models, trial_params):
-        by_lr.setdefault(model.hparams.lr, []).extend(ps)
-    optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[0].hparams)
-    averager = PeriodicAverager([m.machines for m in models], optimizer, entry.sync_period(first["local_steps"]))
-    floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
-    swap = getattr(optimizer, "swap_output", None)
+    # Each block: its optimizer, built by the method's own factory, and its averager (its own K).
+    for s in subs:
+        by_lr: dict[float, list[Tensor]] = {}
+        for i in s.members:
+            by_lr.setdefault(models[i].hparams.lr, []).extend(trial_params[i])
+        s.optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[s.start].hparams)
+        s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, entry.sync_period(trials[s.start].config["local_steps"]))
 
     loggers = []
-    for t in group:
-        name = run_name(t.config.get)
-        logger = CSVLogger(save_dir=t.config["run_dir"], name=name)
+    for i, t in enumerate(trials):
+        logger = CSVLogger(save_dir=t.config["run_dir"], name=run_name(t.config.get))
         logger.experiment  # creates the version folder: the next trial of the same name takes the next one
-        write_class_counts(streams[len(loggers)].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
+        write_class_counts(streams[i].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
         if config_text is not None:
             with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
                 f.write(config_text(t))
@@ -312,11 +346,15 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     # Each trial's Diagnostics (training objective, optimum, per-round diagnostics): the CLI adds it to
     # every fit; what --objective / --diagnostics switch off it skips.
-    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], averager, optimizer) for i, t in enumerate(group)]
+    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], of[i].averager, of[i].optimizer) for i, t in enumerate(trials)]
+    on_device: dict[int, Tensor] = {}  # the trials share one copy of the training set on the device
     for callback, shim, module in watch:
         callback.on_fit_start(shim, module)
+        if callback.objective is not None:
+            _objective_to(callback.objective, device, on_device)
     for callback, shim, module in watch:
         callback.on_train_start(shim, module)
+    per_round = [callback.per_round for callback, _, _ in watch]
 
     active = [True] * T
     metrics: list[dict[str, float]] = [{} for _ in range(T)]
@@ -328,103 +366,120 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             history[i].append((0, row))
     errors: list[Optional[str]] = [None] * T
     loss_since_log = torch.zeros(T, 2, dtype=torch.float64, device=device)
-    steps = indices.shape[1]
-    samples_per_round = steps * indices.shape[3] * M
+    ones = torch.ones(T, dtype=torch.float64, device=device)
+    losses = torch.empty(steps, T, M, device=device)  # every step's per-machine losses
 
     def freeze(i: int) -> None:
         gone = {id(p) for p in trial_params[i]}
-        for g in optimizer.param_groups:
+        for g in of[i].optimizer.param_groups:
             g["params"] = [p for p in g["params"] if id(p) not in gone]
 
-    def evaluate(r: int) -> None:
+    def log(i: int, r: int, row: dict[str, float]) -> None:
+        metrics[i].update(row)
+        loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+        history[i].append((r - 1, row))
+
+    def evaluate(s: _Sub, r: int) -> None:
+        live = [i for i in s.members if active[i]]
+        swap = getattr(s.optimizer, "swap_output", None)
         if callable(swap):
             swap()
         with torch.no_grad():
-            weight = torch.stack([m.machines.weight.mean(0) for m in models])  # averaged_state, per trial
-            bias = torch.stack([m.machines.bias.mean(0) for m in models])
-            logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(T, -1, -1), weight.transpose(1, 2))
-        logged = [{} for _ in range(T)]
-        for i, (callback, shim, module) in enumerate(watch):  # at the evaluated point: the callback's
-            if active[i]:  # hook runs before the model's, which swaps back
-                callback.on_validation_epoch_end(shim, module)
-                logged[i] = module.logged()
+            weight = torch.stack([models[i].machines.weight.mean(0) for i in live])  # averaged_state, per trial
+            bias = torch.stack([models[i].machines.bias.mean(0) for i in live])
+            logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(len(live), -1, -1), weight.transpose(1, 2))
+        logged = {}
+        for i in live:  # at the evaluated point: the callback's hook runs before the model's, which swaps back
+            callback, shim, module = watch[i]
+            callback.on_validation_epoch_end(shim, module)
+            logged[i] = module.logged()
         if callable(swap):
             swap()
         n = len(test_y)
-        for i in range(T):
-            if not active[i]:
-                continue
+        for j, i in enumerate(live):
             row = {
-                "test_loss": float(_epoch_mean(F.cross_entropy(logits[i], test_y), n)),
-                "test_acc": float(multiclass_accuracy(logits[i], test_y, num_classes=logits.shape[-1], average="micro")),
-                "round": float(averager.num_syncs),
+                "test_loss": float(_epoch_mean(F.cross_entropy(logits[j], test_y), n)),
+                "test_acc": float(multiclass_accuracy(logits[j], test_y, num_classes=logits.shape[-1], average="micro")),
+                "round": float(s.averager.num_syncs),
                 **logged[i],
             }
-            metrics[i].update(row)
-            loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
-            history[i].append((r - 1, row))
+            log(i, r, row)
 
-    for r in range(1, n_batches + 1):
-        for callback, shim, module in watch:
-            callback.on_train_batch_start(shim, module, None, r - 1)
-        idx = indices[r - 1]
-        xs, ys = x_all[idx], y_all[idx]
-        losses = []
-        for k in range(steps):
-            per_machine = stack._machine_losses(xs[k], ys[k])
-            for p in big.values():
-                p.grad = None
-            per_machine.sum().backward()
-            for i, ps in enumerate(trial_params):
-                for name, p in zip(big, ps):
-                    p.grad = big[name].grad[i * M : (i + 1) * M]
-            optimizer.step()
-            if averager.step() and not floats_per_sync:
-                floats_per_sync = averager.floats_communicated // T  # every trial is active in round 1
-            losses.append(per_machine.detach().view(T, M))
-        stacked_losses = torch.stack(losses, dim=1)  # (T, steps, M)
-        round_loss = torch.stack([stacked_losses[i].clone().mean() for i in range(T)])
+    def end_round(s: _Sub, step: int) -> None:
+        """Trials of block ``s`` after their round ``r``'s last step ``step``: the model's checks and logs."""
+        r = (step + 1) // s.k
+        window = losses[step + 1 - s.k : step + 1]  # (k, T, M)
+        round_loss = torch.stack([window[:, i].clone().mean() for i in range(s.start, s.stop)])
         # As the model's check: the losses, and the parameters' extremes (one pass, NaN propagates);
         # per trial only when something is not finite.
-        extremes = torch.stack([v for p in big.values() for v in torch.aminmax(p.detach())])
-        finite = [True] * T
+        rows = [p[s.start * M : s.stop * M] for p in big_params]
+        extremes = torch.stack([v for p in rows for v in torch.aminmax(p.detach())])
         if not (torch.isfinite(round_loss).all() and torch.isfinite(extremes).all()):
-            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(T, -1), dim=1), 1) for p in big.values()], 1)
+            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(len(s.members), -1), dim=1), 1) for p in rows], 1)
             finite = (torch.isfinite(round_loss) & torch.isfinite(per_trial).all(1)).tolist()
-        for i in range(T):
-            if active[i] and not finite[i]:
-                what = f"train loss {round_loss[i].item()}" if not math.isfinite(round_loss[i].item()) else "non-finite parameters"
-                errors[i] = (
-                    f"Training diverged: {what} in round {r} (method={first['method']}, "
-                    f"lr={models[i].hparams.lr}). Try a smaller lr."
-                )
-                active[i] = False
-                freeze(i)
-        loss_since_log += torch.stack([round_loss.double(), torch.ones(T, dtype=torch.float64, device=device)], 1)
-        if r % log_every == 0 or r == n_batches:
-            mean_loss = (loss_since_log[:, 0] / loss_since_log[:, 1]).float()
-            loss_since_log.zero_()
-            for i in range(T):
-                if not active[i]:
-                    continue
-                row = {
-                    "train_loss": float(mean_loss[i]),
-                    "round": float(averager.num_syncs),
-                    "samples_seen": float(samples_per_round * r),
-                    "floats_communicated": float(floats_per_sync * averager.num_syncs * M),
-                }
-                metrics[i].update(row)
-                loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
-                history[i].append((r - 1, row))
-        if r % every == 0 or r == n_batches:
-            evaluate(r)
+            for j, i in enumerate(s.members):
+                if active[i] and not finite[j]:
+                    value = round_loss[j].item()
+                    what = f"train loss {value}" if not math.isfinite(value) else "non-finite parameters"
+                    errors[i] = (
+                        f"Training diverged: {what} in round {r} (method={first['method']}, "
+                        f"lr={models[i].hparams.lr}). Try a smaller lr."
+                    )
+                    active[i] = False
+                    freeze(i)
+        loss_since_log[s.start : s.stop] += torch.stack([round_loss.double(), ones[: len(s.members)]], 1)
+        if r % log_every == 0 or r == s.rounds:
+            mean_loss = (loss_since_log[s.start : s.stop, 0] / loss_since_log[s.start : s.stop, 1]).float()
+            loss_since_log[s.start : s.stop] = 0
+            for j, i in enumerate(s.members):
+                if active[i]:
+                    log(i, r, {
+                        "train_loss": float(mean_loss[j]),
+                        "round": float(s.averager.num_syncs),
+                        "samples_seen": float(s.k * b * M * r),
+                        "floats_communicated": float(s.floats_per_sync * s.averager.num_syncs * M),
+                    })  # fmt: skip
+        if r % every == 0 or r == s.rounds:
+            evaluate(s, r)
+
+    for step in range(steps):
+        if step % chunk == 0:
+            idx = indices[step : step + chunk].view(-1)
+            n = len(idx) // (T * M * b)
+            torch.index_select(x_all, 0, idx, out=xs_buf[:n].view(-1, x_all.shape[1]))
+            torch.index_select(y_all, 0, idx, out=ys_buf[:n].view(-1))
+        for s in subs:  # a block starting a round: its trials' per-round diagnostics arm
+            if step % s.k == 0 and step < s.steps:
+                for i in s.members:
+                    if active[i] and per_round[i]:
+                        callback, shim, module = watch[i]
+                        callback.on_train_batch_start(shim, module, None, step // s.k)
+        per_machine = stack._machine_losses(
+            xs_buf[step % chunk].view(T * M, b, -1), ys_buf[step % chunk].view(T * M, b)
+        )
+        for p in big_params:
+            p.grad = None
+        per_machine.sum().backward()
+        for i, ps in enumerate(trial_params):
+            if active[i]:
+                for p, whole in zip(ps, big_params):
+                    p.grad = whole.grad[i * M : (i + 1) * M]
+        losses[step] = per_machine.detach().view(T, M)
+        for s in subs:
+            if step >= s.steps or not any(active[i] for i in s.members):
+                continue
+            s.optimizer.step()
+            if s.averager.step() and not s.floats_per_sync:
+                s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
+            if (step + 1) % s.k == 0:
+                end_round(s, step)
         if not any(active):
             break
     for callback, shim, module in watch:
         callback.on_train_end(shim, module)
 
     wall = (time.perf_counter() - start) / T
-    for i, t in enumerate(group):
+    for i, t in enumerate(trials):
         loggers[i].save()
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics[i].items()}
         t.outcome = {
@@ -440,6 +495,17 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         t.final_state = {
             "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
         }
+
+
+def _objective_to(objective: Any, device: torch.device, shared: dict[int, Tensor]) -> None:
+    """A trial's objective on the group's device, its inputs shared with the other trials' (``shared``:
+    the device copy of each input tensor, by the CPU tensor's id)."""
+    x = objective.x
+    if x.device != device:
+        if id(x) not in shared:
+            shared[id(x)] = x.to(device)
+        objective.x = shared[id(x)]
+    objective.to(device)
 
 
 def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
@@ -503,8 +569,9 @@ def run_stacked(
     for g, group in enumerate(groups, 1):
         c = group[0].config
         size = len(group) * trial_bytes(c) / 2**20
+        ks = ",".join(str(k) for k in sorted({t.config["local_steps"] for t in group}))
         print(
-            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={c['local_steps']} "
+            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={ks} "
             f"b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)",
             flush=True,
         )
