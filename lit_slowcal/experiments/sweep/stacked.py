@@ -264,6 +264,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from lit_slowcal.experiments.data import MNISTDataModule
     from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.objective import affine_rows, values
     from lit_slowcal.experiments.partition import write_class_counts
 
     start = time.perf_counter()
@@ -379,31 +380,44 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
         history[i].append((r - 1, row))
 
-    def evaluate(s: _Sub, r: int) -> None:
-        live = [i for i in s.members if active[i]]
-        swap = getattr(s.optimizer, "swap_output", None)
-        if callable(swap):
-            swap()
+    def evaluate(due: list[tuple[_Sub, int]]) -> None:
+        """The blocks ``due`` after their round r: every live trial's averaged model on the test set, and its
+        training objective, in one pass over each (``affine_rows``: each trial's values bit for bit)."""
+        live = [(s, r, i) for s, r in due for i in s.members if active[i]]
+        for s, _ in due:  # the optimizers whose trained model is not their query point exchange them
+            swap = getattr(s.optimizer, "swap_output", None)
+            if callable(swap):
+                swap()
         with torch.no_grad():
-            weight = torch.stack([models[i].machines.weight.mean(0) for i in live])  # averaged_state, per trial
-            bias = torch.stack([models[i].machines.bias.mean(0) for i in live])
-            logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(len(live), -1, -1), weight.transpose(1, 2))
-        logged = {}
-        for i in live:  # at the evaluated point: the callback's hook runs before the model's, which swaps back
-            callback, shim, module = watch[i]
-            callback.on_validation_epoch_end(shim, module)
-            logged[i] = module.logged()
-        if callable(swap):
-            swap()
+            weights = [models[i].machines.weight.mean(0) for _, _, i in live]  # averaged_state, per trial
+            biases = [models[i].machines.bias.mean(0) for _, _, i in live]
+            logits = affine_rows(test_x, weights, biases)
+            scored = [j for j, (_, _, i) in enumerate(live) if watch[i][0].objective is not None]
+            known = values([watch[live[j][2]][0].objective for j in scored], [{"weight": weights[j], "bias": biases[j]} for j in scored])
+        objective_of = dict(zip(scored, known))
+        logged = []
+        for j, (_, _, i) in enumerate(live):  # at the evaluated point: the callback's hook runs before the
+            callback, shim, module = watch[i]  # model's, which swaps back
+            objective = callback.objective
+            if j in objective_of:
+                callback.objective = _Known(objective_of[j])
+            try:
+                callback.on_validation_epoch_end(shim, module)
+            finally:
+                callback.objective = objective
+            logged.append(module.logged())
+        for s, _ in due:
+            swap = getattr(s.optimizer, "swap_output", None)
+            if callable(swap):
+                swap()
         n = len(test_y)
-        for j, i in enumerate(live):
-            row = {
-                "test_loss": float(_epoch_mean(F.cross_entropy(logits[j], test_y), n)),
-                "test_acc": float(multiclass_accuracy(logits[j], test_y, num_classes=logits.shape[-1], average="micro")),
+        for (s, r, i), z, extra in zip(live, logits, logged):
+            log(i, r, {
+                "test_loss": float(_epoch_mean(F.cross_entropy(z, test_y), n)),
+                "test_acc": float(multiclass_accuracy(z, test_y, num_classes=z.shape[-1], average="micro")),
                 "round": float(s.averager.num_syncs),
-                **logged[i],
-            }
-            log(i, r, row)
+                **extra,
+            })  # fmt: skip
 
     def end_round(s: _Sub, step: int) -> None:
         """Trials of block ``s`` after their round ``r``'s last step ``step``: the model's checks and logs."""
@@ -440,8 +454,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                         "floats_communicated": float(s.floats_per_sync * s.averager.num_syncs * M),
                     })  # fmt: skip
         if r % every == 0 or r == s.rounds:
-            evaluate(s, r)
+            due.append((s, r))
 
+    due: list[tuple[_Sub, int]] = []  # the blocks to evaluate after this step, with their round
     for step in range(steps):
         if step % chunk == 0:
             idx = indices[step : step + chunk].view(-1)
@@ -473,6 +488,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
             if (step + 1) % s.k == 0:
                 end_round(s, step)
+        if due:
+            evaluate(due)
+            due.clear()
         if not any(active):
             break
     for callback, shim, module in watch:
@@ -495,6 +513,20 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         t.final_state = {
             "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
         }
+
+
+class _Known:
+    """A trial's training objective whose value at the evaluated point is known (``objective.values``: computed
+    with the other trials evaluated at the same step), as the ``Diagnostics`` callback calls it."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def to(self, device: Any) -> "_Known":
+        return self
+
+    def __call__(self, params: dict[str, Tensor]) -> float:
+        return self.value
 
 
 def _objective_to(objective: Any, device: torch.device, shared: dict[int, Tensor]) -> None:
