@@ -100,9 +100,7 @@ class Objective:
 
     def to(self, device: Any) -> "Objective":
         """This objective with its inputs, labels and sample weights on ``device`` (itself when already there)."""
-        device = torch.device(device)
-        if self.x.device != device:
-            self.x, self.y, self.weights = self.x.to(device), self.y.to(device), self.weights.to(device)
+        self.x, self.y, self.weights = self.x.to(device), self.y.to(device), self.weights.to(device)
         return self
 
     @property

@@ -308,7 +308,10 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     indices = torch.cat(columns, dim=1).to(device)  # (steps, T*M, b)
     x_all, y_all = streams[0]._train.x.to(device), streams[0]._train.y.to(device)
     test_x, test_y = streams[0].test_x.to(device), streams[0].test_y.to(device)
-    chunk = max(1, min(steps, 2**26 // max(1, T * M * b * x_all.shape[1])))  # steps gathered at once (<= 256 MiB)
+    # Steps whose samples are gathered at once: a few MiB on the CPU (they stay in cache until their step),
+    # up to 256 MiB on a GPU (fewer launches).
+    step_bytes = T * M * b * x_all.shape[1] * x_all.element_size()
+    chunk = max(1, min(steps, (2**22 if device.type == "cpu" else 2**28) // step_bytes))
     xs_buf = x_all.new_empty((chunk, T * M * b, x_all.shape[1]))
     ys_buf = y_all.new_empty((chunk, T * M * b))
 
