@@ -268,14 +268,14 @@ DIAGNOSTICS = ("dispersion", "query_step", "iterate_step")
 
 
 def stacked_grid(tmp_path: Path, accelerator: str):
-    """Every method x 2 lrs, one seed, M = 4, K = 4, 7 rounds (tests/test_stacked.py's grid), stacked on
-    ``accelerator``; the trials with their outcomes and final parameters."""
+    """Every method x 2 lrs x K = 2 and 4, one seed, M = 4, 7 rounds (tests/test_stacked.py's grid), stacked
+    on ``accelerator``; the trials with their outcomes and final parameters."""
     from test_stacked import grid_file
 
     from lit_slowcal.experiments import sweep as sw
     from lit_slowcal.experiments.sweep import stacked
 
-    sweep = sw.load_sweep(grid_file(tmp_path / accelerator, seeds=(1,), extra=(f"--trainer.accelerator={accelerator}",)))
+    sweep = sw.load_sweep(grid_file(tmp_path / accelerator, seeds=(1,), ks=(2, 4), extra=(f"--trainer.accelerator={accelerator}",)))
     command_line = sw.CommandLine()
     trials = []
     for params in sw.expand_trials(sweep):

@@ -1,26 +1,33 @@
 """Stacked trials: a sweep's trials that share a shape train as one vectorized program (``--stack``).
 
-Trials that differ only in their learning rate and their seed (same method, M, K, b, data and model
-options) form a group. A group of T trials trains as T x M simulated machines in one process, one
-round at a time, without a Trainer:
+Trials that differ only in their learning rate, their seed and K (same method, M, b, data and model
+options; K of a minibatch method is its per-step batch, so it stays in the group key there) form a
+group. A group of T trials trains as T x M simulated machines in one process, one step at a time,
+without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
   larger batch of machines (``LogisticRegression._machine_losses``; the loss is the sum over the
   T * M machines, so every slice gets its own gradient);
-* one optimizer, built by the method's own factory (``Method.optimizer``), holds the trials in its
-  parameter groups, one group per learning rate: a trial's update is the single run's elementwise
-  update on its own slices;
-* one ``PeriodicAverager`` over the trials' ``SimulatedMachines`` averages each trial's tensors over
-  its own M machines (the single run's ``mean(0)`` on the same ``(M, ...)`` tensor), and calls the
-  optimizer's ``pre_sync`` / ``post_sync``;
-* each trial's round batches are the ones its single run draws (its data module's own split and
-  ``MachineStreams.indices``), concatenated along the machine dimension;
-* the T averaged models are evaluated on the test set in one batched matmul, every ``eval_every``
-  rounds and after the last round, with ``swap_output`` around it as the model does.
+* the trials are ordered by K into blocks of rows; one epoch is the same number of steps per
+  machine whatever K (one per b samples), so the blocks step together, and each block has its own
+  optimizer, built by the method's own factory (``Method.optimizer``) with one parameter group per
+  learning rate (a trial's update is the single run's elementwise update on its own slices), and
+  its own ``PeriodicAverager`` over its trials' ``SimulatedMachines`` (sync every K steps: each
+  trial's tensors averaged over its own M machines, the single run's ``mean(0)``; the optimizer's
+  ``pre_sync`` / ``post_sync`` on that block's state only). A block whose epoch has fewer steps
+  (``ceil`` of the rounds) stops stepping first;
+* each trial's steps draw the samples its single run draws (its data module's own split and
+  ``MachineStreams.indices``, its rounds' steps in order), gathered a few steps at a time into
+  preallocated buffers;
+* a block ends its round after its K-th step: the model's finiteness check, the train-loss log,
+  and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a step
+  are evaluated together: their trials' averaged models on the test set and, for the training
+  objective, on the training set, each set read once for all of them (``objective.affine_rows``,
+  ``objective.values``), with ``swap_output`` around it as the model does;
 * each trial runs its single run's ``Diagnostics`` callback (training objective, optimum, per-round
-  diagnostics) on its own data module, model and logger, with the averager's sync pre-hook and the
-  group's optimizer (its hooks see the trial's own slices): the same rows and values.
+  diagnostics) on its own data module, model and logger, with its block's averager (the sync
+  pre-hook) and optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
 alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
@@ -38,7 +45,7 @@ A group trains where its trials' single runs train (``trainer.accelerator``, one
 or on the first CUDA device with the training set, the sample indices, the parameters, the optimizer
 state, the evaluation and the objective all there; the initial points are drawn on the CPU as in the
 CPU run. On CUDA, float32 sums run in another order: the results are within 1e-6 relative of the CPU
-run rather than bit for bit (``tests/test_cuda.py``). A group is split to fit the memory
+run rather than bit for bit, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -174,7 +181,7 @@ def default_memory_budget(device: Optional[torch.device] = None) -> int:
 
 
 def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTrial]]:
-    """Trials grouped by everything but their learning rate and seed, in sweep order; groups larger
+    """Trials grouped by everything but their learning rate, seed and K (``_PER_TRIAL``), in sweep order; groups larger
     than ``budget`` bytes (``trial_bytes`` each) are split into consecutive parts that fit (at least
     one trial each)."""
     groups: dict[str, list[StackedTrial]] = {}
