@@ -243,7 +243,7 @@ def _epoch_mean(value: Tensor, n: int) -> Tensor:
     return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
 
 
-class _Sub:
+class _Block:
     """The trials of a group that share K (``data.steps_per_round``): rows ``[start, stop)`` of the stack,
     their own optimizer (one parameter group per learning rate) and averager, on their own schedule."""
 
@@ -295,15 +295,15 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         model = LogisticRegression(**_model_settings(t.config))
         model.configure_model()
         models.append(model)
-    subs: list[_Sub] = []
+    blocks: list[_Block] = []
     for i, t in enumerate(trials):
         k = t.config["data"]["steps_per_round"]
-        if not subs or subs[-1].k != k:
-            subs.append(_Sub([], i, k, _num_batches(t.config, streams[i].num_rounds)))
-        subs[-1].members.append(i)
-        subs[-1].stop = i + 1
-    of = [s for s in subs for _ in s.members]  # each trial's block
-    steps = max(s.steps for s in subs)  # a block whose epoch is shorter stops stepping earlier
+        if not blocks or blocks[-1].k != k:
+            blocks.append(_Block([], i, k, _num_batches(t.config, streams[i].num_rounds)))
+        blocks[-1].members.append(i)
+        blocks[-1].stop = i + 1
+    of = [s for s in blocks for _ in s.members]  # each trial's block
+    steps = max(s.steps for s in blocks)  # a block whose epoch is shorter stops stepping earlier
     b = streams[0].batch_size
 
     # Every trial's sample indices of its epoch, one row per step (its rounds' steps in order), padded
@@ -338,7 +338,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     big_params = list(big.values())
 
     # Each block: its optimizer, built by the method's own factory, and its averager (its own K).
-    for s in subs:
+    for s in blocks:
         by_lr: dict[float, list[Tensor]] = {}
         for i in s.members:
             by_lr.setdefault(models[i].hparams.lr, []).extend(trial_params[i])
@@ -358,7 +358,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     # Each trial's Diagnostics (training objective, optimum, per-round diagnostics): the CLI adds it to
     # every fit; what --objective / --diagnostics switch off it skips.
     watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], of[i].averager, of[i].optimizer) for i, t in enumerate(trials)]
-    on_device: dict[int, Tensor] = {}  # the trials share one copy of the training set on the device
+    on_device: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # one copy of each split's rows
     for callback, shim, module in watch:
         callback.on_fit_start(shim, module)
         if callback.objective is not None:
@@ -390,7 +390,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
         history[i].append((r - 1, row))
 
-    def evaluate(due: list[tuple[_Sub, int]]) -> None:
+    def evaluate(due: list[tuple[_Block, int]]) -> None:
         """The blocks ``due`` after their round r: every live trial's averaged model on the test set, and its
         training objective, in one pass over each (``affine_rows``: each trial's values bit for bit)."""
         live = [(s, r, i) for s, r in due for i in s.members if active[i]]
@@ -429,7 +429,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 **extra,
             })  # fmt: skip
 
-    def end_round(s: _Sub, step: int) -> None:
+    def end_round(s: _Block, step: int) -> None:
         """Trials of block ``s`` after their round ``r``'s last step ``step``: the model's checks and logs."""
         r = (step + 1) // s.k
         window = losses[step + 1 - s.k : step + 1]  # (k, T, M)
@@ -466,14 +466,14 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         if r % every == 0 or r == s.rounds:
             due.append((s, r))
 
-    due: list[tuple[_Sub, int]] = []  # the blocks to evaluate after this step, with their round
+    due: list[tuple[_Block, int]] = []  # the blocks to evaluate after this step, with their round
     for step in range(steps):
         if step % chunk == 0:
             idx = indices[step : step + chunk].view(-1)
             n = len(idx) // (T * M * b)
             torch.index_select(x_all, 0, idx, out=xs_buf[:n].view(-1, x_all.shape[1]))
             torch.index_select(y_all, 0, idx, out=ys_buf[:n].view(-1))
-        for s in subs:  # a block starting a round: its trials' per-round diagnostics arm
+        for s in blocks:  # a block starting a round: its trials' per-round diagnostics arm
             if step % s.k == 0 and step < s.steps:
                 for i in s.members:
                     if active[i] and per_round[i]:
@@ -490,7 +490,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                 for p, whole in zip(ps, big_params):
                     p.grad = whole.grad[i * M : (i + 1) * M]
         losses[step] = per_machine.detach().view(T, M)
-        for s in subs:
+        for s in blocks:
             if step >= s.steps or not any(active[i] for i in s.members):
                 continue
             s.optimizer.step()
@@ -539,15 +539,20 @@ class _Known:
         return self.value
 
 
-def _objective_to(objective: Any, device: torch.device, shared: dict[int, Tensor]) -> None:
-    """A trial's objective on the group's device, its inputs shared with the other trials' (``shared``:
-    the device copy of each input tensor, by the CPU tensor's id)."""
-    x = objective.x
-    if x.device != device:
-        if id(x) not in shared:
-            shared[id(x)] = x.to(device)
-        objective.x = shared[id(x)]
-    objective.to(device)
+def _objective_to(objective: Any, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor]]) -> None:
+    """A trial's objective on the group's device, its inputs, labels and weights shared with the other trials
+    of the same split (``shared``, by the split's shards: the trials of one seed and several K; the
+    official split leaves some samples out, so each split's objective holds its own rows)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for shard in objective.shards:
+        digest.update(shard.to(torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    key = (tuple(objective.x.shape), objective.loss, digest.hexdigest())
+    if key not in shared:
+        shared[key] = (objective.x.to(device), objective.y.to(device), objective.weights.to(device))
+    objective.x, objective.y, objective.weights = shared[key]
 
 
 def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
