@@ -157,9 +157,14 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
     monkeypatch.chdir(REPO)
     with pytest.raises((SystemExit, ValueError, FileNotFoundError)) as info:
         main(["fit", "--config=configs/slowcal.yaml", "--wandb=false", f"--run_dir={tmp_path / 'runs'}", *args])
+    captured = capsys.readouterr()
     if isinstance(info.value, SystemExit):
         assert info.value.code != 0
-    captured = capsys.readouterr()
+        # One line: the check's own message, without jsonargparse's usage or the link's name.
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("lit_slowcal: error: ")]
+        assert len(errors) == 1 and not any(line.startswith(("usage:", "error:")) for line in lines), captured.err[-2000:]
+        assert "compute_fn" not in errors[0]
     message = f"{info.value}\n{captured.err}\n{captured.out}"
     for text in expected:
         assert text in message, message[-2000:]

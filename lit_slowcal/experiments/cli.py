@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import re
 import signal
 import sys
 import time
@@ -40,7 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
-from jsonargparse import Namespace
+import lightning.pytorch
+from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -54,6 +56,7 @@ from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
+from lit_slowcal.experiments.main import DEBUG_ENV
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
@@ -99,6 +102,26 @@ def wandb_logged_in() -> bool:
         return False
 
 
+_LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
+
+
+class _OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser whose refusals are one line, ``lit_slowcal: error: <message>`` (exit status 2).
+
+    The message is jsonargparse's, without the usage it prints before it and without the name of the link
+    function that checked the value (the check's own message names the field, the value and what is
+    allowed). ``LIT_SLOWCAL_DEBUG=1`` or ``exit_on_error=False`` keep jsonargparse's own behaviour.
+    """
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        if not self.exit_on_error or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            return super().error(message, *args, **kwargs)
+        message = " ".join(_LINK_PREFIX.sub("", str(message)).split())
+        prog = self.prog.replace(" [options]", "")
+        print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
+        self.exit(2)
+
+
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     """LightningCLI with the paper's experiment settings and their derived values linked in.
 
@@ -115,7 +138,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         # The method picks the optimizer (SlowcalSGD or SGD); a generic --optimizer would bypass it.
         kwargs.setdefault("auto_configure_optimizers", False)
         description = (
-            "SLowcal-SGD, Local-SGD and Minibatch-SGD on M machines. Subcommands: fit, validate, test, "
+            f"{', '.join(get_method(name).label for name in method_names())} on M machines. Subcommands: fit, validate, test, "
             "predict; also `sweep` and `report` (see --help of each)."
         )
         kwargs.setdefault("parser_kwargs", {"prog": "python -m lit_slowcal", "description": description})
@@ -145,6 +168,13 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         config = self.config_init if initialized else self.config
         subcommand = getattr(self, "subcommand", None)
         return config[subcommand] if subcommand else config
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser (the root's and each subcommand's), refusing a value in one line."""
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
+        parser = _OneLineErrorParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format.")
+        return parser
 
     def setting(self, key: str, default: Any = None) -> Any:
         """A value of this run's configuration by its (dotted) key: ``setting("model.lr")``."""

@@ -120,8 +120,12 @@ class Objective:
 
     @torch.no_grad()
     def __call__(self, params: dict[str, Tensor]) -> float:
-        """f at ``params`` (``{"weight": ..., "bias": ...}``, any float dtype), as a float."""
-        return float(self._value(self.x, params["weight"].detach(), params["bias"].detach()))
+        """f at ``params`` (``{"weight": ..., "bias": ...}``, any float dtype, on any device), as a float.
+
+        f is evaluated where the objective's samples are (the CPU): a model trained on a GPU is copied there.
+        """
+        device = self.x.device
+        return float(self._value(self.x, params["weight"].detach().to(device), params["bias"].detach().to(device)))
 
     def value_and_grad64(self, params: dict[str, Tensor], x64: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor]]:
         """f and its gradient in float64 at ``params`` (on the float64 inputs ``x64``, made when not given)."""
