@@ -157,8 +157,7 @@ class Diagnostics(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.objective is None or trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        state = pl_module.machines.averaged_state()
-        value = self.objective.to(state["weight"].device)(state)  # on the model's device (a GPU run's)
+        value = self.objective(pl_module.machines.averaged_state())
         # float64 tensors: a Python float would be logged as float32 (excess losses are small differences).
         pl_module.log("train_objective", torch.tensor(value, dtype=torch.float64))
         if self.optimum is not None:

@@ -98,11 +98,6 @@ class Objective:
         self.y = (data.train_y if everything else data.train_y[used]).to(torch.int64 if loss == "cross_entropy" else torch.float64)
         self.weights = weights if everything else weights[used]
 
-    def to(self, device: Any) -> "Objective":
-        """This objective with its inputs, labels and sample weights on ``device`` (itself when already there)."""
-        self.x, self.y, self.weights = self.x.to(device), self.y.to(device), self.weights.to(device)
-        return self
-
     @property
     def exact(self) -> bool:
         """Whether f is evaluated in float64 throughout (inputs kept in float64)."""

@@ -532,9 +532,6 @@ class _Known:
     def __init__(self, value: float) -> None:
         self.value = value
 
-    def to(self, device: Any) -> "_Known":
-        return self
-
     def __call__(self, params: dict[str, Tensor]) -> float:
         return self.value
 
