@@ -39,6 +39,7 @@ def test_quadratic_optimum_excess_loss_and_g_star_equal_their_closed_forms(lam):
     theta, f_star, h, g_star = quadratic_closed_form(data, lam)
     found = solve(obj, (1, 6), tol=1e-10)
     assert found.converged and found.grad_norm <= 1e-10
+    assert found.iterations == 1 and found.cg_iterations <= 7  # f is quadratic: one Newton step, CG exact in 7 dimensions
     assert abs(found.value - f_star) <= 1e-9 * max(1.0, abs(f_star))
     np.testing.assert_allclose(np.r_[found.weight[0].numpy(), found.bias.numpy()], theta, atol=1e-9, rtol=0)
     assert abs(heterogeneity(obj, found.params) - g_star) <= 1e-9
@@ -66,18 +67,26 @@ def newton_logistic(x, y, w, classes, lam, iters=30):
         return np.sum(w * (lse - z[np.arange(len(y)), y])) + 0.5 * lam * np.sum(t * t)
 
     for _ in range(iters):
-        z = a @ theta.T
-        p = np.exp(z - z.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
+        p = softmax(a @ theta.T)
         grad = ((w[:, None] * (p - onehot)).T @ a + lam * theta).reshape(-1)
-        hess = np.zeros((classes * d, classes * d))
-        for c in range(classes):
-            for k in range(classes):
-                coef = w * p[:, c] * ((c == k) - p[:, k])
-                hess[c * d : (c + 1) * d, k * d : (k + 1) * d] = a.T @ (coef[:, None] * a)
-        hess += lam * np.eye(classes * d)
-        theta = theta - np.linalg.solve(hess, grad).reshape(classes, d)
+        theta = theta - np.linalg.solve(softmax_hessian(a, p, w, lam), grad).reshape(classes, d)
     return theta, value(theta), np.linalg.norm(grad)
+
+
+def softmax(z):
+    p = np.exp(z - z.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def softmax_hessian(a, p, w, lam):
+    """The Hessian of sum_j w_j CE(theta a_j, y_j) + lam/2 ||theta||^2 in theta = (W | b), rows first (numpy)."""
+    classes, d = p.shape[1], a.shape[1]
+    hess = np.zeros((classes * d, classes * d))
+    for c in range(classes):
+        for k in range(classes):
+            coef = w * p[:, c] * ((c == k) - p[:, k])
+            hess[c * d : (c + 1) * d, k * d : (k + 1) * d] = a.T @ (coef[:, None] * a)
+    return hess + lam * np.eye(classes * d)
 
 
 def test_solver_on_a_small_logistic_problem_matches_newtons_method():
@@ -101,6 +110,50 @@ def test_solver_on_a_small_logistic_problem_matches_newtons_method():
     lse = np.log(np.exp(z).sum(1))
     expected = np.sum(_weights(data) * (lse - z[np.arange(len(z)), data.train_y.numpy()])) + 0.5 * lam * np.sum(t * t)
     assert abs(obj(params) - expected) <= 1e-12
+
+
+def test_the_solvers_hessian_and_hessian_vector_products_equal_the_independent_ones():
+    data = Synthetic(alpha=1.0, beta=1.0, dim=4, num_classes=3).build(3, seed=5)
+    lam = 1e-3
+    obj = Objective(data, "cross_entropy", lam)
+    model = objective_module._Newton(obj, obj.x.double(), 3)
+    theta = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    value, grad, p = model.evaluate(theta)
+    a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
+    hess = softmax_hessian(a, softmax(a @ theta.numpy().T), _weights(data), lam)
+    np.testing.assert_allclose(model.hessian(p, drop=0.0).numpy(), hess, rtol=0, atol=1e-13)
+    # Dropping the sample pairs with p_c p_k < drop changes it by at most drop C (C - 1) max ||x~||^2.
+    drop = 1e-3
+    dropped = np.linalg.norm(model.hessian(p, drop=drop).numpy() - hess, 2)
+    assert 1e-9 < dropped <= drop * 3 * 2 * np.max(np.sum(a * a, 1))
+    v = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    np.testing.assert_allclose(model.hvp(p, v).numpy().reshape(-1), hess @ v.numpy().reshape(-1), rtol=0, atol=1e-13)
+    np.testing.assert_allclose(model.diagonal(p).numpy().reshape(-1), np.diag(hess), rtol=0, atol=1e-13)
+    # f and its gradient: those of the Objective (autograd).
+    value64, grads = obj.value_and_grad64({"weight": theta[:, :-1], "bias": theta[:, -1]})
+    assert abs(value - float(value64)) <= 1e-14
+    torch.testing.assert_close(grad, torch.cat([grads[0], grads[1][:, None]], 1), rtol=0, atol=1e-14)
+
+
+def test_the_solver_is_deterministic_and_reports_the_true_gradient_norm():
+    data = Synthetic(alpha=1.0, beta=1.0, dim=6, num_classes=4).build(4, seed=7)
+    lam = 1e-3
+    obj = Objective(data, "cross_entropy", lam)
+    found = solve(obj, (4, 6), tol=1e-10)
+    again = solve(obj, (4, 6), tol=1e-10)
+    assert torch.equal(found.weight, again.weight) and torch.equal(found.bias, again.bias) and found.value == again.value
+    # The reported gradient norm is that of f at the returned x*, computed independently (numpy).
+    a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
+    t = np.hstack([found.weight.numpy(), found.bias.numpy()[:, None]])
+    p = softmax(a @ t.T)
+    grad = (_weights(data)[:, None] * (p - np.eye(4)[data.train_y.numpy()])).T @ a + lam * t
+    assert found.converged and found.grad_norm <= 1e-10
+    assert abs(found.grad_norm - np.linalg.norm(grad)) <= 1e-14
+    # The whole-Hessian preconditioner (taken after every step with refresh=0) reaches the same x*.
+    hessian_path = solve(obj, (4, 6), tol=1e-10, refresh=0)
+    assert hessian_path.converged and hessian_path.iterations <= found.iterations
+    np.testing.assert_allclose(hessian_path.weight.numpy(), found.weight.numpy(), rtol=0, atol=2e-10 / lam)
+    assert abs(hessian_path.value - found.value) <= 1e-14
 
 
 def test_a_float32_objective_of_a_large_problem_is_close_to_float64(monkeypatch):

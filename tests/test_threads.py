@@ -103,8 +103,11 @@ def test_the_cli_refuses_bad_values_before_anything_is_built(tmp_path, monkeypat
         main(["fit", "--config=configs/slowcal.yaml", "--wandb=false", f"--run_dir={tmp_path}", *args])
     assert info.value.code != 0
     value = args[-1].split("=")[-1]
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: argument --threads: Invalid threads: {value!r} {ALLOWED}"]
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [
+        f"lit_slowcal: error: argument --threads: Invalid threads: {value!r} {ALLOWED} "
+        "(`python -m lit_slowcal fit --help` lists the options)"
+    ]
     assert not (tmp_path / "slowcal_M16_K16_b1_seed1").exists()
 
 

@@ -56,7 +56,6 @@ from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
-from lit_slowcal.experiments.main import DEBUG_ENV
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
@@ -110,11 +109,12 @@ class _OneLineErrorParser(LightningArgumentParser):
 
     The message is jsonargparse's, without the usage it prints before it and without the name of the link
     function that checked the value (the check's own message names the field, the value and what is
-    allowed). ``LIT_SLOWCAL_DEBUG=1`` or ``exit_on_error=False`` keep jsonargparse's own behaviour.
+    allowed). ``exit_on_error=False`` and jsonargparse's debug mode (``JSONARGPARSE_DEBUG``) keep
+    jsonargparse's own behaviour.
     """
 
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
-        if not self.exit_on_error or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
         message = " ".join(_LINK_PREFIX.sub("", str(message)).split())
         prog = self.prog.replace(" [options]", "")
@@ -213,9 +213,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         parser.add_argument(
             "--optimum_tol",
             type=float,
-            default=1e-6,
+            default=1e-8,
             help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
-            "(MNIST, lambda = 1e-4: 5e-9)",
+            "(MNIST, lambda = 1e-4: 5e-13)",
         )
         parser.add_argument(
             "--cache_dir",
@@ -497,7 +497,7 @@ def diagnostics_callback(get: Callable[..., Any]) -> Diagnostics:
         per_round=get("diagnostics", True),
         step_every=check_int("step_every", get("step_every", 10), minimum=0),
         cache_dir=get("cache_dir"),
-        tol=check_number("optimum_tol", get("optimum_tol", 1e-6)),
+        tol=check_number("optimum_tol", get("optimum_tol", 1e-8)),
     )
 
 
