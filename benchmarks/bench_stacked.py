@@ -1,21 +1,28 @@
 """Time stacked trials (``sweep --stack``) against one trial at a time, and check they give the same results.
 
-Three measurements, all in this process (MNIST decoded once, one torch thread, ``--wandb=false``,
+The measurements, all in this process (MNIST decoded once, one torch thread, ``--wandb=false``,
 run folders and results files in a temporary folder):
 
-1. A subset of the paper grid (``sweeps/paper.yaml``; ``--subset`` groups of three seeds, default
-   the M = 16, K = 16 group of each method: 9 runs) one at a time through the runner
-   (``run_trial``, Lightning), then the same trials stacked; the ratio of the two wall times, and
-   whether every metric of every trial is the same.
-2. The 30-run learning-rate grid (``sweeps/lr.yaml``) stacked, compared with
-   ``sweeps/results/lr.jsonl`` (written one at a time).
-3. With ``--full``: the whole 135-run paper grid stacked, compared with ``sweeps/results/paper.jsonl``
-   (written one at a time by the runner).
+1. A subset of the paper grid (``sweeps/paper.yaml``; ``--subset K``: the M = 16 group of that K,
+   default 16, every method, three seeds: 9 runs) one at a time through the runner (``run_trial``,
+   Lightning), then the same trials stacked; the ratio of the two wall times, and whether every
+   metric of every trial is the same (``--no-alone`` leaves this part out).
+2. The 30-run learning-rate grid (``sweeps/lr.yaml``) stacked, and its 18-run part of the paper's
+   three methods (slowcal, local_sgd, minibatch_sgd), compared with ``sweeps/results/lr.jsonl``
+   (written one at a time).
+3. With ``--full``: the whole 135-run paper grid stacked (``--machines 16 32`` keeps a part of it),
+   compared with ``sweeps/results/paper.jsonl`` (written one at a time by the runner).
 
-Peak memory is the process's peak resident set (``ru_maxrss``), MNIST and the imports included.
-Run on a shared machine: the load average is printed with the figures.
+``--device cuda`` runs the stacked trials on the first CUDA device (``--trainer.accelerator=gpu``;
+IEEE float32 matmuls, no TF32): the wall times end with ``torch.cuda.synchronize()``, the peak GPU
+memory is ``torch.cuda.max_memory_allocated()``, and the results are compared with the CPU's files
+to a relative tolerance (the largest relative difference of each metric is printed): float32 sums
+run in another order there. ``--light`` adds ``--objective=false --diagnostics=false`` to every
+trial (the comparisons then cover the metrics both sides have). Peak host memory is the process's
+peak resident set (``ru_maxrss``), MNIST and the imports included. Run on a shared machine: the
+load average is printed with the figures.
 
-    python benchmarks/bench_stacked.py [--full] [--subset 3]
+    python benchmarks/bench_stacked.py [--full] [--subset 16] [--device cuda] [--light] [--no-alone]
 """
 
 from __future__ import annotations
@@ -48,61 +55,110 @@ def load(path: Path) -> dict[str, dict]:
     return {trial_key(r["params"]): r for r in map(json.loads, path.read_text().splitlines())}
 
 
-def compare(results: Path, reference: Path) -> tuple[int, int]:
-    """(trials whose status and every metric equal the reference's, trials compared)."""
+def compare(results: Path, reference: Path) -> tuple[int, int, dict[str, float]]:
+    """(trials whose status and every metric equal the reference's, trials compared, the largest relative
+    difference of each metric). Metrics that only one side has (``--light``) are left out."""
     got, ref = load(results), load(reference)
-    same = sum(r["status"] == ref[k]["status"] and r["metrics"] == ref[k]["metrics"] for k, r in got.items() if k in ref)
-    return same, len(got)
+    same, worst = 0, {}
+    for k, r in got.items():
+        if k not in ref:
+            continue
+        theirs = ref[k]["metrics"]
+        common = [m for m in r["metrics"] if m in theirs]
+        same += r["status"] == ref[k]["status"] and all(r["metrics"][m] == theirs[m] for m in common)
+        for m in common:
+            a, b = r["metrics"][m], theirs[m]
+            if a is not None and b is not None:
+                worst[m] = max(worst.get(m, 0.0), abs(a - b) / max(abs(b), 1e-30))
+    return same, len(got), worst
 
 
-def sweep_file(tmp: Path, source: Path, keep: dict | None = None) -> Path:
-    """``source`` with its run folders under ``tmp`` (and its parameters narrowed to ``keep``)."""
+def sweep_file(tmp: Path, source: Path, keep: dict | None = None, extra: tuple[str, ...] = (), name: str = "") -> Path:
+    """``source`` with its run folders under ``tmp``, ``extra`` arguments for every trial, and its parameters
+    narrowed to ``keep``."""
     import yaml
 
     cfg = yaml.safe_load(source.read_text())
-    cfg["command"].insert(cfg["command"].index("${args}"), f"--run_dir={tmp / 'runs'}")
-    for name, values in (keep or {}).items():
-        cfg["parameters"][name] = {"values": values}
-    path = tmp / source.name
+    at = cfg["command"].index("${args}")
+    cfg["command"][at:at] = [f"--run_dir={tmp / 'runs'}", *extra]
+    for key, values in (keep or {}).items():
+        cfg["parameters"][key] = {"values": values}
+    path = tmp / (name or source.name)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
-def run_sweep(path: Path, results: Path, *extra: str) -> float:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_sweep(path: Path, results: Path, *extra: str, device: str = "cpu") -> float:
+    sync(device)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         code = sw.main([str(path), "--results", str(results), "--wandb=false", *extra])
+    sync(device)
     assert code == 0, f"sweep {path} exited with {code}"
     return time.perf_counter() - start
 
 
+def differences(worst: dict[str, float]) -> str:
+    """The largest relative differences, the nonzero ones."""
+    nonzero = {k: v for k, v in worst.items() if v}
+    return ", ".join(f"{k} {v:.1e}" for k, v in sorted(nonzero.items())) or "none"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--full", action="store_true", help="also the whole 135-run paper grid stacked")
+    p.add_argument("--full", action="store_true", help="also the 135-run paper grid stacked")
+    p.add_argument("--machines", type=int, nargs="+", default=[16, 32, 64], help="with --full: the M values of the grid to run")
     p.add_argument("--subset", type=int, default=16, help="K of the one-at-a-time subset (M = 16, all methods, 3 seeds)")
+    p.add_argument("--no-alone", action="store_true", help="leave out the one-at-a-time subset")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stacked trials train")
+    p.add_argument("--light", action="store_true", help="every trial with --objective=false --diagnostics=false")
     opts = p.parse_args()
     os.chdir(ROOT)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    extra = ("--objective=false", "--diagnostics=false") if opts.light else ()
+    stacked_extra = extra + (("--trainer.accelerator=gpu",) if opts.device == "cuda" else ())
+    if opts.device == "cuda":
+        torch.set_float32_matmul_precision("highest")
+        torch.cuda.reset_peak_memory_stats()
+        print(f"device {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, 1 thread, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"stacked on {opts.device}{' (light: no objective, no diagnostics)' if opts.light else ''}")  # fmt: skip
+    same_as = "identical"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        keep = {"num_machines": [16], "local_steps": [opts.subset]}
-        sub = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep)
-        alone = run_sweep(sub, tmp / "alone.jsonl")
-        stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack")
-        same, n = compare(tmp / "stacked.jsonl", tmp / "alone.jsonl")
-        print(
-            f"paper grid, M=16 K={opts.subset}, {n} runs: one at a time {alone:.1f} s, stacked {stacked:.1f} s: "
-            f"{alone / stacked:.2f}x; identical metrics {same}/{n}"
-        )
-        lr = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "lr.yaml"), tmp / "lr.jsonl", "--stack")
-        same, n = compare(tmp / "lr.jsonl", ROOT / "sweeps" / "results" / "lr.jsonl")
-        print(f"lr grid, {n} runs stacked: {lr:.1f} s; identical to sweeps/results/lr.jsonl: {same}/{n}")
+        if not opts.no_alone:
+            keep = {"num_machines": [16], "local_steps": [opts.subset]}
+            alone = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "alone.yaml"), tmp / "alone.jsonl")
+            sub = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra, "sub.yaml")
+            stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device)
+            same, n, worst = compare(tmp / "stacked.jsonl", tmp / "alone.jsonl")
+            print(
+                f"paper grid, M=16 K={opts.subset}, {n} runs: one at a time (cpu) {alone:.1f} s, stacked {stacked:.1f} s: "
+                f"{alone / stacked:.2f}x; {same_as} metrics {same}/{n}; largest relative differences: {differences(worst)}"
+            )
+        reference = ROOT / "sweeps" / "results" / "lr.jsonl"
+        for label, keep in (("lr grid", None), ("lr grid, 3 methods", {"method": ["slowcal", "local_sgd", "minibatch_sgd"]})):
+            name = label.replace(" ", "_").replace(",", "") + ".yaml"
+            path = sweep_file(tmp, ROOT / "sweeps" / "lr.yaml", keep, stacked_extra, name)
+            results = tmp / f"{path.stem}.jsonl"
+            seconds = run_sweep(path, results, "--stack", device=opts.device)
+            same, n, worst = compare(results, reference)
+            print(f"{label}, {n} runs stacked: {seconds:.1f} s; {same_as} to sweeps/results/lr.jsonl: {same}/{n}; "
+                  f"largest relative differences: {differences(worst)}")  # fmt: skip
         if opts.full:
-            full = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "paper.yaml"), tmp / "paper.jsonl", "--stack")
-            same, n = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
-            print(f"paper grid, {n} runs stacked: {full:.1f} s; identical to sweeps/results/paper.jsonl: {same}/{n}")
+            keep = {"num_machines": opts.machines}
+            full = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra), tmp / "paper.jsonl", "--stack", device=opts.device)
+            same, n, worst = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
+            print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; {same_as} to sweeps/results/paper.jsonl: "
+                  f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
     print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB; load average now {os.getloadavg()[0]:.1f}")
+    if opts.device == "cuda":
+        print(f"peak GPU memory (torch.cuda.max_memory_allocated): {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -257,3 +257,63 @@ def test_plain_torch_loop_two_processes_sharing_the_gpu_equal_one_process(tmp_pa
     record_property("max_abs_diff_P2_P1", f"{max((two[n] - one[n]).abs().max().item() for n in one):.3e}")
     for name, expected in one.items():
         torch.testing.assert_close(two[name], expected, rtol=0, atol=1e-6)
+
+
+# Stacked trials (sweep --stack) on a GPU: the model's figures within 1e-6 relative of the same grid
+# stacked on the CPU (float32 sums in another order); the per-round diagnostics are norms of small
+# differences of float32 parameters, whose relative error is larger; test accuracy may flip an image.
+STACKED_RTOL = 1e-6
+DIAGNOSTICS_RTOL = 1e-4
+DIAGNOSTICS = ("dispersion", "query_step", "iterate_step")
+
+
+def stacked_grid(tmp_path: Path, accelerator: str):
+    """Every method x 2 lrs x K = 2 and 4, one seed, M = 4, 7 rounds (tests/test_stacked.py's grid), stacked
+    on ``accelerator``; the trials with their outcomes and final parameters."""
+    from test_stacked import grid_file
+
+    from lit_slowcal.experiments import sweep as sw
+    from lit_slowcal.experiments.sweep import stacked
+
+    sweep = sw.load_sweep(grid_file(tmp_path / accelerator, seeds=(1,), ks=(2, 4), extra=(f"--trainer.accelerator={accelerator}",)))
+    command_line = sw.CommandLine()
+    trials = []
+    for params in sw.expand_trials(sweep):
+        args = sw.trial_args(sweep, params)
+        trials.append(stacked.StackedTrial(params, args, command_line.parse(args).fit.as_dict()))
+    groups = stacked.group_trials(trials, budget=2**30)
+    assert all(stacked.stackable(t.config) is None for t in trials)
+    for group in groups:
+        stacked.run_group(group)
+    return trials
+
+
+def test_stacked_grid_on_cuda_equals_the_same_grid_on_cpu(tmp_path, monkeypatch, record_property):
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    gpu = stacked_grid(tmp_path, "gpu")
+    record_property("wall_s_gpu", f"{time.perf_counter() - start:.1f}")
+    cpu = stacked_grid(tmp_path, "cpu")
+    worst: dict[str, float] = {}
+    for g, c in zip(gpu, cpu):
+        assert g.params == c.params and g.outcome["status"] == c.outcome["status"] == "finished", g.params
+        assert set(g.outcome["metrics"]) == set(c.outcome["metrics"]), g.params
+        for name, expected in c.final_state["params"].items():
+            got = g.final_state["params"][name]
+            scale = expected.abs().max().item()
+            assert scale > 0 and got.dtype == expected.dtype == torch.float32
+            worst["params"] = max(worst.get("params", 0.0), (got - expected).abs().max().item() / scale)
+            torch.testing.assert_close(got, expected, rtol=0, atol=STACKED_RTOL * scale)
+        for key, expected in c.outcome["metrics"].items():
+            got = g.outcome["metrics"][key]
+            rel = abs(got - expected) / max(abs(expected), 1e-30)
+            worst[key] = max(worst.get(key, 0.0), rel)
+            if key == "test_acc":
+                assert abs(got - expected) <= 2e-4, (g.params, key, got, expected)  # at most two of 10,000 images
+            else:
+                assert rel <= (DIAGNOSTICS_RTOL if key in DIAGNOSTICS else STACKED_RTOL), (g.params, key, got, expected)
+    for key, value in sorted(worst.items()):
+        record_property(f"max_rel_diff_{key}", f"{value:.2e}")
+    # The trials differ (the comparison is not of one run with itself).
+    assert len({t.outcome["metrics"]["test_loss"] for t in cpu}) == len(cpu)

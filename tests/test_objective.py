@@ -232,3 +232,22 @@ def test_a_large_problem_with_samples_left_out_is_evaluated_on_its_inputs_withou
         expected = float((w * torch.nn.functional.cross_entropy(logits, data.train_y[used], reduction="none")).sum() + penalty)
         assert obj({"weight": weight, "bias": bias}) == expected
     assert torch.equal(obj.inputs64(), data.train_x[used].double())  # the solver's float64 inputs
+
+
+def test_values_of_several_objectives_in_one_pass_equal_each_call_bit_for_bit(monkeypatch):
+    # float32 inputs (as MNIST's). Two objectives share their inputs (one split, two points), a third has
+    # its own (another split); weight decay on one. affine_rows in blocks of 100 rows, the last one short.
+    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+    problem = Synthetic(dim=12, num_classes=5)
+    one, other = problem.build(4, seed=1), problem.build(4, seed=2)
+    objectives = [Objective(one, "cross_entropy"), Objective(one, "cross_entropy", 1e-3), Objective(other, "cross_entropy")]
+    objectives[1].x = objectives[0].x  # the stacked trials of one split share one copy
+    assert objectives[0].x.dtype == torch.float32 and objectives[2].x is not objectives[0].x
+    g = torch.Generator().manual_seed(3)
+    points = [{"weight": torch.randn(5, 12, generator=g), "bias": torch.randn(5, generator=g)} for _ in objectives]
+    got = objective_module.values(objectives, points)
+    assert got == [o(p) for o, p in zip(objectives, points)]
+    assert len(set(got)) == 3
+    logits = objective_module.affine_rows(objectives[0].x, [p["weight"] for p in points], [p["bias"] for p in points], rows=100)
+    for z, p in zip(logits, points):
+        assert torch.equal(z, torch.addmm(p["bias"], objectives[0].x, p["weight"].T))

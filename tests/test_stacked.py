@@ -20,7 +20,7 @@ LRS = (0.01, 0.03)
 SEEDS = (1, 2)
 
 
-def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extra=()) -> Path:
+def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extra=(), ks=(4,)) -> Path:
     """Every method x 2 lrs x 2 seeds, M = 4, K = 4, 7 rounds: evaluations at rounds 3, 6 and 7 (a final
     one off the schedule), train-loss logs every 2 rounds and after the last."""
     cfg = {
@@ -30,7 +30,7 @@ def grid_file(tmp_path: Path, lrs=LRS, seeds=SEEDS, methods=tuple(METHODS), extr
             "model.lr": {"values": list(lrs)},
             "seed_everything": {"values": list(seeds)},
             "num_machines": {"value": 4},
-            "local_steps": {"value": 4},
+            "local_steps": {"values": list(ks)},
         },
         "command": [
             "${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml",
@@ -97,6 +97,32 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
             Path(outcome["run_dir"]) / "class_counts.csv"
         ).read_text()
     # The trials differ: the grid is not four copies of one run.
+    assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
+
+
+def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monkeypatch, command_line):
+    # K = 2 and 4 in one group for the local methods (SCAFFOLD: an optimizer with pre_sync / post_sync,
+    # one per K): 7 rounds are 14 and 28 steps, each K synchronising, logging and evaluating on its own
+    # schedule, the K = 2 trials done halfway. Minibatch-SGD's K is its batch: one group per K.
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    grid = dict(lrs=(0.03,), seeds=(1, 2), ks=(2, 4))
+    sweep = sw.load_sweep(grid_file(tmp_path / "single", methods=("scaffold", "minibatch_sgd"), **grid))
+    trials = sw.expand_trials(sweep)
+    reference = single_runs(monkeypatch, sweep, trials)
+    sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked", methods=("scaffold", "minibatch_sgd"), **grid))
+    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict()) for p in trials]
+    groups = stacked.group_trials(parsed, budget=2**30)
+    assert [sorted({t.params["local_steps"] for t in g}) for g in groups] == [[2, 4], [2], [4]]
+    for group in groups:
+        stacked.run_group(group)
+    for t, (outcome, params, csv_text) in zip(parsed, reference):
+        assert t.outcome["status"] == outcome["status"] == "finished"
+        assert t.outcome["metrics"] == outcome["metrics"], t.params
+        assert t.outcome["metrics"]["round"] == 7 and t.outcome["stacked"] == len(next(g for g in groups if t in g))
+        for name, value in params.items():
+            assert torch.equal(t.final_state["params"][name], value), (t.params, name)
+        assert metrics_csv(t.outcome["run_dir"]) == csv_text
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 

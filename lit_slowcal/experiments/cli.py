@@ -38,7 +38,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
 import lightning.pytorch
@@ -61,7 +61,7 @@ from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "per_step_batch", "run", "steps_per_round"]
+__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "diagnostics_callback", "per_step_batch", "run", "run_name", "steps_per_round"]
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
@@ -329,21 +329,11 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         return LastCheckpoint(every_n_train_steps=steps or None)
 
     def _diagnostics(self) -> Diagnostics:
-        return Diagnostics(
-            objective=self.setting("objective", True),
-            per_round=self.setting("diagnostics", True),
-            step_every=check_int("step_every", self.setting("step_every", 10), minimum=0),
-            cache_dir=self.setting("cache_dir"),
-            tol=check_number("optimum_tol", self.setting("optimum_tol", 1e-8)),
-        )
+        return diagnostics_callback(self.setting)
 
     def run_name(self) -> str:
         """``<method>_M<M>_K<K>_b<b>_seed<seed>``: the run's folder under ``run_dir``."""
-        get = self.setting
-        return (
-            f"{get('method')}_M{get('num_machines')}_K{get('local_steps')}_b{get('batch_size')}"
-            f"_seed{get('seed_everything')}"
-        )
+        return run_name(self.setting)
 
     def _version(self) -> int:
         """This run's version folder number under ``run_dir/<run name>``: the next free one.
@@ -489,6 +479,26 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if data.partition_png is not None:
             lines.append(f"  class distribution: {data.partition_png}")
         print("\n".join(lines), flush=True)
+
+
+def run_name(get: Callable[..., Any]) -> str:
+    """``<method>_M<M>_K<K>_b<b>_seed<seed>``: a run's folder under ``run_dir``, from ``get(key)``, its
+    configuration's values (``SlowcalCLI.setting``, or ``dict.get`` of the parsed ``fit`` section)."""
+    return (
+        f"{get('method')}_M{get('num_machines')}_K{get('local_steps')}_b{get('batch_size')}"
+        f"_seed{get('seed_everything')}"
+    )
+
+
+def diagnostics_callback(get: Callable[..., Any]) -> Diagnostics:
+    """The ``Diagnostics`` callback every fit gets, from ``get(key, default)`` as ``run_name`` takes it."""
+    return Diagnostics(
+        objective=get("objective", True),
+        per_round=get("diagnostics", True),
+        step_every=check_int("step_every", get("step_every", 10), minimum=0),
+        cache_dir=get("cache_dir"),
+        tol=check_number("optimum_tol", get("optimum_tol", 1e-8)),
+    )
 
 
 def _diagnostics_lines(trainer: Trainer, get: Any) -> list[str]:

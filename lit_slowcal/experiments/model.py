@@ -275,10 +275,11 @@ def official_init(
     """
     g = torch.Generator().manual_seed(seed)
     bound = 1 / math.sqrt(input_dim)
-    weight = torch.empty(num_machines, num_classes, input_dim)
-    bias = torch.empty(num_machines, num_classes)
+    # On the CPU, as the generator, also inside a device context (Lightning's configure_model on a GPU).
+    weight = torch.empty(num_machines, num_classes, input_dim, device="cpu")
+    bias = torch.empty(num_machines, num_classes, device="cpu")
     for i in range(num_machines):
         nn.init.kaiming_uniform_(weight[i], a=math.sqrt(5), generator=g)  # as nn.Linear.reset_parameters
         nn.init.uniform_(bias[i], -bound, bound, generator=g)
-        torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed
+        torch.empty((), dtype=torch.int64, device="cpu").random_(generator=g)  # the DataLoader iterator's base seed
     return weight, bias

@@ -10,7 +10,7 @@
    trains in one process, without a process group. A trial that raises is recorded
    as ``failed`` (``diverged`` for a non-finite training loss) and the sweep goes on; Ctrl-C or
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
-   With ``--stack``, the trials that differ only in ``model.lr`` and the seed train first, one
+   With ``--stack``, the trials that differ only in ``model.lr``, the seed and K train first, one
    group at a time, as one vectorized program each (``stacked``), each trial exactly as alone.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
    command skips the trials it holds, and so does a sweep writing the same file at the same time
@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stack",
         action="store_true",
-        help="train the trials that differ only in model.lr and the seed as one vectorized program per group "
+        help="train the trials that differ only in model.lr, the seed and K as one vectorized program per group "
         "(exact: each trial's results equal its single run's); the others run one at a time",
     )
     p.add_argument(

@@ -1,26 +1,33 @@
 """Stacked trials: a sweep's trials that share a shape train as one vectorized program (``--stack``).
 
-Trials that differ only in their learning rate and their seed (same method, M, K, b, data and model
-options) form a group. A group of T trials trains as T x M simulated machines in one process, one
-round at a time, without a Trainer:
+Trials that differ only in their learning rate, their seed and K (same method, M, b, data and model
+options; K of a minibatch method is its per-step batch, so it stays in the group key there) form a
+group. A group of T trials trains as T x M simulated machines in one process, one step at a time,
+without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
   larger batch of machines (``LogisticRegression._machine_losses``; the loss is the sum over the
   T * M machines, so every slice gets its own gradient);
-* one optimizer, built by the method's own factory (``Method.optimizer``), holds the trials in its
-  parameter groups, one group per learning rate: a trial's update is the single run's elementwise
-  update on its own slices;
-* one ``PeriodicAverager`` over the trials' ``SimulatedMachines`` averages each trial's tensors over
-  its own M machines (the single run's ``mean(0)`` on the same ``(M, ...)`` tensor), and calls the
-  optimizer's ``pre_sync`` / ``post_sync``;
-* each trial's round batches are the ones its single run draws (its data module's own split and
-  ``MachineStreams.indices``), concatenated along the machine dimension;
-* the T averaged models are evaluated on the test set in one batched matmul, every ``eval_every``
-  rounds and after the last round, with ``swap_output`` around it as the model does.
+* the trials are ordered by K into blocks of rows; one epoch is the same number of steps per
+  machine whatever K (one per b samples), so the blocks step together, and each block has its own
+  optimizer, built by the method's own factory (``Method.optimizer``) with one parameter group per
+  learning rate (a trial's update is the single run's elementwise update on its own slices), and
+  its own ``PeriodicAverager`` over its trials' ``SimulatedMachines`` (sync every K steps: each
+  trial's tensors averaged over its own M machines, the single run's ``mean(0)``; the optimizer's
+  ``pre_sync`` / ``post_sync`` on that block's state only). A block whose epoch has fewer steps
+  (``ceil`` of the rounds) stops stepping first;
+* each trial's steps draw the samples its single run draws (its data module's own split and
+  ``MachineStreams.indices``, its rounds' steps in order), gathered a few steps at a time into
+  preallocated buffers;
+* a block ends its round after its K-th step: the model's finiteness check, the train-loss log,
+  and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a step
+  are evaluated together: their trials' averaged models on the test set and, for the training
+  objective, on the training set, each set read once for all of them (``objective.affine_rows``,
+  ``objective.values``), with ``swap_output`` around it as the model does;
 * each trial runs its single run's ``Diagnostics`` callback (training objective, optimum, per-round
-  diagnostics) on its own data module, model and logger, with the averager's sync pre-hook and the
-  group's optimizer (its hooks see the trial's own slices): the same rows and values.
+  diagnostics) on its own data module, model and logger, with its block's averager (the sync
+  pre-hook) and optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
 alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
@@ -32,7 +39,13 @@ the optimizer and the averaging) and the other trials go on.
 With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
 (every logged row at its step). What cannot be stacked runs one trial at a time as before
 (``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from, another
-problem than MNIST (``data.problem``). A group is split to fit the memory
+problem than MNIST (``data.problem``).
+
+A group trains where its trials' single runs train (``trainer.accelerator``, one device): on the CPU,
+or on the first CUDA device with the training set, the sample indices, the parameters, the optimizer
+state, the evaluation and the objective all there; the initial points are drawn on the CPU as in the
+CPU run. On CUDA, float32 sums run in another order: the results are within 1e-6 relative of the CPU
+run rather than bit for bit, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). A group is split to fit the memory
 budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
 """
 
@@ -51,8 +64,10 @@ from torch import Tensor, nn
 
 __all__ = ["StackedTrial", "default_memory_budget", "group_trials", "run_group", "stackable", "trial_bytes"]
 
-# Settings a group's trials may differ in: each trial's own learning rate and seed.
-_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir")
+# Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
+# method's steps per round: every machine takes one step per b samples whatever K, so the trials of
+# one epoch step together and each synchronises and evaluates on its own schedule).
+_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir", "local_steps", "data.steps_per_round")
 
 
 @dataclass
@@ -73,8 +88,13 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return "it resumes from a checkpoint"
     if trainer.get("max_epochs") != 1:
         return f"trainer.max_epochs is {trainer.get('max_epochs')} (stacking runs one epoch)"
-    if str(trainer.get("accelerator")) != "cpu" or trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
-        return "it runs on several or non-CPU devices"
+    if trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
+        return "it runs on several devices (stacking runs on one: trainer.devices=1)"
+    device = _device(config)
+    if device is None:
+        return f"trainer.accelerator is {trainer.get('accelerator')!r} (stacking runs on cpu, or gpu / cuda with CUDA)"
+    if trainer.get("precision") not in (None, 32, "32", "32-true"):
+        return f"trainer.precision is {trainer.get('precision')!r} (stacking trains in float32: 32-true)"
     if trainer.get("strategy") != "periodic_averaging" or trainer.get("logger") not in (None, True):
         return "it sets its own strategy or logger"
     if trainer.get("max_steps", -1) != -1 or trainer.get("max_time") is not None:
@@ -85,6 +105,24 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
     if (config.get("data") or {}).get("problem") is not None:
         return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
     return None
+
+
+def _device(config: dict[str, Any]) -> Optional[torch.device]:
+    """The device a trial's single run trains on, as Lightning picks it for ``trainer.accelerator`` and one
+    device: the CPU, or the first CUDA device (``gpu``, ``cuda``, or ``auto`` where CUDA is available);
+    ``None`` for another accelerator, or for gpu / cuda without CUDA (the single run then says why)."""
+    accelerator = str((config.get("trainer") or {}).get("accelerator", "auto"))
+    cuda = torch.cuda.is_available()
+    if accelerator == "cpu" or (accelerator == "auto" and not cuda and not _mps()):
+        return torch.device("cpu")
+    if accelerator in ("gpu", "cuda", "auto") and cuda:
+        return torch.device("cuda", 0)
+    return None
+
+
+def _mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def _problem(config: dict[str, Any]) -> Any:
@@ -131,17 +169,19 @@ def trial_bytes(config: dict[str, Any]) -> int:
     return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
 
 
-def default_memory_budget() -> int:
-    """A quarter of this machine's memory, at most 8 GiB."""
+def default_memory_budget(device: Optional[torch.device] = None) -> int:
+    """A quarter of this machine's memory (on a CUDA device: of the smaller of it and the device's), at most 8 GiB."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         total = 8 * 2**30
+    if device is not None and device.type == "cuda":
+        total = min(total, torch.cuda.get_device_properties(device).total_memory)
     return min(total // 4, 8 * 2**30)
 
 
 def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTrial]]:
-    """Trials grouped by everything but their learning rate and seed, in sweep order; groups larger
+    """Trials grouped by everything but their learning rate, seed and K (``_PER_TRIAL``), in sweep order; groups larger
     than ``budget`` bytes (``trial_bytes`` each) are split into consecutive parts that fit (at least
     one trial each)."""
     groups: dict[str, list[StackedTrial]] = {}
@@ -152,22 +192,6 @@ def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTr
         per = max(1, budget // max(1, trial_bytes(members[0].config)))
         out += [members[i : i + per] for i in range(0, len(members), per)]
     return out
-
-
-class _Settings:
-    """The parsed configuration as ``SlowcalCLI``'s methods read it (``setting``)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def setting(self, key: str, default: Any = None) -> Any:
-        return self.config.get(key, default)
-
-
-def _run_name(config: dict[str, Any]) -> str:
-    from lit_slowcal.experiments.cli import SlowcalCLI
-
-    return SlowcalCLI.run_name(_Settings(config))  # type: ignore[arg-type]
 
 
 class _Module:
@@ -197,9 +221,9 @@ def _diagnostics(config: dict[str, Any], data: Any, model: nn.Module, logger: An
     Trainer: the trial's data module, its CSV logger, the averager's sync pre-hook, the optimizer."""
     from types import SimpleNamespace
 
-    from lit_slowcal.experiments.cli import SlowcalCLI
+    from lit_slowcal.experiments.cli import diagnostics_callback
 
-    callback = SlowcalCLI._diagnostics(_Settings(config))  # type: ignore[arg-type]
+    callback = diagnostics_callback(config.get)
     trainer = SimpleNamespace(
         datamodule=data, loggers=[logger], callback_metrics={}, is_global_zero=True, sanity_checking=False,
         state=SimpleNamespace(fn="fit"), strategy=averager, optimizers=[optimizer],
@@ -219,11 +243,23 @@ def _epoch_mean(value: Tensor, n: int) -> Tensor:
     return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
 
 
+class _Block:
+    """The trials of a group that share K (``data.steps_per_round``): rows ``[start, stop)`` of the stack,
+    their own optimizer (one parameter group per learning rate) and averager, on their own schedule."""
+
+    def __init__(self, members: list[int], start: int, steps_per_round: int, rounds: int) -> None:
+        self.members, self.start, self.stop = members, start, start + len(members)
+        self.k, self.rounds, self.steps = steps_per_round, rounds, steps_per_round * rounds
+        self.optimizer: Any = None
+        self.averager: Any = None
+        self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
+
+
 def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> None:
     """Train the trials of one group together; fills every trial's ``outcome`` as ``run_trial`` returns it.
 
     Args:
-        group: trials whose configurations differ only in the learning rate and the seed.
+        group: trials whose configurations differ only in the learning rate, the seed and K.
         config_text: ``(trial) -> str``, the ``config.yaml`` written into each trial's log folder.
     """
     from lightning.pytorch.loggers import CSVLogger
@@ -231,21 +267,27 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from torchmetrics.functional.classification import multiclass_accuracy
 
     from lit_slowcal.averaging import PeriodicAverager
+    from lit_slowcal.experiments.cli import run_name
     from lit_slowcal.experiments.data import MNISTDataModule
     from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.objective import affine_rows, values
     from lit_slowcal.experiments.partition import write_class_counts
 
     start = time.perf_counter()
-    first = group[0].config
+    # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
+    order = sorted(range(len(group)), key=lambda i: group[i].config["data"]["steps_per_round"])
+    trials = [group[i] for i in order]
+    first = trials[0].config
     entry = get_method(first["method"])
-    T, M = len(group), first["num_machines"]
+    T, M = len(trials), first["num_machines"]
     log_every = first["trainer"]["log_every_n_steps"]
     every = first["trainer"]["val_check_interval"]
+    device = _device(first)
 
     # Each trial's data and model, built by the single run's own classes.
     streams, models = [], []
-    for t in group:
+    for t in trials:
         data = MNISTDataModule(**{k: v for k, v in t.config["data"].items()})
         data.setup("fit")
         streams.append(data)
@@ -253,15 +295,37 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         model = LogisticRegression(**_model_settings(t.config))
         model.configure_model()
         models.append(model)
-    rounds = streams[0].num_rounds
-    n_batches = _num_batches(first, rounds)
-    indices = torch.cat([d._train.indices(0)[:n_batches] for d in streams], dim=2)  # (R, steps, T*M, b)
-    x_all, y_all = streams[0]._train.x, streams[0]._train.y
-    test_x, test_y = streams[0].test_x, streams[0].test_y
+    blocks: list[_Block] = []
+    for i, t in enumerate(trials):
+        k = t.config["data"]["steps_per_round"]
+        if not blocks or blocks[-1].k != k:
+            blocks.append(_Block([], i, k, _num_batches(t.config, streams[i].num_rounds)))
+        blocks[-1].members.append(i)
+        blocks[-1].stop = i + 1
+    of = [s for s in blocks for _ in s.members]  # each trial's block
+    steps = max(s.steps for s in blocks)  # a block whose epoch is shorter stops stepping earlier
+    b = streams[0].batch_size
+
+    # Every trial's sample indices of its epoch, one row per step (its rounds' steps in order), padded
+    # with sample 0 after its last step; and everything the steps and evaluations read, on the device.
+    columns = []
+    for i, d in enumerate(streams):
+        idx = d._train.indices(0)[: of[i].rounds].reshape(-1, M, b)
+        columns.append(torch.cat([idx, idx.new_zeros(steps - len(idx), M, b)]) if len(idx) < steps else idx)
+    indices = torch.cat(columns, dim=1).to(device)  # (steps, T*M, b)
+    x_all, y_all = streams[0]._train.x.to(device), streams[0]._train.y.to(device)
+    test_x, test_y = streams[0].test_x.to(device), streams[0].test_y.to(device)
+    # Steps whose samples are gathered at once: a few MiB on the CPU (they stay in cache until their step),
+    # up to 256 MiB on a GPU (fewer launches).
+    step_bytes = T * M * b * x_all.shape[1] * x_all.element_size()
+    chunk = max(1, min(steps, (2**22 if device.type == "cpu" else 2**28) // step_bytes))
+    xs_buf = x_all.new_empty((chunk, T * M * b, x_all.shape[1]))
+    ys_buf = y_all.new_empty((chunk, T * M * b))
 
     # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
     stack = LogisticRegression(**{**_model_settings(first), "num_machines": T * M, "init": "zeros"})
     stack.configure_model()
+    stack.to(device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
     big = dict(stack.machines.named_parameters())
     with torch.no_grad():
         for i, model in enumerate(models):
@@ -271,21 +335,21 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         for name in list(dict(model.machines.named_parameters())):
             setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
     trial_params = [list(m.machines.parameters()) for m in models]
+    big_params = list(big.values())
 
-    by_lr: dict[float, list[Tensor]] = {}
-    for model, ps in zip(models, trial_params):
-        by_lr.setdefault(model.hparams.lr, []).extend(ps)
-    optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[0].hparams)
-    averager = PeriodicAverager([m.machines for m in models], optimizer, entry.sync_period(first["local_steps"]))
-    floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
-    swap = getattr(optimizer, "swap_output", None)
+    # Each block: its optimizer, built by the method's own factory, and its averager (its own K).
+    for s in blocks:
+        by_lr: dict[float, list[Tensor]] = {}
+        for i in s.members:
+            by_lr.setdefault(models[i].hparams.lr, []).extend(trial_params[i])
+        s.optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[s.start].hparams)
+        s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, entry.sync_period(trials[s.start].config["local_steps"]))
 
     loggers = []
-    for t in group:
-        name = _run_name(t.config)
-        logger = CSVLogger(save_dir=t.config["run_dir"], name=name)
+    for i, t in enumerate(trials):
+        logger = CSVLogger(save_dir=t.config["run_dir"], name=run_name(t.config.get))
         logger.experiment  # creates the version folder: the next trial of the same name takes the next one
-        write_class_counts(streams[len(loggers)].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
+        write_class_counts(streams[i].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
         if config_text is not None:
             with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
                 f.write(config_text(t))
@@ -293,11 +357,15 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     # Each trial's Diagnostics (training objective, optimum, per-round diagnostics): the CLI adds it to
     # every fit; what --objective / --diagnostics switch off it skips.
-    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], averager, optimizer) for i, t in enumerate(group)]
+    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], of[i].averager, of[i].optimizer) for i, t in enumerate(trials)]
+    on_device: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # one copy of each split's rows
     for callback, shim, module in watch:
         callback.on_fit_start(shim, module)
+        if callback.objective is not None:
+            _objective_to(callback.objective, device, on_device)
     for callback, shim, module in watch:
         callback.on_train_start(shim, module)
+    per_round = [callback.per_round for callback, _, _ in watch]
 
     active = [True] * T
     metrics: list[dict[str, float]] = [{} for _ in range(T)]
@@ -308,104 +376,138 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             metrics[i].update(row)
             history[i].append((0, row))
     errors: list[Optional[str]] = [None] * T
-    loss_since_log = torch.zeros(T, 2, dtype=torch.float64)
-    steps = indices.shape[1]
-    samples_per_round = steps * indices.shape[3] * M
+    loss_since_log = torch.zeros(T, 2, dtype=torch.float64, device=device)
+    ones = torch.ones(T, dtype=torch.float64, device=device)
+    losses = torch.empty(steps, T, M, device=device)  # every step's per-machine losses
 
     def freeze(i: int) -> None:
         gone = {id(p) for p in trial_params[i]}
-        for g in optimizer.param_groups:
+        for g in of[i].optimizer.param_groups:
             g["params"] = [p for p in g["params"] if id(p) not in gone]
 
-    def evaluate(r: int) -> None:
-        if callable(swap):
-            swap()
-        with torch.no_grad():
-            weight = torch.stack([m.machines.weight.mean(0) for m in models])  # averaged_state, per trial
-            bias = torch.stack([m.machines.bias.mean(0) for m in models])
-            logits = torch.baddbmm(bias.unsqueeze(1), test_x.expand(T, -1, -1), weight.transpose(1, 2))
-        logged = [{} for _ in range(T)]
-        for i, (callback, shim, module) in enumerate(watch):  # at the evaluated point: the callback's
-            if active[i]:  # hook runs before the model's, which swaps back
-                callback.on_validation_epoch_end(shim, module)
-                logged[i] = module.logged()
-        if callable(swap):
-            swap()
-        n = len(test_y)
-        for i in range(T):
-            if not active[i]:
-                continue
-            row = {
-                "test_loss": float(_epoch_mean(F.cross_entropy(logits[i], test_y), n)),
-                "test_acc": float(multiclass_accuracy(logits[i], test_y, num_classes=logits.shape[-1], average="micro")),
-                "round": float(averager.num_syncs),
-                **logged[i],
-            }
-            metrics[i].update(row)
-            loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
-            history[i].append((r - 1, row))
+    def log(i: int, r: int, row: dict[str, float]) -> None:
+        metrics[i].update(row)
+        loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+        history[i].append((r - 1, row))
 
-    for r in range(1, n_batches + 1):
-        for callback, shim, module in watch:
-            callback.on_train_batch_start(shim, module, None, r - 1)
-        idx = indices[r - 1]
-        xs, ys = x_all[idx], y_all[idx]
-        losses = []
-        for k in range(steps):
-            per_machine = stack._machine_losses(xs[k], ys[k])
-            for p in big.values():
-                p.grad = None
-            per_machine.sum().backward()
-            for i, ps in enumerate(trial_params):
-                for name, p in zip(big, ps):
-                    p.grad = big[name].grad[i * M : (i + 1) * M]
-            optimizer.step()
-            if averager.step() and not floats_per_sync:
-                floats_per_sync = averager.floats_communicated // T  # every trial is active in round 1
-            losses.append(per_machine.detach().view(T, M))
-        stacked_losses = torch.stack(losses, dim=1)  # (T, steps, M)
-        round_loss = torch.stack([stacked_losses[i].clone().mean() for i in range(T)])
+    def evaluate(due: list[tuple[_Block, int]]) -> None:
+        """The blocks ``due`` after their round r: every live trial's averaged model on the test set, and its
+        training objective, in one pass over each (``affine_rows``: each trial's values bit for bit)."""
+        live = [(s, r, i) for s, r in due for i in s.members if active[i]]
+        for s, _ in due:  # the optimizers whose trained model is not their query point exchange them
+            swap = getattr(s.optimizer, "swap_output", None)
+            if callable(swap):
+                swap()
+        with torch.no_grad():
+            weights = [models[i].machines.weight.mean(0) for _, _, i in live]  # averaged_state, per trial
+            biases = [models[i].machines.bias.mean(0) for _, _, i in live]
+            logits = affine_rows(test_x, weights, biases)
+            scored = [j for j, (_, _, i) in enumerate(live) if watch[i][0].objective is not None]
+            known = values([watch[live[j][2]][0].objective for j in scored], [{"weight": weights[j], "bias": biases[j]} for j in scored])
+        objective_of = dict(zip(scored, known))
+        logged = []
+        for j, (_, _, i) in enumerate(live):  # at the evaluated point: the callback's hook runs before the
+            callback, shim, module = watch[i]  # model's, which swaps back
+            objective = callback.objective
+            if j in objective_of:
+                callback.objective = _Known(objective_of[j])
+            try:
+                callback.on_validation_epoch_end(shim, module)
+            finally:
+                callback.objective = objective
+            logged.append(module.logged())
+        for s, _ in due:
+            swap = getattr(s.optimizer, "swap_output", None)
+            if callable(swap):
+                swap()
+        n = len(test_y)
+        for (s, r, i), z, extra in zip(live, logits, logged):
+            log(i, r, {
+                "test_loss": float(_epoch_mean(F.cross_entropy(z, test_y), n)),
+                "test_acc": float(multiclass_accuracy(z, test_y, num_classes=z.shape[-1], average="micro")),
+                "round": float(s.averager.num_syncs),
+                **extra,
+            })  # fmt: skip
+
+    def end_round(s: _Block, step: int) -> None:
+        """Trials of block ``s`` after their round ``r``'s last step ``step``: the model's checks and logs."""
+        r = (step + 1) // s.k
+        window = losses[step + 1 - s.k : step + 1]  # (k, T, M)
+        round_loss = torch.stack([window[:, i].clone().mean() for i in range(s.start, s.stop)])
         # As the model's check: the losses, and the parameters' extremes (one pass, NaN propagates);
         # per trial only when something is not finite.
-        extremes = torch.stack([v for p in big.values() for v in torch.aminmax(p.detach())])
-        finite = [True] * T
+        rows = [p[s.start * M : s.stop * M] for p in big_params]
+        extremes = torch.stack([v for p in rows for v in torch.aminmax(p.detach())])
         if not (torch.isfinite(round_loss).all() and torch.isfinite(extremes).all()):
-            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(T, -1), dim=1), 1) for p in big.values()], 1)
+            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(len(s.members), -1), dim=1), 1) for p in rows], 1)
             finite = (torch.isfinite(round_loss) & torch.isfinite(per_trial).all(1)).tolist()
-        for i in range(T):
-            if active[i] and not finite[i]:
-                what = f"train loss {round_loss[i].item()}" if not math.isfinite(round_loss[i].item()) else "non-finite parameters"
-                errors[i] = (
-                    f"Training diverged: {what} in round {r} (method={first['method']}, "
-                    f"lr={models[i].hparams.lr}). Try a smaller lr."
-                )
-                active[i] = False
-                freeze(i)
-        loss_since_log += torch.stack([round_loss.double(), torch.ones(T, dtype=torch.float64)], 1)
-        if r % log_every == 0 or r == n_batches:
-            mean_loss = (loss_since_log[:, 0] / loss_since_log[:, 1]).float()
-            loss_since_log.zero_()
-            for i in range(T):
-                if not active[i]:
-                    continue
-                row = {
-                    "train_loss": float(mean_loss[i]),
-                    "round": float(averager.num_syncs),
-                    "samples_seen": float(samples_per_round * r),
-                    "floats_communicated": float(floats_per_sync * averager.num_syncs * M),
-                }
-                metrics[i].update(row)
-                loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
-                history[i].append((r - 1, row))
-        if r % every == 0 or r == n_batches:
-            evaluate(r)
+            for j, i in enumerate(s.members):
+                if active[i] and not finite[j]:
+                    value = round_loss[j].item()
+                    what = f"train loss {value}" if not math.isfinite(value) else "non-finite parameters"
+                    errors[i] = (
+                        f"Training diverged: {what} in round {r} (method={first['method']}, "
+                        f"lr={models[i].hparams.lr}). Try a smaller lr."
+                    )
+                    active[i] = False
+                    freeze(i)
+        loss_since_log[s.start : s.stop] += torch.stack([round_loss.double(), ones[: len(s.members)]], 1)
+        if r % log_every == 0 or r == s.rounds:
+            mean_loss = (loss_since_log[s.start : s.stop, 0] / loss_since_log[s.start : s.stop, 1]).float()
+            loss_since_log[s.start : s.stop] = 0
+            for j, i in enumerate(s.members):
+                if active[i]:
+                    log(i, r, {
+                        "train_loss": float(mean_loss[j]),
+                        "round": float(s.averager.num_syncs),
+                        "samples_seen": float(s.k * b * M * r),
+                        "floats_communicated": float(s.floats_per_sync * s.averager.num_syncs * M),
+                    })  # fmt: skip
+        if r % every == 0 or r == s.rounds:
+            due.append((s, r))
+
+    due: list[tuple[_Block, int]] = []  # the blocks to evaluate after this step, with their round
+    for step in range(steps):
+        if step % chunk == 0:
+            idx = indices[step : step + chunk].view(-1)
+            n = len(idx) // (T * M * b)
+            torch.index_select(x_all, 0, idx, out=xs_buf[:n].view(-1, x_all.shape[1]))
+            torch.index_select(y_all, 0, idx, out=ys_buf[:n].view(-1))
+        for s in blocks:  # a block starting a round: its trials' per-round diagnostics arm
+            if step % s.k == 0 and step < s.steps:
+                for i in s.members:
+                    if active[i] and per_round[i]:
+                        callback, shim, module = watch[i]
+                        callback.on_train_batch_start(shim, module, None, step // s.k)
+        per_machine = stack._machine_losses(
+            xs_buf[step % chunk].view(T * M, b, -1), ys_buf[step % chunk].view(T * M, b)
+        )
+        for p in big_params:
+            p.grad = None
+        per_machine.sum().backward()
+        for i, ps in enumerate(trial_params):
+            if active[i]:
+                for p, whole in zip(ps, big_params):
+                    p.grad = whole.grad[i * M : (i + 1) * M]
+        losses[step] = per_machine.detach().view(T, M)
+        for s in blocks:
+            if step >= s.steps or not any(active[i] for i in s.members):
+                continue
+            s.optimizer.step()
+            if s.averager.step() and not s.floats_per_sync:
+                s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
+            if (step + 1) % s.k == 0:
+                end_round(s, step)
+        if due:
+            evaluate(due)
+            due.clear()
         if not any(active):
             break
     for callback, shim, module in watch:
         callback.on_train_end(shim, module)
 
     wall = (time.perf_counter() - start) / T
-    for i, t in enumerate(group):
+    for i, t in enumerate(trials):
         loggers[i].save()
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics[i].items()}
         t.outcome = {
@@ -417,10 +519,38 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             "stacked": T,
         }
         if t.config.get("wandb"):
-            _wandb_run(t.config, _run_name(t.config), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
+            _wandb_run(t.config, run_name(t.config.get), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
         t.final_state = {
-            "params": {n: p.detach().clone() for n, p in models[i].machines.named_parameters()},
+            "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
         }
+
+
+class _Known:
+    """A trial's training objective whose value at the evaluated point is known (``objective.values``: computed
+    with the other trials evaluated at the same step), as the ``Diagnostics`` callback calls it."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, params: dict[str, Tensor]) -> float:
+        return self.value
+
+
+def _objective_to(objective: Any, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]) -> None:
+    """A trial's objective on the group's device, its inputs, labels and weights shared with the other trials
+    of the same split (``shared``, by the split's shards: the trials of one seed and several K; the
+    official split leaves some samples out, so each split's objective holds its own rows)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for shard in objective.shards:
+        digest.update(shard.to(torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    key = (tuple(objective.x.shape), objective.loss, digest.hexdigest())
+    if key not in shared:
+        rows = objective._rows  # all inputs kept (large ones): the used samples' rows of the product
+        shared[key] = (objective.x.to(device), objective.y.to(device), objective.weights.to(device), None if rows is None else rows.to(device))
+    objective.x, objective.y, objective.weights, objective._rows = shared[key]
 
 
 def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
@@ -462,7 +592,6 @@ def run_stacked(
         budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
         record: ``(params, outcome, args, label) -> None``, called for every trial when its group ends.
     """
-    budget = default_memory_budget() if budget is None else budget
     stacked, alone, reasons = [], [], {}
     for params, args, parsed in trials:
         config = parsed.get("fit").as_dict()
@@ -472,6 +601,8 @@ def run_stacked(
         else:
             alone.append((params, list(args)))
             reasons[why] = reasons.get(why, 0) + 1
+    if budget is None:
+        budget = min([default_memory_budget(d) for d in {_device(t.config) for t in stacked}] or [default_memory_budget()])
     groups = group_trials(stacked, budget)
     print(
         f"stacking: {len(stacked)} trials in {len(groups)} groups (memory budget {budget / 2**20:.0f} MiB, "
@@ -483,8 +614,9 @@ def run_stacked(
     for g, group in enumerate(groups, 1):
         c = group[0].config
         size = len(group) * trial_bytes(c) / 2**20
+        ks = ",".join(str(k) for k in sorted({t.config["local_steps"] for t in group}))
         print(
-            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={c['local_steps']} "
+            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={ks} "
             f"b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)",
             flush=True,
         )
