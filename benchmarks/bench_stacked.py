@@ -22,7 +22,10 @@ trial (the comparisons then cover the metrics both sides have). Peak host memory
 peak resident set (``ru_maxrss``), MNIST and the imports included. Run on a shared machine: the
 load average is printed with the figures.
 
-    python benchmarks/bench_stacked.py [--full] [--subset 16] [--device cuda] [--light] [--no-alone]
+``--workers N`` runs every sweep of the benchmark (the one-at-a-time subset too) with ``sweep --workers N``: N
+processes, one torch thread each; the peak memory is then also given for the largest worker.
+
+    python benchmarks/bench_stacked.py [--full] [--subset 16] [--device cuda] [--light] [--no-alone] [--workers 2]
 """
 
 from __future__ import annotations
@@ -93,11 +96,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+WORKERS = ["--workers", "1"]
+
+
 def run_sweep(path: Path, results: Path, *extra: str, device: str = "cpu") -> float:
     sync(device)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        code = sw.main([str(path), "--results", str(results), "--wandb=false", *extra])
+        code = sw.main([str(path), "--results", str(results), "--wandb=false", *WORKERS, *extra])
     sync(device)
     assert code == 0, f"sweep {path} exited with {code}"
     return time.perf_counter() - start
@@ -117,16 +123,18 @@ def main() -> None:
     p.add_argument("--no-alone", action="store_true", help="leave out the one-at-a-time subset")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stacked trials train")
     p.add_argument("--light", action="store_true", help="every trial with --objective=false --diagnostics=false")
+    p.add_argument("--workers", type=int, default=1, help="sweep --workers: processes running groups (or trials) at once")
     opts = p.parse_args()
     os.chdir(ROOT)
     torch.set_num_threads(1)
+    WORKERS[1] = str(opts.workers)
     extra = ("--objective=false", "--diagnostics=false") if opts.light else ()
     stacked_extra = extra + (("--trainer.accelerator=gpu",) if opts.device == "cuda" else ())
     if opts.device == "cuda":
         torch.set_float32_matmul_precision("highest")
         torch.cuda.reset_peak_memory_stats()
         print(f"device {torch.cuda.get_device_name()}")
-    print(f"torch {torch.__version__}, 1 thread, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+    print(f"torch {torch.__version__}, 1 thread, {opts.workers} worker(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
           f"stacked on {opts.device}{' (light: no objective, no diagnostics)' if opts.light else ''}")  # fmt: skip
     same_as = "identical"
     with tempfile.TemporaryDirectory() as d:
@@ -156,7 +164,9 @@ def main() -> None:
             same, n, worst = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
             print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; {same_as} to sweeps/results/paper.jsonl: "
                   f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
-    print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB; load average now {os.getloadavg()[0]:.1f}")
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB" + (f", the largest worker {workers:.0f} MiB" if opts.workers > 1 else "")
+          + f"; load average now {os.getloadavg()[0]:.1f}")  # fmt: skip
     if opts.device == "cuda":
         print(f"peak GPU memory (torch.cuda.max_memory_allocated): {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
 

@@ -234,3 +234,52 @@ def test_stack_memory_must_be_positive(tmp_path, capsys):
     path = grid_file(tmp_path, methods=("local_sgd",))
     assert sw.main([str(path), "--stack", "--stack-memory", "0"]) == 2
     assert "--stack-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_linear_gradients_equal_autograds(b):
+    # The stacked step forms the linear layer's gradients itself, into buffers kept from step to step:
+    # the values autograd gives SimulatedMachines (b = 1: products instead of a matmul of inner size 1).
+    from lit_slowcal.simulated import SimulatedMachines
+
+    torch.manual_seed(0)
+    machines = SimulatedMachines(torch.nn.Linear(784, 10), 6)
+    x, y = torch.randn(6, b, 784), torch.randint(0, 10, (6, b))
+    x[:, :, :100] = 0  # zero features: zero products, of either sign
+    model = LogisticRegression(num_machines=6, lr=0.1)
+    model.configure_model()
+    model.machines = machines
+    model._machine_losses(x, y).sum().backward()
+    with torch.no_grad():
+        logits = machines(x)
+    logits.requires_grad_()
+    (grad_logits,) = torch.autograd.grad(model._losses_of(logits, y).sum(), logits)
+    weight, bias = torch.full_like(machines.weight, float("nan")), torch.full_like(machines.bias, float("nan"))
+    stacked._linear_grads(x, grad_logits, weight, bias)
+    assert torch.equal(weight, machines.weight.grad) and torch.equal(bias, machines.bias.grad)
+    assert (machines.weight.grad == 0).any()  # the zero products are among those compared
+
+
+def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monkeypatch, capfd):
+    # --workers 2: two processes, each a group (or, without --stack, a trial) at a time; every trial
+    # recorded once, with the metrics of the same sweep run in one process.
+    monkeypatch.chdir(REPO)
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
+    runs = {}
+    for name, extra in (("one", ["--stack"]), ("stacked", ["--stack", "--workers", "2"]), ("alone", ["--workers", "2"])):
+        results = tmp_path / f"{name}.jsonl"
+        assert sw.main([str(path), "--results", str(results), *extra]) == 0
+        records = [json.loads(line) for line in results.read_text().splitlines()]
+        assert len(records) == 4 and len({sw.trial_key(r["params"]) for r in records}) == 4
+        runs[name] = {sw.trial_key(r["params"]): (r["status"], r["metrics"]) for r in records}
+        out = capfd.readouterr().out
+        if name != "one":
+            assert "workers: 2 processes, each running one group or trial at a time with 1 torch thread" in out
+    assert runs["stacked"] == runs["one"] == runs["alone"]
+    assert all(status == "finished" for status, _ in runs["one"].values())
+
+
+def test_workers_must_be_a_positive_integer(tmp_path, capsys):
+    path = grid_file(tmp_path, seeds=(1,), methods=("slowcal",))
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl"), "--workers", "0"]) == 2
+    assert "Invalid --workers: 0 (must be an integer >= 1)" in capsys.readouterr().err

@@ -202,7 +202,10 @@ class LogisticRegression(pl.LightningModule):
 
     def _machine_losses(self, x: Tensor, y: Tensor) -> Tensor:
         """Each machine's mean loss over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""
-        logits = self.machines(x)
+        return self._losses_of(self.machines(x), y)
+
+    def _losses_of(self, logits: Tensor, y: Tensor) -> Tensor:
+        """Each machine's mean loss over its batch, from its outputs: logits ``(m, b, classes)`` -> ``(m,)``."""
         if self.hparams.loss == "squared":
             return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)

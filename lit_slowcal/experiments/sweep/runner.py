@@ -30,11 +30,12 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from lit_slowcal._validation import check_number
+from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
@@ -218,6 +219,69 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
     return {"status": status, "error": error, "metrics": metrics, "run_dir": run_dir, "wall_time_s": round(wall, 3)}
 
 
+@dataclass
+class _Unit:
+    """What one process runs at a time: a stacked group, or one trial alone."""
+
+    label: str  # "group 2/9", "4/20"
+    title: str  # what it runs, printed as it starts
+    trials: list[tuple[dict[str, Any], list[str]]]  # (params, args)
+    stacked: bool
+    cost: float = 0.0  # relative running time (groups: stacked.group_cost), to start the longest first
+
+
+_CHECKER: list[Optional[CommandLine]] = [None]  # this process's parser (a worker builds its own)
+
+
+def _run_unit(check: tuple[str, bool], unit: _Unit) -> list[tuple[dict[str, Any], dict[str, Any], list[str]]]:
+    """Run ``unit`` here; return ``(params, outcome, args)`` of each of its trials (none when the results file
+    ``check = (path, retry_failed)`` holds a lone trial already: another sweep writing it ran it meanwhile)."""
+    if not unit.stacked:
+        (params, args), path = unit.trials[0], check[0]
+        record = ResultsFile(path).get(params)
+        if record is not None and not (check[1] and record["status"] != "finished"):
+            print(f"\n[{unit.label}] {unit.title}: already in {path}", flush=True)
+            return []
+        print(f"\n[{unit.label}] {unit.title}", flush=True)
+        return [(params, run_trial(args), args)]
+    from lit_slowcal.experiments.sweep.stacked import StackedTrial, config_yaml, run_group
+
+    print(f"\n[{unit.label}] {unit.title}", flush=True)
+    if _CHECKER[0] is None:
+        _CHECKER[0] = CommandLine()
+    group = [StackedTrial(p, list(a), _CHECKER[0].parse(a).get("fit").as_dict()) for p, a in unit.trials]
+    run_group(group, config_yaml)
+    return [(t.params, t.outcome, t.args) for t in group]
+
+
+def _worker_start(threads: int) -> None:
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def _run_in_workers(units: list[_Unit], workers: int, threads: int, check: tuple[str, bool], record: Any) -> None:
+    """Run ``units`` in ``workers`` processes at once, longest first, each taking the next when it is done;
+    every trial is recorded here, as its unit ends. Stopping the sweep stops the workers."""
+    import multiprocessing
+
+    order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
+    each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
+    print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
+        for outcomes in pool.imap_unordered(functools.partial(_run_labelled, check), order):
+            for params, outcome, args, label in outcomes:
+                record(params, outcome, args, label)
+
+
+def _run_labelled(check: tuple[str, bool], unit: _Unit) -> list[tuple[dict[str, Any], dict[str, Any], list[str], str]]:
+    return [(*out, unit.label) for out in _run_unit(check, unit)]
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True
@@ -256,6 +320,14 @@ def _parser() -> argparse.ArgumentParser:
         "quarter of this machine's memory, at most 8 GiB); larger groups are split",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes running trials (with --stack: groups) at once, each with --threads threads (default 1; "
+        "on a machine of its own, as many as its cores: --workers 2 --threads 1 on 2 cores); records, resume and "
+        "the table are the same",
+    )
+    p.add_argument(
         "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
     )
     return p
@@ -269,6 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if opts.stack_memory is not None:
             check_number("--stack-memory", opts.stack_memory)
+        check_int("--workers", opts.workers)
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
         results = ResultsFile(results_path)
@@ -319,20 +392,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
         try:
+            units: list[_Unit] = []
             alone = [(params, trial_args(sweep, params, extra)) for params in todo]
             if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
-                from lit_slowcal.experiments.sweep.stacked import run_stacked
+                from lit_slowcal.experiments.sweep.stacked import group_cost, group_title, plan_stacked
 
                 results.refresh()  # another sweep writing the same file may have run some meanwhile
                 parsed = [(p, a, checker.parse(a)) for p, a in alone if pending(p)]
-                alone = run_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None, record)
-            for i, (params, args) in enumerate(alone, 1):
-                results.refresh()  # another sweep writing the same file may have run it meanwhile
-                if not pending(params):
-                    print(f"\n[{i}/{len(alone)}] {param_text(params)}: already in {results_path}", flush=True)
-                    continue
-                print(f"\n[{i}/{len(alone)}] {param_text(params)}", flush=True)
-                record(params, run_trial(args), args, f"{i}/{len(alone)}")
+                groups, alone = plan_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None)
+                for g, group in enumerate(groups, 1):
+                    label = f"group {g}/{len(groups)}"
+                    units.append(_Unit(label, group_title(group), [(t.params, t.args) for t in group], True, group_cost(group)))
+            units += [_Unit(f"{i}/{len(alone)}", param_text(p), [(p, a)], False) for i, (p, a) in enumerate(alone, 1)]
+            check = (str(results_path), opts.retry_failed)
+            if opts.workers == 1 or len(units) <= 1:
+                _CHECKER[0] = checker
+                for unit in units:
+                    for params, outcome, args in _run_unit(check, unit):
+                        record(params, outcome, args, unit.label)
+            else:
+                _run_in_workers(units, min(opts.workers, len(units)), opts.threads, check, record)
         except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
             print(
                 f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "

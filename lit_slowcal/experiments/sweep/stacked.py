@@ -62,7 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["StackedTrial", "default_memory_budget", "group_trials", "run_group", "stackable", "trial_bytes"]
+__all__ = [
+    "StackedTrial", "config_yaml", "default_memory_budget", "group_cost", "group_title", "group_trials", "plan_stacked", "run_group",
+    "run_stacked", "stackable", "trial_bytes",
+]  # fmt: skip
 
 # Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
 # method's steps per round: every machine takes one step per b samples whatever K, so the trials of
@@ -336,6 +339,14 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
     trial_params = [list(m.machines.parameters()) for m in models]
     big_params = list(big.values())
+    # Every step's gradients go into the same buffers (allocating them afresh each step costs more than
+    # computing them: page faults and cold cache); each trial's .grad is its slices of them, for good.
+    if list(big) != ["weight", "bias"] or not stack.machines._linear:
+        raise ValueError(f"stacking trains a linear model with a bias; this one has {list(big)}")
+    grad_weight, grad_bias = torch.zeros_like(big["weight"]), torch.zeros_like(big["bias"])
+    for i, ps in enumerate(trial_params):
+        for p, whole in zip(ps, (grad_weight, grad_bias)):
+            p.grad = whole[i * M : (i + 1) * M]
 
     # Each block: its optimizer, built by the method's own factory, and its averager (its own K).
     for s in blocks:
@@ -479,16 +490,13 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
                     if active[i] and per_round[i]:
                         callback, shim, module = watch[i]
                         callback.on_train_batch_start(shim, module, None, step // s.k)
-        per_machine = stack._machine_losses(
-            xs_buf[step % chunk].view(T * M, b, -1), ys_buf[step % chunk].view(T * M, b)
-        )
-        for p in big_params:
-            p.grad = None
-        per_machine.sum().backward()
-        for i, ps in enumerate(trial_params):
-            if active[i]:
-                for p, whole in zip(ps, big_params):
-                    p.grad = whole.grad[i * M : (i + 1) * M]
+        xs_step = xs_buf[step % chunk].view(T * M, b, -1)
+        with torch.no_grad():
+            logits = stack.machines(xs_step)
+        logits.requires_grad_()
+        per_machine = stack._losses_of(logits, ys_buf[step % chunk].view(T * M, b))
+        (grad_logits,) = torch.autograd.grad(per_machine.sum(), logits)
+        _linear_grads(xs_step, grad_logits, grad_weight, grad_bias)
         losses[step] = per_machine.detach().view(T, M)
         for s in blocks:
             if step >= s.steps or not any(active[i] for i in s.members):
@@ -523,6 +531,26 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         t.final_state = {
             "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
         }
+
+
+def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> None:
+    """The gradients autograd gives the machines' linear layer (``SimulatedMachines``: ``weight`` ``(m, out, in)``
+    and ``bias`` ``(m, out)``, outputs ``baddbmm(bias, weight, x^T)^T``), from the loss's gradient with respect
+    to the outputs ``grad_logits`` ``(m, b, out)``, written into ``grad_weight`` and ``grad_bias``.
+
+    The weight's is ``torch.bmm(g, x)`` with ``g`` the outputs' gradient ``(m, out, b)``, as in the matmul's
+    backward. With one sample a machine (b = 1) its inner dimension is 1: every entry is the single
+    product ``g_i * x_j``, formed here by ``torch.mul`` (several times faster than many 10 x 1 x 784
+    matmuls on a CPU): the same value (a zero product keeps its sign, ``-0.0``, where the matmul's
+    ``0 + p`` gives ``+0.0``: they compare equal, and every sum or update they enter ends the same).
+    """
+    g = grad_logits.transpose(1, 2)  # (m, out, b)
+    if x.shape[1] == 1:
+        torch.mul(g, x, out=grad_weight)
+        grad_bias.copy_(g.squeeze(-1))
+    else:
+        torch.bmm(g, x, out=grad_weight)
+        grad_bias.copy_(g.sum_to_size(*grad_bias.shape, 1).squeeze(-1))  # the bias broadcast's backward
 
 
 class _Known:
@@ -575,22 +603,23 @@ def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, fa
     run.finish(exit_code=1 if failed else 0)
 
 
-def _config_yaml(trial: StackedTrial) -> str:
+def config_yaml(trial: StackedTrial) -> str:
+    """The ``config.yaml`` written into a stacked trial's log folder: its parsed ``fit`` configuration."""
     import yaml
 
     plain = json.loads(json.dumps({k: v for k, v in trial.config.items() if k != "config"}, default=str))
     return yaml.safe_dump(plain, sort_keys=False)
 
 
-def run_stacked(
-    trials: list[tuple[dict[str, Any], list[str], Any]], budget: Optional[int], record: Any
-) -> list[tuple[dict[str, Any], list[str]]]:
-    """Run the stackable trials in groups; return the others (``(params, args)``) for one-at-a-time runs.
+def plan_stacked(
+    trials: list[tuple[dict[str, Any], list[str], Any]], budget: Optional[int]
+) -> tuple[list[list[StackedTrial]], list[tuple[dict[str, Any], list[str]]]]:
+    """The stackable trials in groups (printed: how many, the memory budget, why the others are not
+    stacked), and the others (``(params, args)``) to run one at a time.
 
     Args:
         trials: ``(params, args, parsed)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
         budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
-        record: ``(params, outcome, args, label) -> None``, called for every trial when its group ends.
     """
     stacked, alone, reasons = [], [], {}
     for params, args, parsed in trials:
@@ -611,16 +640,22 @@ def run_stacked(
     )
     for why, n in reasons.items():
         print(f"  {n} trials not stacked: {why}", flush=True)
-    for g, group in enumerate(groups, 1):
-        c = group[0].config
-        size = len(group) * trial_bytes(c) / 2**20
-        ks = ",".join(str(k) for k in sorted({t.config["local_steps"] for t in group}))
-        print(
-            f"\n[group {g}/{len(groups)}] method={c['method']} M={c['num_machines']} K={ks} "
-            f"b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)",
-            flush=True,
-        )
-        run_group(group, _config_yaml)
-        for t in group:
-            record(t.params, t.outcome, t.args, f"group {g}/{len(groups)}")
-    return alone
+    return groups, alone
+
+
+def group_title(group: list[StackedTrial]) -> str:
+    """``method=... M=... K=4,8 b=1: 15 trials stacked (about 12 MiB)``."""
+    c = group[0].config
+    size = len(group) * trial_bytes(c) / 2**20
+    ks = ",".join(str(k) for k in sorted({t.config["local_steps"] for t in group}))
+    return f"method={c['method']} M={c['num_machines']} K={ks} b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)"
+
+
+def group_cost(group: list[StackedTrial]) -> float:
+    """A group's relative running time, to start the longest first: its steps times (the machines they
+    train + 40, a step's fixed cost in machines' worth of work on a CPU)."""
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE
+
+    c = group[0].config
+    steps = MNIST_TRAIN_SIZE / (c["num_machines"] * c["data"]["batch_size"])
+    return steps * (len(group) * c["num_machines"] + 40)
