@@ -221,37 +221,30 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
 
 @dataclass
 class _Unit:
-    """What one process runs at a time: a stacked group, or one trial alone."""
+    """What one process runs at a time: a stacked group (``StackedTrial`` s), or one trial alone (``(params, args)``)."""
 
     label: str  # "group 2/9", "4/20"
     title: str  # what it runs, printed as it starts
-    trials: list[tuple[dict[str, Any], list[str]]]  # (params, args)
-    stacked: bool
+    trials: Any  # list[StackedTrial] (a group) or (params, args) (a trial alone)
     cost: float = 0.0  # relative running time (groups: stacked.group_cost), to start the longest first
-
-
-_CHECKER: list[Optional[CommandLine]] = [None]  # this process's parser (a worker builds its own)
 
 
 def _run_unit(check: tuple[str, bool], unit: _Unit) -> list[tuple[dict[str, Any], dict[str, Any], list[str]]]:
     """Run ``unit`` here; return ``(params, outcome, args)`` of each of its trials (none when the results file
     ``check = (path, retry_failed)`` holds a lone trial already: another sweep writing it ran it meanwhile)."""
-    if not unit.stacked:
-        (params, args), path = unit.trials[0], check[0]
+    if isinstance(unit.trials, tuple):
+        (params, args), path = unit.trials, check[0]
         record = ResultsFile(path).get(params)
         if record is not None and not (check[1] and record["status"] != "finished"):
             print(f"\n[{unit.label}] {unit.title}: already in {path}", flush=True)
             return []
         print(f"\n[{unit.label}] {unit.title}", flush=True)
         return [(params, run_trial(args), args)]
-    from lit_slowcal.experiments.sweep.stacked import StackedTrial, config_yaml, run_group
+    from lit_slowcal.experiments.sweep.stacked import config_yaml, run_group
 
     print(f"\n[{unit.label}] {unit.title}", flush=True)
-    if _CHECKER[0] is None:
-        _CHECKER[0] = CommandLine()
-    group = [StackedTrial(p, list(a), _CHECKER[0].parse(a).get("fit").as_dict()) for p, a in unit.trials]
-    run_group(group, config_yaml)
-    return [(t.params, t.outcome, t.args) for t in group]
+    run_group(unit.trials, config_yaml)
+    return [(t.params, t.outcome, t.args) for t in unit.trials]
 
 
 def _worker_start(threads: int) -> None:
@@ -272,7 +265,12 @@ def _run_in_workers(units: list[_Unit], workers: int, threads: int, check: tuple
     order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
     each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
     print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
+    # Forked workers start at once with what this process loaded (torch, Lightning, the parser); spawned ones
+    # import it all again (seconds each). Fork only on Linux (macOS: unsafe) and before CUDA is in use here.
+    import torch
+
+    start = "fork" if sys.platform.startswith("linux") and not torch.cuda.is_initialized() else "spawn"
+    with multiprocessing.get_context(start).Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
         for outcomes in pool.imap_unordered(functools.partial(_run_labelled, check), order):
             for params, outcome, args, label in outcomes:
                 record(params, outcome, args, label)
@@ -395,18 +393,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             units: list[_Unit] = []
             alone = [(params, trial_args(sweep, params, extra)) for params in todo]
             if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
-                from lit_slowcal.experiments.sweep.stacked import group_cost, group_title, plan_stacked
+                from lit_slowcal.experiments.sweep.stacked import balance_groups, group_cost, group_title, plan_stacked
 
                 results.refresh()  # another sweep writing the same file may have run some meanwhile
                 parsed = [(p, a, checker.parse(a)) for p, a in alone if pending(p)]
                 groups, alone = plan_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None)
+                if opts.workers > 1:
+                    groups = balance_groups(groups, opts.workers)
                 for g, group in enumerate(groups, 1):
                     label = f"group {g}/{len(groups)}"
-                    units.append(_Unit(label, group_title(group), [(t.params, t.args) for t in group], True, group_cost(group)))
-            units += [_Unit(f"{i}/{len(alone)}", param_text(p), [(p, a)], False) for i, (p, a) in enumerate(alone, 1)]
+                    units.append(_Unit(label, group_title(group), group, group_cost(group)))
+            units += [_Unit(f"{i}/{len(alone)}", param_text(p), (p, a)) for i, (p, a) in enumerate(alone, 1)]
             check = (str(results_path), opts.retry_failed)
             if opts.workers == 1 or len(units) <= 1:
-                _CHECKER[0] = checker
                 for unit in units:
                     for params, outcome, args in _run_unit(check, unit):
                         record(params, outcome, args, unit.label)
