@@ -45,7 +45,7 @@ during each runner are printed.
 ``--full`` also runs the whole 135-run paper grid (seeds 1, 2, 3) through the runner and prints its
 wall time.
 
-    python benchmarks/bench_grid.py [--threads 1] [--variants bare,default] [--full] [--root data]
+    python benchmarks/bench_grid.py [--threads 1] [--variants bare,default] [--full [--workers 2]] [--root data]
 """
 
 from __future__ import annotations
@@ -82,13 +82,15 @@ def _sweep_file(folder: Path, seeds: list[int] | None, flags: list[str] = ()) ->
     return path
 
 
-def run_sweep(folder: Path, seeds: list[int] | None, threads: int, flags: list[str] = ()) -> tuple[float, float, list[dict]]:
+def run_sweep(
+    folder: Path, seeds: list[int] | None, threads: int, flags: list[str] = (), workers: int = 1
+) -> tuple[float, float, list[dict]]:
     """The runner as a user runs it; returns (command wall s, the runner's trials s, result records)."""
     sweep = _sweep_file(folder, seeds, flags)
     results = folder / f"{sweep.stem}.jsonl"
     log = folder / f"{sweep.stem}.log"
     cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(sweep), "--results", str(results),
-           "--wandb=false", f"--threads={threads}"]  # fmt: skip
+           "--wandb=false", f"--threads={threads}", f"--workers={workers}"]  # fmt: skip
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -213,6 +215,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1, the runner's default)")
     p.add_argument("--full", action="store_true", help="also run the whole 135-run paper grid through the runner")
+    p.add_argument("--workers", type=int, default=1, help="with --full: the runner's --workers (processes, one trial at a time each)")
     p.add_argument("--root", default=str(ROOT / "data"), help="folder holding MNIST/raw/")
     p.add_argument(
         "--variants", default="bare,default", help="runner variants, comma-separated: bare (--objective=false "
@@ -309,10 +312,11 @@ def main() -> None:
     if args.full:
         for v in variants:
             with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
-                wall, trials_s, records = run_sweep(Path(tmp), None, args.threads, VARIANTS[v])
+                wall, trials_s, records = run_sweep(Path(tmp), None, args.threads, VARIANTS[v], args.workers)
             done = sum(r["status"] == "finished" for r in records)
             same, differ = check_stored(records)
-            print(f"\nthe whole paper grid, {v} ({len(records)} runs, {done} finished) through the runner: {wall:.1f} s "
+            print(f"\nthe whole paper grid, {v} ({len(records)} runs, {done} finished) through the runner with --workers "
+                  f"{args.workers}, one trial at a time each: {wall:.1f} s "
                   f"the command, {trials_s:.1f} s the trials (goal < {GOAL_FULL_S:.0f} s); stored metrics identical in "
                   f"{same} of {len(records)} runs; load average {open('/proc/loadavg').read().split()[0]}")  # fmt: skip
 

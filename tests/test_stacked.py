@@ -283,3 +283,18 @@ def test_workers_must_be_a_positive_integer(tmp_path, capsys):
     path = grid_file(tmp_path, seeds=(1,), methods=("slowcal",))
     assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl"), "--workers", "0"]) == 2
     assert "Invalid --workers: 0 (must be an integer >= 1)" in capsys.readouterr().err
+
+
+def test_groups_are_halved_only_while_that_shortens_the_workers_time():
+    def group(n, method="slowcal", batch=1):
+        config = {"method": method, "num_machines": 16, "data": {"batch_size": batch}}
+        return [stacked.StackedTrial({"seed": i}, [], config) for i in range(n)]
+
+    # One group of 6 M = 16 trials (3,750 steps) on 2 workers: two halves of 3 (each 3,750 x (48 + 40)
+    # against 3,750 x (96 + 40) for the whole); halving again would not end sooner.
+    parts = stacked.balance_groups([group(6)], 2)
+    assert [len(p) for p in parts] == [3, 3] and [t.params["seed"] for p in parts for t in p] == list(range(6))
+    # Two long groups and a short one (Minibatch-SGD, K = 16: 234 steps): already balanced on 2 workers.
+    groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16)]
+    assert stacked.balance_groups(groups, 2) == groups
+    assert stacked.group_cost(group(6)) == 3750 * (96 + 40)
