@@ -9,8 +9,9 @@ The same YAML works both ways. With a W&B account, ``wandb sweep sweeps/lr.yaml`
    argument list the W&B agent would pass (``trial_args``).
 3. ``runner``: every trial's arguments are checked by the CLI's own parser before anything runs
    (``CommandLine``), then the trials run one after another in this process (``run_trial``, ``main``).
-   ``stacked`` (``--stack``): the trials that differ only in the learning rate and the seed
-   train as one vectorized program per group, each trial exactly as it trains alone.
+   ``stacked`` (``--stack``): the trials that differ only in the learning rate, the seed and K
+   train as one vectorized program per group, each trial exactly as it trains alone; ``--workers N``
+   runs groups (or trials) in N processes at once.
 4. ``results``: every finished trial is added to the results file (JSON lines) at once, atomically
    (``ResultsFile``); running the same command again skips the trials it holds.
 5. ``table``: the sweep ends with a markdown table (``summary_table``): the best ``model.lr`` per

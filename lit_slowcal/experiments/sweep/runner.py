@@ -12,6 +12,8 @@
    SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
    With ``--stack``, the trials that differ only in ``model.lr``, the seed and K train first, one
    group at a time, as one vectorized program each (``stacked``), each trial exactly as alone.
+   With ``--workers N``, N processes (forked on Linux) run the groups or trials, longest first,
+   each taking the next when it is done; this process records every trial as its worker ends it.
 4. Every finished trial is added to the results file at once (``results``); a rerun of the same
    command skips the trials it holds, and so does a sweep writing the same file at the same time
    (each trial is checked against the file just before it runs). Failed and diverged trials are

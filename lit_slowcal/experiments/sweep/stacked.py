@@ -7,8 +7,11 @@ without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
-  larger batch of machines (``LogisticRegression._machine_losses``; the loss is the sum over the
-  T * M machines, so every slice gets its own gradient);
+  larger batch of machines (``LogisticRegression._losses_of``; the loss is the sum over the
+  T * M machines, so every slice gets its own gradient). Autograd gives the gradient of the loss with
+  respect to the outputs; the linear layer's gradients are formed from it into buffers kept from step
+  to step (``_linear_grads``: autograd's values; allocating them afresh every step cost more than
+  computing them);
 * the trials are ordered by K into blocks of rows; one epoch is the same number of steps per
   machine whatever K (one per b samples), so the blocks step together, and each block has its own
   optimizer, built by the method's own factory (``Method.optimizer``) with one parameter group per
