@@ -30,6 +30,7 @@ import contextlib
 import functools
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -250,11 +251,10 @@ def _run_unit(check: tuple[str, bool], unit: _Unit) -> list[tuple[dict[str, Any]
 
 
 def _worker_start(threads: int) -> None:
-    import signal
-
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker inherits the sweep's handler)
     if threads > 0:
         torch.set_num_threads(threads)
 
@@ -272,10 +272,18 @@ def _run_in_workers(units: list[_Unit], workers: int, threads: int, check: tuple
     import torch
 
     start = "fork" if sys.platform.startswith("linux") and not torch.cuda.is_initialized() else "spawn"
-    with multiprocessing.get_context(start).Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
-        for outcomes in pool.imap_unordered(functools.partial(_run_labelled, check), order):
-            for params, outcome, args, label in outcomes:
-                record(params, outcome, args, label)
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM: leave through the pool's exit, which ends the workers
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with multiprocessing.get_context(start).Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
+            for outcomes in pool.imap_unordered(functools.partial(_run_labelled, check), order):
+                for params, outcome, args, label in outcomes:
+                    record(params, outcome, args, label)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_labelled(check: tuple[str, bool], unit: _Unit) -> list[tuple[dict[str, Any], dict[str, Any], list[str], str]]:
