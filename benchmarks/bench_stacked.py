@@ -96,14 +96,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-WORKERS = ["--workers", "1"]
-
-
-def run_sweep(path: Path, results: Path, *extra: str, device: str = "cpu") -> float:
+def run_sweep(path: Path, results: Path, *extra: str, device: str = "cpu", workers: int = 1) -> float:
     sync(device)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        code = sw.main([str(path), "--results", str(results), "--wandb=false", *WORKERS, *extra])
+        code = sw.main([str(path), "--results", str(results), "--wandb=false", f"--workers={workers}", *extra])
     sync(device)
     assert code == 0, f"sweep {path} exited with {code}"
     return time.perf_counter() - start
@@ -127,7 +124,6 @@ def main() -> None:
     opts = p.parse_args()
     os.chdir(ROOT)
     torch.set_num_threads(1)
-    WORKERS[1] = str(opts.workers)
     extra = ("--objective=false", "--diagnostics=false") if opts.light else ()
     stacked_extra = extra + (("--trainer.accelerator=gpu",) if opts.device == "cuda" else ())
     if opts.device == "cuda":
@@ -141,9 +137,10 @@ def main() -> None:
         tmp = Path(d)
         if not opts.no_alone:
             keep = {"num_machines": [16], "local_steps": [opts.subset]}
-            alone = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "alone.yaml"), tmp / "alone.jsonl")
+            one_at_a_time = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "alone.yaml")
+            alone = run_sweep(one_at_a_time, tmp / "alone.jsonl", workers=opts.workers)
             sub = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra, "sub.yaml")
-            stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device)
+            stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device, workers=opts.workers)
             same, n, worst = compare(tmp / "stacked.jsonl", tmp / "alone.jsonl")
             print(
                 f"paper grid, M=16 K={opts.subset}, {n} runs: one at a time (cpu) {alone:.1f} s, stacked {stacked:.1f} s: "
@@ -154,13 +151,14 @@ def main() -> None:
             name = label.replace(" ", "_").replace(",", "") + ".yaml"
             path = sweep_file(tmp, ROOT / "sweeps" / "lr.yaml", keep, stacked_extra, name)
             results = tmp / f"{path.stem}.jsonl"
-            seconds = run_sweep(path, results, "--stack", device=opts.device)
+            seconds = run_sweep(path, results, "--stack", device=opts.device, workers=opts.workers)
             same, n, worst = compare(results, reference)
             print(f"{label}, {n} runs stacked: {seconds:.1f} s; {same_as} to sweeps/results/lr.jsonl: {same}/{n}; "
                   f"largest relative differences: {differences(worst)}")  # fmt: skip
         if opts.full:
             keep = {"num_machines": opts.machines}
-            full = run_sweep(sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra), tmp / "paper.jsonl", "--stack", device=opts.device)
+            paper = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra)
+            full = run_sweep(paper, tmp / "paper.jsonl", "--stack", device=opts.device, workers=opts.workers)
             same, n, worst = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
             print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; {same_as} to sweeps/results/paper.jsonl: "
                   f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip

@@ -66,8 +66,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title", "group_trials", "plan_stacked", "run_group",
-    "run_stacked", "stackable", "trial_bytes",
+    "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
+    "group_trials", "plan_stacked", "run_group", "stackable", "trial_bytes",
 ]  # fmt: skip
 
 # Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
