@@ -150,6 +150,15 @@ def _trial_cli() -> Any:
 
     class TrialCLI(SlowcalCLI):
         last: Optional["TrialCLI"] = None  # the running trial's CLI
+        given: Any = None  # the running trial's arguments as the sweep's check parsed them, or None
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # The sweep's check (CommandLine) parsed these very arguments with the same parser class:
+            # its result is what this parse would give (0.03 s a trial).
+            if self.given is None:
+                super().parse_arguments(parser, args)
+            else:
+                self.config = self.given
 
         def setup_parser(
             self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
@@ -170,8 +179,11 @@ def _trial_cli() -> Any:
     return TrialCLI
 
 
-def run_trial(args: Sequence[str]) -> dict[str, Any]:
+def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     """Run ``SlowcalCLI(args=args)`` here; never raises for a failing run.
+
+    ``parsed``: ``CommandLine().parse(args)``, when the caller has it (the sweep's check): the CLI uses
+    it instead of parsing ``args`` again. It is not changed.
 
     Ctrl-C (KeyboardInterrupt) and SIGTERM (Lightning's SIGTERMException) are raised: they stop the
     sweep, and the interrupted trial is not recorded.
@@ -186,6 +198,7 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
 
     trial_cli = _trial_cli()
     trial_cli.last = None
+    trial_cli.given = None if parsed is None else parsed.clone()
     status, error = "finished", None
     start = time.perf_counter()
     with _trial_environment():
@@ -210,7 +223,7 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
             _finish_wandb(failed=status != "finished")
     wall = time.perf_counter() - start
     trainer = getattr(trial_cli.last, "trainer", None)
-    trial_cli.last = None
+    trial_cli.last = trial_cli.given = None
     metrics: dict[str, Optional[float]] = {}
     run_dir = None
     if trainer is not None:
@@ -224,11 +237,12 @@ def run_trial(args: Sequence[str]) -> dict[str, Any]:
 
 @dataclass
 class _Unit:
-    """What one process runs at a time: a stacked group (``StackedTrial`` s), or one trial alone (``(params, args)``)."""
+    """What one process runs at a time: a stacked group (``StackedTrial`` s), or one trial alone
+    (``(params, args, parsed)``, ``parsed`` being ``CommandLine.parse(args)``)."""
 
     label: str  # "group 2/9", "4/20"
     title: str  # what it runs, printed as it starts
-    trials: Any  # list[StackedTrial] (a group) or (params, args) (a trial alone)
+    trials: Any  # list[StackedTrial] (a group) or (params, args, parsed) (a trial alone)
     cost: float = 0.0  # relative running time (groups: stacked.group_cost), to start the longest first
 
 
@@ -241,17 +255,21 @@ def _run_unit(check: tuple[str, bool], unit: _Unit) -> tuple[str, list[tuple[dic
     """Run ``unit`` here; return its label and ``(params, outcome, args)`` of each of its trials (none when the
     results file ``check = (path, retry_failed)`` holds a lone trial already: another sweep ran it meanwhile)."""
     if isinstance(unit.trials, tuple):
-        (params, args), path = unit.trials, check[0]
+        (params, args, parsed), path = unit.trials, check[0]
         if not _pending(ResultsFile(path).get(params), check[1]):
             print(f"\n[{unit.label}] {unit.title}: already in {path}", flush=True)
             return unit.label, []
         print(f"\n[{unit.label}] {unit.title}", flush=True)
-        return unit.label, [(params, run_trial(args), args)]
+        return unit.label, [(params, run_trial(args, parsed), args)]
     from lit_slowcal.experiments.sweep.stacked import config_yaml, run_group
 
     print(f"\n[{unit.label}] {unit.title}", flush=True)
     run_group(unit.trials, config_yaml)
     return unit.label, [(t.params, t.outcome, t.args) for t in unit.trials]
+
+
+# The sweep's parser, read by the workers forked to check trials (_parse): a forked worker has it already.
+_checker: Optional[CommandLine] = None
 
 
 def _worker_start(threads: int) -> None:
@@ -263,31 +281,68 @@ def _worker_start(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _run_in_workers(units: list[_Unit], workers: int, threads: int, check: tuple[str, bool], record: Any) -> None:
-    """Run ``units`` in ``workers`` processes at once, longest first, each taking the next when it is done;
-    every trial is recorded here, as its unit ends. Stopping the sweep stops the workers."""
+@contextlib.contextmanager
+def _worker_pool(workers: int, threads: int) -> Iterator[tuple[Any, bool]]:
+    """``workers`` processes and whether they were forked, for as long as the sweep needs them; SIGTERM to the
+    sweep ends them too (it leaves through the pool's exit)."""
     import multiprocessing
 
-    order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
-    each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
-    print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
-    # Forked workers start at once with what this process loaded (torch, Lightning, the parser); spawned ones
-    # import it all again (seconds each). Fork only on Linux (macOS: unsafe) and before CUDA is in use here.
     import torch
 
-    start = "fork" if sys.platform.startswith("linux") and not torch.cuda.is_initialized() else "spawn"
+    # Forked workers start at once with what this process loaded (torch, Lightning, the parser); spawned ones
+    # import it all again (seconds each). Fork only on Linux (macOS: unsafe) and before CUDA is in use here.
+    forked = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
 
-    def stop(signum: int, frame: Any) -> None:  # SIGTERM: leave through the pool's exit, which ends the workers
+    def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        with multiprocessing.get_context(start).Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
-            for label, outcomes in pool.imap_unordered(functools.partial(_run_unit, check), order):
-                for params, outcome, args in outcomes:
-                    record(params, outcome, args, label)
+        context = multiprocessing.get_context("fork" if forked else "spawn")
+        with context.Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
+            yield pool, forked
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _parse(args: list[str]) -> tuple[Any, Optional[str]]:
+    """``(_checker.parse(args), None)``, or ``(None, the CLI's message)`` when it refuses them."""
+    assert _checker is not None
+    try:
+        return _checker.parse(args), None
+    except ValueError as err:
+        return None, str(err)
+
+
+def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1) -> dict[str, Any]:
+    """Every trial's ``(params, args)`` parsed by the CLI's parser (``_checker``), by trial key: in this process,
+    or shared among the forked workers of ``pool``.
+
+    Raises:
+        ValueError: naming the first trial the CLI refuses, with its message.
+    """
+    args = [a for _, a in trials]
+    if pool is None:
+        outcomes: Any = map(_parse, args)
+    else:  # a few chunks per worker: even shares, and few round trips
+        outcomes = pool.imap(_parse, args, chunksize=max(1, len(args) // (4 * workers)))
+    parsed: dict[str, Any] = {}
+    for (params, _), (config, error) in zip(trials, outcomes):
+        if error is not None:
+            raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {error}")
+        parsed[trial_key(params)] = config
+    return parsed
+
+
+def _run_in_workers(pool: Any, workers: int, units: list[_Unit], threads: int, check: tuple[str, bool], record: Any) -> None:
+    """Run ``units`` in the ``workers`` processes of ``pool``, longest first, each taking the next when it is done;
+    every trial is recorded here, as its unit ends."""
+    order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
+    each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
+    print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
+    for label, outcomes in pool.imap_unordered(functools.partial(_run_unit, check), order):
+        for params, outcome, args in outcomes:
+            record(params, outcome, args, label)
 
 
 def _bool(text: str) -> bool:
@@ -343,6 +398,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m lit_slowcal sweep SWEEP.yaml [--results PATH] [--count N] [--dry-run] [--retry-failed] [--wandb=false]``."""
+    global _checker
     opts = _parser().parse_args(argv)
     results_path = opts.results or Path("sweeps") / "results" / f"{opts.sweep.stem}.jsonl"
     extra = [] if opts.wandb is None else [f"--wandb={str(opts.wandb).lower()}"]
@@ -353,17 +409,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
         results = ResultsFile(results_path)
-        checker = CommandLine()
-        parsed_args: dict[str, Any] = {}  # each trial's parsed arguments, reused by --stack (0.03 s a parse)
-        for params in trials:
-            try:
-                parsed_args[trial_key(params)] = checker.parse(trial_args(sweep, params, extra))
-            except ValueError as err:
-                raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {err}") from None
+        _checker = CommandLine()  # built before the workers fork: they check trials with it too
     except (ValueError, OSError) as err:
         print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
         return 2
 
+    workers = 1 if opts.dry_run else min(opts.workers, len(trials))
+    with contextlib.ExitStack() as scope:
+        if not opts.dry_run:
+            scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))
+        pool, forked = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 else (None, False)
+        try:  # every trial before the first runs; forked workers share the parses (0.03 s each)
+            parsed_args = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool if forked else None, workers)
+        except ValueError as err:
+            print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
+            return 2
+        return _run(opts, sweep, trials, results, results_path, extra, parsed_args, pool, workers)
+
+
+def _run(
+    opts: argparse.Namespace,
+    sweep: Any,
+    trials: list[dict[str, Any]],
+    results: ResultsFile,
+    results_path: Path,
+    extra: list[str],
+    parsed_args: dict[str, Any],
+    pool: Any,
+    workers: int,
+) -> int:
+    """The checked sweep: its pending trials run (or, with ``--dry-run``, are listed), then its table."""
     for key in sweep.ignored:
         print(f"note: {key} needs W&B's controller and is ignored here; every trial runs to its end")
 
@@ -398,37 +473,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             line += f" ({outcome['error'].splitlines()[0][:200]})"
         print(line, flush=True)
 
-    with _sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"):
-        try:
-            units: list[_Unit] = []
-            alone = [(params, trial_args(sweep, params, extra)) for params in todo]
-            if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
-                from lit_slowcal.experiments.sweep.stacked import balance_groups, group_cost, group_title, plan_stacked
+    try:
+        units: list[_Unit] = []
+        alone = [(params, trial_args(sweep, params, extra)) for params in todo]
+        if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
+            from lit_slowcal.experiments.sweep.stacked import balance_groups, group_cost, group_title, plan_stacked
 
-                results.refresh()  # another sweep writing the same file may have run some meanwhile
-                parsed = [(p, a, parsed_args[trial_key(p)]) for p, a in alone if pending(p)]
-                groups, alone = plan_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None)
-                if opts.workers > 1:
-                    groups = balance_groups(groups, opts.workers)
-                for g, group in enumerate(groups, 1):
-                    label = f"group {g}/{len(groups)}"
-                    units.append(_Unit(label, group_title(group), group, group_cost(group)))
-            units += [_Unit(f"{i}/{len(alone)}", param_text(p), (p, a)) for i, (p, a) in enumerate(alone, 1)]
-            check = (str(results_path), opts.retry_failed)
-            if opts.workers == 1 or len(units) <= 1:
-                for unit in units:
-                    label, outcomes = _run_unit(check, unit)
-                    for params, outcome, args in outcomes:
-                        record(params, outcome, args, label)
-            else:
-                _run_in_workers(units, min(opts.workers, len(units)), opts.threads, check, record)
-        except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning raises it
-            print(
-                f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
-                f"{results_path}. Run the same command again to go on.",
-                file=sys.stderr,
-            )
-            return 130 if isinstance(err, KeyboardInterrupt) else 143
+            results.refresh()  # another sweep writing the same file may have run some meanwhile
+            parsed = [(p, a, parsed_args[trial_key(p)]) for p, a in alone if pending(p)]
+            groups, alone = plan_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None)
+            if workers > 1:
+                groups = balance_groups(groups, workers)
+            for g, group in enumerate(groups, 1):
+                label = f"group {g}/{len(groups)}"
+                units.append(_Unit(label, group_title(group), group, group_cost(group)))
+        units += [
+            _Unit(f"{i}/{len(alone)}", param_text(p), (p, a, parsed_args[trial_key(p)])) for i, (p, a) in enumerate(alone, 1)
+        ]
+        check = (str(results_path), opts.retry_failed)
+        if pool is None or len(units) <= 1:
+            for unit in units:
+                label, outcomes = _run_unit(check, unit)
+                for params, outcome, args in outcomes:
+                    record(params, outcome, args, label)
+        else:
+            _run_in_workers(pool, min(workers, len(units)), units, opts.threads, check, record)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it
+        print(
+            f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
+            f"{results_path}. Run the same command again to go on.",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(err, KeyboardInterrupt) else 143
     if todo:
         print(f"\n{len(todo)} trials in {time.perf_counter() - sweep_start:.1f} s; results in {results_path}")
     done = [r for r in (results.get(t) for t in trials) if r is not None]
