@@ -239,15 +239,18 @@ def test_lr_sweep_covers_every_method_and_the_registry_holds_its_choice_for_the_
             assert best["params"]["model.lr"] == entry.paper_lr, name
 
 
-def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys):
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["here", "in-workers"])
+def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys, workers):
+    # With --workers the forked workers parse a share of the trials each; the refusal is the same.
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(config({"model.lrate": {"values": [0.1]}})))
-    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl")]) == 2
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), *workers]) == 2
     err = capsys.readouterr().err
     assert "model.lrate=0.1" in err and "unrecognized arguments: --model.lrate=0.1" in err
-    bad.write_text(yaml.safe_dump(config({"local_steps": {"values": [2, 0]}})))
-    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl")]) == 2
-    assert "local_steps=0" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump(config({"local_steps": {"values": [2, 4, 8, 0, 16]}})))
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), *workers]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "trial local_steps=0" in err and "Invalid local_steps: 0 (must be an integer >= 1)" in err
     assert not (tmp_path / "r.jsonl").exists()
 
 
@@ -560,9 +563,10 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     assert [(r["params"]["method"], r["status"]) for r in records] == [("slowcal", "finished"), ("slowcal", "finished")]
 
 
-def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path, monkeypatch):
+def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path, monkeypatch, command_line):
     """The parsers are built by the first trial of the process and reused; every trial still gets
-    exactly the metrics and the saved config of a fresh ``SlowcalCLI`` run of its arguments."""
+    exactly the metrics and the saved config of a fresh ``SlowcalCLI`` run of its arguments, also when
+    it is given the sweep check's parse of them (which it leaves unchanged) instead of parsing again."""
     from lightning.pytorch.cli import LightningCLI
 
     from lit_slowcal.experiments.cli import SlowcalCLI
@@ -584,13 +588,25 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
     assert len(builds) <= 1  # none when an earlier test of this process built them already
     assert all(r["status"] == "finished" for r in records)
     assert records[0]["metrics"] == records[2]["metrics"] != records[1]["metrics"]
+    given, parses = [], []
+    for t in trials[:2]:
+        args = [*common, f"--run_dir={tmp_path / 'given'}", *t]
+        parsed = command_line.parse(args)
+        kept = parsed.clone()
+        with monkeypatch.context() as m:  # the given parse is used: the trial parses nothing
+            parse_args = type(command_line.parser).parse_args
+            m.setattr(type(command_line.parser), "parse_args", lambda self, *a, **k: parses.append(a) or parse_args(self, *a, **k))
+            given.append(sw.run_trial(args, parsed))
+        assert parsed == kept
+    assert len(builds) <= 1 and parses == []
 
-    for trial, record in zip(trials[:2], records):
+    for trial, record in [*zip(trials[:2], records), *zip(trials[:2], given)]:
         with runner._trial_environment():
             fresh = SlowcalCLI(args=[*common, f"--run_dir={tmp_path / 'fresh'}", *trial])
         metrics = {k: float(v) for k, v in fresh.trainer.callback_metrics.items()}
         assert metrics == record["metrics"]
         saved = yaml.safe_load((Path(record["run_dir"]) / "config.yaml").read_text())
         expected = yaml.safe_load((Path(fresh.trainer.log_dir) / "config.yaml").read_text())
-        assert saved.pop("run_dir") == str(tmp_path / "trials") and expected.pop("run_dir") == str(tmp_path / "fresh")
+        assert saved.pop("run_dir") in (str(tmp_path / "trials"), str(tmp_path / "given"))
+        assert expected.pop("run_dir") == str(tmp_path / "fresh")
         assert saved == expected
