@@ -2,8 +2,9 @@
 
 1. The sweep file is read and checked (``spec``) and expanded into trials (``trials``).
 2. Every trial's arguments are parsed by ``SlowcalCLI``'s own parser before anything runs
-   (``CommandLine``): a parameter the CLI does not take, or a value it refuses, stops the sweep
-   before the first run.
+   (``CommandLine``; with ``--workers``, forked workers parse a share each): a parameter the CLI
+   does not take, or a value it refuses, stops the sweep before the first run. A trial then runs
+   from that parse; it does not parse its arguments again.
 3. Trials run one after another in this process (``run_trial``: ``SlowcalCLI(args=...)``; one torch
    thread by default, see ``--threads``). What does not depend on the trial is set up once per
    process: the CLI's parsers, MNIST decoded, each (M, seed) split and its figure; and a trial
