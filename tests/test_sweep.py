@@ -286,6 +286,23 @@ def test_results_file_appends_new_trials_and_replaces_a_retried_one_atomically(t
         sw.ResultsFile(path)
 
 
+def test_results_file_read_while_a_record_is_appended_sees_it_once_it_is_whole(tmp_path):
+    # A sweep's workers read the file while the sweep appends (no lock for reading): the kernel makes an
+    # append visible a page at a time, so a reader can see a record's first part; it is not read until whole.
+    path = tmp_path / "r.jsonl"
+    results = sw.ResultsFile(path)
+    results.put({"params": {"a": 1}, "status": "finished"})
+    line = json.dumps({"params": {"a": 2}, "status": "finished"}) + "\n"
+    with open(path, "a") as f:
+        f.write(line[:10])
+    assert list(sw.ResultsFile(path).records.values()) == [{"params": {"a": 1}, "status": "finished"}]
+    with pytest.raises(OSError, match="last line is cut short"):  # no append is under way while put holds the lock
+        results.put({"params": {"a": 3}, "status": "finished"})
+    with open(path, "a") as f:
+        f.write(line[10:])
+    assert len(sw.ResultsFile(path).records) == 2
+
+
 def test_results_file_keeps_its_permission_bits(tmp_path):
     path = tmp_path / "r.jsonl"
     results = sw.ResultsFile(path)

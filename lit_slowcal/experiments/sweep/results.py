@@ -4,7 +4,9 @@ Several sweeps may write one results file at once (``--results X.jsonl`` in two 
 write happens under the file's lock (``lit_slowcal.files.locked``). A new trial's record is appended
 whole, as one line in one ``write`` to the file opened with ``O_APPEND``; a trial run again
 (``--retry-failed``) has its record replaced by rewriting the file atomically from a fresh read,
-so the records other processes appended meanwhile stay. Nothing is lost or duplicated, a sweep
+so the records other processes appended meanwhile stay. Reading takes no lock: a last line without
+its newline is a record being appended at that moment (the kernel makes an append visible a page at
+a time), read once it is whole. Nothing is lost or duplicated, a sweep
 killed at any moment leaves a readable file, and running the same command again skips the trials
 it holds (a trial is its parameter dict, see ``trial_key``). The file itself is only ever appended
 to, except for those replacements (which keep its permission bits).
@@ -41,6 +43,8 @@ class ResultsFile:
         if self.path.exists():
             with open(self.path) as f:
                 for n, line in enumerate(f, 1):
+                    if not line.endswith("\n"):  # the last line, being appended now (see the module's docstring)
+                        break
                     if not line.strip():
                         continue
                     try:
@@ -67,9 +71,11 @@ class ResultsFile:
                     for r in self.records.values():
                         f.write(json.dumps(r, allow_nan=False) + "\n")
                 return
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 data, size = line.encode(), os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # no append is under way: we hold the lock
+                    raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
                 written = os.write(fd, data)
                 if written != len(data):  # a full disk: never leave half a record
                     os.ftruncate(fd, size)
