@@ -262,20 +262,27 @@ def test_linear_gradients_equal_autograds(b):
 
 def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monkeypatch, capfd):
     # --workers 2: two processes, each a group (or, without --stack, a trial) at a time; every trial
-    # recorded once, with the metrics of the same sweep run in one process.
+    # recorded once, with the metrics of the same sweep run in one process. Forked workers (Linux) also
+    # check the trials' arguments; spawned ones (elsewhere, or once CUDA is in use) only run them.
+    from lit_slowcal.experiments.sweep import runner
+
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
     runs = {}
-    for name, extra in (("one", ["--stack"]), ("stacked", ["--stack", "--workers", "2"]), ("alone", ["--workers", "2"])):
+    variants = (("one", ["--stack"]), ("stacked", ["--stack", "--workers", "2"]), ("alone", ["--workers", "2"]), ("spawned", ["--workers", "2"]))
+    for name, extra in variants:
         results = tmp_path / f"{name}.jsonl"
-        assert sw.main([str(path), "--results", str(results), *extra]) == 0
+        with monkeypatch.context() as m:
+            if name == "spawned":
+                m.setattr(runner, "_forks", lambda: False)
+            assert sw.main([str(path), "--results", str(results), *extra]) == 0
         records = [json.loads(line) for line in results.read_text().splitlines()]
         assert len(records) == 4 and len({sw.trial_key(r["params"]) for r in records}) == 4
         runs[name] = {sw.trial_key(r["params"]): (r["status"], r["metrics"]) for r in records}
         out = capfd.readouterr().out
         if name != "one":
             assert "workers: 2 processes, each running one group or trial at a time with 1 torch thread" in out
-    assert runs["stacked"] == runs["one"] == runs["alone"]
+    assert runs["stacked"] == runs["one"] == runs["alone"] == runs["spawned"]
     assert all(status == "finished" for status, _ in runs["one"].values())
 
 

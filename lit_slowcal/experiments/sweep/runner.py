@@ -282,26 +282,29 @@ def _worker_start(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def _worker_pool(workers: int, threads: int) -> Iterator[tuple[Any, bool]]:
-    """``workers`` processes and whether they were forked, for as long as the sweep needs them; SIGTERM to the
-    sweep ends them too (it leaves through the pool's exit)."""
-    import multiprocessing
-
+def _forks() -> bool:
+    """Whether workers are forked. Forked workers start at once with what this process loaded (torch, Lightning,
+    the parser); spawned ones import it all again (seconds each). Fork only on Linux (macOS: unsafe) and before
+    CUDA is in use here."""
     import torch
 
-    # Forked workers start at once with what this process loaded (torch, Lightning, the parser); spawned ones
-    # import it all again (seconds each). Fork only on Linux (macOS: unsafe) and before CUDA is in use here.
-    forked = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+    return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, threads: int) -> Iterator[Any]:
+    """``workers`` processes (forked where ``_forks()``, else spawned) for as long as the sweep needs them;
+    SIGTERM to the sweep ends them too (it leaves through the pool's exit)."""
+    import multiprocessing
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        context = multiprocessing.get_context("fork" if forked else "spawn")
+        context = multiprocessing.get_context("fork" if _forks() else "spawn")
         with context.Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
-            yield pool, forked
+            yield pool
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -317,7 +320,7 @@ def _parse(args: list[str]) -> tuple[Any, Optional[str]]:
 
 def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1) -> dict[str, Any]:
     """Every trial's ``(params, args)`` parsed by the CLI's parser (``_checker``), by trial key: in this process,
-    or shared among the forked workers of ``pool``.
+    or shared among the forked workers of ``pool`` (each has ``_checker`` from this process).
 
     Raises:
         ValueError: naming the first trial the CLI refuses, with its message.
@@ -419,9 +422,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with contextlib.ExitStack() as scope:
         if not opts.dry_run:
             scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))
-        pool, forked = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 else (None, False)
-        try:  # every trial before the first runs; forked workers share the parses (0.03 s each)
-            parsed_args = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool if forked else None, workers)
+        # Forked workers start at once and share the check (0.03 s a trial); spawned ones only when trials run.
+        pool = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 and _forks() else None
+        try:  # every trial, before the first runs
+            parsed_args = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool, workers)
         except ValueError as err:
             print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
             return 2
@@ -492,13 +496,16 @@ def _run(
             _Unit(f"{i}/{len(alone)}", param_text(p), (p, a, parsed_args[trial_key(p)])) for i, (p, a) in enumerate(alone, 1)
         ]
         check = (str(results_path), opts.retry_failed)
-        if pool is None or len(units) <= 1:
+        if workers == 1 or len(units) <= 1:
             for unit in units:
                 label, outcomes = _run_unit(check, unit)
                 for params, outcome, args in outcomes:
                     record(params, outcome, args, label)
         else:
-            _run_in_workers(pool, min(workers, len(units)), units, opts.threads, check, record)
+            with contextlib.ExitStack() as scope:
+                if pool is None:
+                    pool = scope.enter_context(_worker_pool(min(workers, len(units)), opts.threads))
+                _run_in_workers(pool, min(workers, len(units)), units, opts.threads, check, record)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it
         print(
             f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
