@@ -11,7 +11,9 @@ run folders and results files in a temporary folder):
    three methods (slowcal, local_sgd, minibatch_sgd), compared with ``sweeps/results/lr.jsonl``
    (written one at a time).
 3. With ``--full``: the whole 135-run paper grid stacked (``--machines 16 32`` keeps a part of it),
-   compared with ``sweeps/results/paper.jsonl`` (written one at a time by the runner).
+   compared with ``sweeps/results/paper.jsonl`` (written one at a time by the runner). With
+   ``--full-alone`` also the same grid one trial at a time through the runner (same ``--workers``), in
+   this process too: the ratio of the two wall times, and whether every metric of every trial is the same.
 
 ``--device cuda`` runs the stacked trials on the first CUDA device (``--trainer.accelerator=gpu``;
 IEEE float32 matmuls, no TF32): the wall times end with ``torch.cuda.synchronize()``, the peak GPU
@@ -25,7 +27,7 @@ load average is printed with the figures.
 ``--workers N`` runs every sweep of the benchmark (the one-at-a-time subset too) with ``sweep --workers N``: N
 processes, one torch thread each; the peak memory is then also given for the largest worker.
 
-    python benchmarks/bench_stacked.py [--full] [--subset 16] [--device cuda] [--light] [--no-alone] [--workers 2]
+    python benchmarks/bench_stacked.py [--full [--full-alone]] [--subset 16] [--device cuda] [--light] [--no-alone] [--workers 2]
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def differences(worst: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="also the 135-run paper grid stacked")
+    p.add_argument("--full-alone", action="store_true", help="with --full: also that grid one trial at a time, and the ratio")
     p.add_argument("--machines", type=int, nargs="+", default=[16, 32, 64], help="with --full: the M values of the grid to run")
     p.add_argument("--subset", type=int, default=16, help="K of the one-at-a-time subset (M = 16, all methods, 3 seeds)")
     p.add_argument("--no-alone", action="store_true", help="leave out the one-at-a-time subset")
@@ -162,6 +165,12 @@ def main() -> None:
             same, n, worst = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
             print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; {same_as} to sweeps/results/paper.jsonl: "
                   f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
+            if opts.full_alone:
+                alone_path = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "paper_alone.yaml")
+                alone = run_sweep(alone_path, tmp / "paper_alone.jsonl", workers=opts.workers)
+                same, n, worst = compare(tmp / "paper.jsonl", tmp / "paper_alone.jsonl")
+                print(f"paper grid (M in {opts.machines}), {n} runs one at a time (cpu): {alone:.1f} s vs stacked {full:.1f} s: "
+                      f"{alone / full:.2f}x; {same_as} metrics {same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB" + (f", the largest worker {workers:.0f} MiB" if opts.workers > 1 else "")
           + f"; load average now {os.getloadavg()[0]:.1f}")  # fmt: skip
