@@ -114,6 +114,13 @@ def differences(worst: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.1e}" for k, v in sorted(nonzero.items())) or "none"
 
 
+def print_ratio(label: str, alone: float, stacked: float, stacked_results: Path, alone_results: Path) -> None:
+    """One line: the wall times one at a time and stacked, their ratio, and whether every metric is the same."""
+    same, n, worst = compare(stacked_results, alone_results)
+    print(f"{label}, {n} runs: one at a time (cpu) {alone:.1f} s, stacked {stacked:.1f} s: {alone / stacked:.2f}x; "
+          f"identical metrics {same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="also the 135-run paper grid stacked")
@@ -144,11 +151,7 @@ def main() -> None:
             alone = run_sweep(one_at_a_time, tmp / "alone.jsonl", workers=opts.workers)
             sub = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra, "sub.yaml")
             stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device, workers=opts.workers)
-            same, n, worst = compare(tmp / "stacked.jsonl", tmp / "alone.jsonl")
-            print(
-                f"paper grid, M=16 K={opts.subset}, {n} runs: one at a time (cpu) {alone:.1f} s, stacked {stacked:.1f} s: "
-                f"{alone / stacked:.2f}x; {same_as} metrics {same}/{n}; largest relative differences: {differences(worst)}"
-            )
+            print_ratio(f"paper grid, M=16 K={opts.subset}", alone, stacked, tmp / "stacked.jsonl", tmp / "alone.jsonl")
         reference = ROOT / "sweeps" / "results" / "lr.jsonl"
         for label, keep in (("lr grid", None), ("lr grid, 3 methods", {"method": ["slowcal", "local_sgd", "minibatch_sgd"]})):
             name = label.replace(" ", "_").replace(",", "") + ".yaml"
@@ -168,9 +171,7 @@ def main() -> None:
             if opts.full_alone:
                 alone_path = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "paper_alone.yaml")
                 alone = run_sweep(alone_path, tmp / "paper_alone.jsonl", workers=opts.workers)
-                same, n, worst = compare(tmp / "paper.jsonl", tmp / "paper_alone.jsonl")
-                print(f"paper grid (M in {opts.machines}), {n} runs one at a time (cpu): {alone:.1f} s vs stacked {full:.1f} s: "
-                      f"{alone / full:.2f}x; {same_as} metrics {same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
+                print_ratio(f"paper grid (M in {opts.machines})", alone, full, tmp / "paper.jsonl", tmp / "paper_alone.jsonl")
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB" + (f", the largest worker {workers:.0f} MiB" if opts.workers > 1 else "")
           + f"; load average now {os.getloadavg()[0]:.1f}")  # fmt: skip
