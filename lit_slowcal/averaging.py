@@ -59,6 +59,15 @@ from torch.utils.hooks import RemovableHandle
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.simulated import SimulatedMachines
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default argument when
+    # it is imported (torch._dynamo imports it, on the first optimizer's construction in a plain
+    # torch loop). Imported after init_process_group it would keep the default group alive past
+    # destroy_process_group: gloo's threads would then run into the interpreter's exit, where a
+    # process occasionally aborts ("terminate called without an active exception"). Imported here,
+    # with lit_slowcal and before any process group, it binds None (2 ms).
+    import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = ["PeriodicAverager", "broadcast_module", "machines_per_process"]
 
 Modules = Union[nn.Module, Sequence[nn.Module]]

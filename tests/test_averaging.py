@@ -24,8 +24,9 @@ STEPS, K, M = 24, 4, 4
 def run_example(script: str, tmp_path, *args: str) -> dict:
     out = tmp_path / f"{script}-{'-'.join(a.strip('-') for a in args)}.pt"
     cmd = [sys.executable, str(REPO / "examples" / script), *args, f"--steps={STEPS}", f"--sync-every={K}", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A crash prints the Python stack of every thread (faulthandler).
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-1000:]}\nstderr: {proc.stderr[-3000:]}"
     return torch.load(out)
 
 
@@ -72,6 +73,34 @@ def test_plain_torch_loop_on_two_processes_equals_one_process_and_the_trainer(op
     assert_close(two, lightning_run(optimizer), 1e-6)
     # The machines' data differ, so training moved x far from x_0: the comparison is not vacuous.
     assert (one["weight"] - torch_loop.initial_model().weight.detach()).abs().max() > 0.5
+
+
+_TEARDOWN = """
+import gc, os, sys, weakref
+import torch
+import torch.distributed as dist
+import lit_slowcal  # before the process group, as a script imports it
+dist.init_process_group("gloo", init_method="file://" + os.path.join(sys.argv[1], "rendezvous"), rank=0, world_size=1)
+world = weakref.ref(dist.group.WORLD)
+lit_slowcal.SlowcalSGD([torch.zeros(2, requires_grad=True)], lr=0.1)  # a first optimizer loads torch._dynamo
+assert "torch._dynamo" in sys.modules
+dist.destroy_process_group()
+gc.collect()
+print("default group alive after destroy_process_group:", world() is not None)
+"""
+
+
+def test_destroy_process_group_frees_the_default_group_after_a_plain_loop_built_its_optimizer(tmp_path):
+    """A process group created after ``import lit_slowcal`` is freed (its gloo threads joined) by
+    destroy_process_group, even though torch imports torch.distributed.nn.functional (which binds
+    group.WORLD as default arguments) on the first optimizer's construction. A group kept alive runs
+    its threads into the interpreter's exit, where the process occasionally aborts. In a fresh
+    interpreter: this test process loaded torch._dynamo long ago."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _TEARDOWN, str(tmp_path)], env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "default group alive after destroy_process_group: False"
 
 
 def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
