@@ -142,7 +142,6 @@ def main() -> None:
         print(f"device {torch.cuda.get_device_name()}")
     print(f"torch {torch.__version__}, 1 thread, {opts.workers} worker(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
           f"stacked on {opts.device}{' (light: no objective, no diagnostics)' if opts.light else ''}")  # fmt: skip
-    same_as = "identical"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if not opts.no_alone:
@@ -159,14 +158,14 @@ def main() -> None:
             results = tmp / f"{path.stem}.jsonl"
             seconds = run_sweep(path, results, "--stack", device=opts.device, workers=opts.workers)
             same, n, worst = compare(results, reference)
-            print(f"{label}, {n} runs stacked: {seconds:.1f} s; {same_as} to sweeps/results/lr.jsonl: {same}/{n}; "
+            print(f"{label}, {n} runs stacked: {seconds:.1f} s; identical to sweeps/results/lr.jsonl: {same}/{n}; "
                   f"largest relative differences: {differences(worst)}")  # fmt: skip
         if opts.full:
             keep = {"num_machines": opts.machines}
             paper = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra)
             full = run_sweep(paper, tmp / "paper.jsonl", "--stack", device=opts.device, workers=opts.workers)
             same, n, worst = compare(tmp / "paper.jsonl", ROOT / "sweeps" / "results" / "paper.jsonl")
-            print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; {same_as} to sweeps/results/paper.jsonl: "
+            print(f"paper grid (M in {opts.machines}), {n} runs stacked: {full:.1f} s; identical to sweeps/results/paper.jsonl: "
                   f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
             if opts.full_alone:
                 alone_path = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "paper_alone.yaml")

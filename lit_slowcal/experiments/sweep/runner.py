@@ -319,8 +319,9 @@ def _parse(args: list[str]) -> tuple[Any, Optional[str]]:
 
 
 def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1) -> dict[str, Any]:
-    """Every trial's ``(params, args)`` parsed by the CLI's parser (``_checker``), by trial key: in this process,
-    or shared among the forked workers of ``pool`` (each has ``_checker`` from this process).
+    """Every trial's ``(params, args)`` as ``(args, parsed)`` by trial key, ``parsed`` by the CLI's parser
+    (``_checker``): in this process, or shared among the forked workers of ``pool`` (each has ``_checker`` from
+    this process).
 
     Raises:
         ValueError: naming the first trial the CLI refuses, with its message.
@@ -330,12 +331,12 @@ def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, wor
         outcomes: Any = map(_parse, args)
     else:  # a few chunks per worker: even shares, and few round trips
         outcomes = pool.imap(_parse, args, chunksize=max(1, len(args) // (4 * workers)))
-    parsed: dict[str, Any] = {}
-    for (params, _), (config, error) in zip(trials, outcomes):
+    checked: dict[str, Any] = {}
+    for (params, trial), (config, error) in zip(trials, outcomes):
         if error is not None:
             raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {error}")
-        parsed[trial_key(params)] = config
-    return parsed
+        checked[trial_key(params)] = (trial, config)
+    return checked
 
 
 def _run_in_workers(pool: Any, workers: int, units: list[_Unit], threads: int, check: tuple[str, bool], record: Any) -> None:
@@ -425,11 +426,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Forked workers start at once and share the check (0.03 s a trial); spawned ones only when trials run.
         pool = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 and _forks() else None
         try:  # every trial, before the first runs
-            parsed_args = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool, workers)
+            checked = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool, workers)
         except ValueError as err:
             print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
             return 2
-        return _run(opts, sweep, trials, results, results_path, extra, parsed_args, pool, workers)
+        return _run(opts, sweep, trials, results, results_path, checked, pool, workers)
 
 
 def _run(
@@ -438,12 +439,12 @@ def _run(
     trials: list[dict[str, Any]],
     results: ResultsFile,
     results_path: Path,
-    extra: list[str],
-    parsed_args: dict[str, Any],
+    checked: dict[str, Any],
     pool: Any,
     workers: int,
 ) -> int:
-    """The checked sweep: its pending trials run (or, with ``--dry-run``, are listed), then its table."""
+    """The checked sweep (``checked``: ``_check``'s result): its pending trials run (or, with ``--dry-run``, are
+    listed), then its table."""
     for key in sweep.ignored:
         print(f"note: {key} needs W&B's controller and is ignored here; every trial runs to its end")
 
@@ -462,7 +463,7 @@ def _run(
             state = "pending" if record is None else record["status"]
             if record is not None and pending(params):
                 state += ", will retry"
-            print(f"  [{i}/{len(trials)}] {state:<20} {' '.join(trial_args(sweep, params, extra))}")
+            print(f"  [{i}/{len(trials)}] {state:<20} {' '.join(checked[trial_key(params)][0])}")
         return 0
 
     sweep_start, ran = time.perf_counter(), 0
@@ -480,12 +481,12 @@ def _run(
 
     try:
         units: list[_Unit] = []
-        alone = [(params, trial_args(sweep, params, extra)) for params in todo]
+        alone = [(params, checked[trial_key(params)][0]) for params in todo]
         if opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
             from lit_slowcal.experiments.sweep.stacked import balance_groups, group_cost, group_title, plan_stacked
 
             results.refresh()  # another sweep writing the same file may have run some meanwhile
-            parsed = [(p, a, parsed_args[trial_key(p)]) for p, a in alone if pending(p)]
+            parsed = [(p, *checked[trial_key(p)]) for p in todo if pending(p)]
             groups, alone = plan_stacked(parsed, int(opts.stack_memory * 2**30) if opts.stack_memory else None)
             if workers > 1:
                 groups = balance_groups(groups, workers)
@@ -493,7 +494,7 @@ def _run(
                 label = f"group {g}/{len(groups)}"
                 units.append(_Unit(label, group_title(group), group, group_cost(group)))
         units += [
-            _Unit(f"{i}/{len(alone)}", param_text(p), (p, a, parsed_args[trial_key(p)])) for i, (p, a) in enumerate(alone, 1)
+            _Unit(f"{i}/{len(alone)}", param_text(p), (p, *checked[trial_key(p)])) for i, (p, _) in enumerate(alone, 1)
         ]
         check = (str(results_path), opts.retry_failed)
         if workers == 1 or len(units) <= 1:
@@ -502,10 +503,11 @@ def _run(
                 for params, outcome, args in outcomes:
                     record(params, outcome, args, label)
         else:
+            busy = min(workers, len(units))
             with contextlib.ExitStack() as scope:
                 if pool is None:
-                    pool = scope.enter_context(_worker_pool(min(workers, len(units)), opts.threads))
-                _run_in_workers(pool, min(workers, len(units)), units, opts.threads, check, record)
+                    pool = scope.enter_context(_worker_pool(busy, opts.threads))
+                _run_in_workers(pool, busy, units, opts.threads, check, record)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it
         print(
             f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
