@@ -12,6 +12,7 @@ asks for the name.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import sys
 import warnings
@@ -48,9 +49,22 @@ def _register_fabric(module: ModuleType) -> None:
         registry.register("periodic_averaging", fabric_strategy, description=_DESCRIPTION)
 
 
+def _load_cli_names(module: ModuleType) -> None:
+    # LightningCLI (jsonargparse) resolves a class by its name among the loaded subclasses of
+    # Strategy: loading lit_slowcal.strategy makes `--trainer.strategy=periodic_averaging
+    # --trainer.strategy.sync_every=8` resolve to the class of that name.
+    importlib.import_module("lit_slowcal.strategy")
+
+
 _HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "lightning.pytorch.strategies": _register_trainer,
     "lightning.fabric.strategies": _register_fabric,
+    "lightning.pytorch.cli": _load_cli_names,
+}
+_LOADED_ATTRIBUTE = {
+    "lightning.pytorch.strategies": "StrategyRegistry",
+    "lightning.fabric.strategies": "STRATEGY_REGISTRY",
+    "lightning.pytorch.cli": "LightningCLI",
 }
 
 
@@ -100,7 +114,7 @@ def install() -> None:
     """Register now where Lightning's registries are loaded; otherwise when they are."""
     for name in list(_HOOKS):
         module = sys.modules.get(name)
-        if module is not None and hasattr(module, "StrategyRegistry" if "pytorch" in name else "STRATEGY_REGISTRY"):
+        if module is not None and hasattr(module, _LOADED_ATTRIBUTE[name]):
             _run(name, module)
     if _HOOKS and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

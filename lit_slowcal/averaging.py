@@ -37,6 +37,24 @@ synchronisation, after the K-th step and before ``pre_sync()`` and the average.
 The averager's own ``average_state`` argument adds keys for optimizers that do not declare them
 (``average_state=["momentum_buffer"]`` averages SGD's momentum too).
 
+Round boundaries and one schedule
+---------------------------------
+A round ends after every K-th step (``steps % sync_every == 0``). Code that takes the model out of
+training mid-round (evaluation, a checkpoint, the end of training) calls ``close_round()``: it
+synchronises now when a step was taken since the last synchronisation, so that every machine holds
+the same averaged model, and the schedule goes on unchanged (the next synchronisation is still at
+the next multiple of K). ``state_dict()`` records the schedule, the last synchronisation included,
+so a run resumed from it continues exactly. The Trainer and Fabric strategies close the round
+before every validation and checkpoint and at the end of ``fit``; a plain loop calls it itself.
+
+The schedule counts ``step()`` calls, so every machine must make them alike. A skipped
+``optimizer.step()`` (a ``GradScaler`` that found inf/NaN, a loop that skips a step) does not fire the
+step hooks of ``attach()``; that machine's count then falls behind the others'. With several
+processes every synchronisation first compares, over all ranks, the step count and the number of
+backward passes through the model since the averager was created (one small all-gather): when
+they differ it raises one ``RuntimeError`` on every rank before anything is averaged. Loops that may
+skip steps call ``step()`` once per iteration instead of attaching (see ``step``).
+
 Communication: the tensors are grouped by device and dtype and flattened into buckets of at most
 ``bucket_cap_mb`` megabytes; each bucket is one all-reduce (a small model: one collective per
 device and dtype per synchronisation). At most two buckets are in flight, so a synchronisation
@@ -68,7 +86,7 @@ if dist.is_available():
     # with lit_slowcal and before any process group, it binds None (2 ms).
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["PeriodicAverager", "broadcast_module", "machines_per_process"]
+__all__ = ["PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process"]
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -87,6 +105,10 @@ class PeriodicAverager:
         average_state: extra per-parameter optimizer state keys to average.
         bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
         start_step: optimizer steps already taken (a resumed run keeps its sync schedule).
+        buffers: the buffers this averager averages; ``None``: every floating buffer of ``module``.
+            With several optimizers each buffer belongs to one averager (see ``buffer_owners``).
+        check_schedule: with several processes, compare the ranks' step and backward counts at
+            every synchronisation and raise on a difference (one small all-gather a sync).
 
     Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
 
@@ -110,6 +132,8 @@ class PeriodicAverager:
         average_state: Sequence[str] = (),
         bucket_cap_mb: float = 25.0,
         start_step: int = 0,
+        buffers: Optional[Sequence[Tensor]] = None,
+        check_schedule: bool = True,
     ) -> None:
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
@@ -127,9 +151,18 @@ class PeriodicAverager:
         check_number("bucket_cap_mb", bucket_cap_mb)
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self.process_group = process_group
+        self.buffers = None if buffers is None else list(buffers)
+        self.check_schedule = bool(check_schedule)
         self.steps = 0
         self.num_syncs = 0
-        self.floats_communicated = 0  # per machine, over all synchronisations
+        self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
+        self.floats_communicated = 0  # per machine, over all synchronisations; 0 with one machine
+        self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
+        self._machines: Optional[int] = None  # m, counted once
+        # What a rank whose count fell behind should do; the strategies give their own advice.
+        self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
+        first = next((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad), None)
+        self._backward_hook = None if first is None else first.register_post_accumulate_grad_hook(self._count_backward)
         self._hooks: list[Any] = []
         self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
         if start_step:
@@ -146,27 +179,65 @@ class PeriodicAverager:
         self._sync_every = check_int("sync_every", value)
 
     def step(self) -> bool:
-        """Count one optimizer step; synchronise when it is the K-th since the last one. Returns whether it did."""
+        """Count one step of the schedule; synchronise when it is a multiple of K. Returns whether it did.
+
+        ``attach()`` calls it after every ``optimizer.step()``. A loop whose optimizer step may be
+        skipped on one machine (``GradScaler``) calls it itself once per iteration, after
+        ``scaler.step(optimizer)`` and ``scaler.update()``, so every machine counts alike::
+
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped where the gradients hold inf/NaN
+            scaler.update()
+            averager.step()  # counted on every machine, skipped or not
+        """
         self.steps += 1
         if self.steps % self.sync_every:
             return False
         self.sync()
         return True
 
+    @property
+    def in_round(self) -> bool:
+        """Whether a step was taken since the last synchronisation (the machines may differ)."""
+        return self.steps != self.last_sync_step
+
+    def close_round(self) -> bool:
+        """Synchronise now if a step was taken since the last synchronisation. Returns whether it did.
+
+        Call it where the model leaves training mid-round (evaluation, a checkpoint, the end of
+        training): every machine then holds the same averaged model. The schedule is unchanged:
+        the next synchronisation is still after the next multiple of K steps.
+        """
+        if not self.in_round:
+            return False
+        self.sync()
+        return True
+
     def resume(self, steps: int) -> None:
-        """Continue a schedule after ``steps`` optimizer steps (the counts of the syncs they held included)."""
+        """Continue a schedule after ``steps`` optimizer steps that synchronised every K (and nowhere else)."""
         check_int("steps", steps, minimum=0)
         self.steps = steps
         self.num_syncs = steps // self.sync_every
+        self.last_sync_step = self.num_syncs * self.sync_every
         self.floats_communicated = self.num_syncs * self.floats_per_sync()
 
     def state_dict(self) -> dict[str, int]:
-        return {"steps": self.steps, "num_syncs": self.num_syncs, "floats_communicated": self.floats_communicated}
+        return {
+            "steps": self.steps,
+            "num_syncs": self.num_syncs,
+            "last_sync_step": self.last_sync_step,
+            "floats_communicated": self.floats_communicated,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
+        # States saved before the key existed come from schedules that synchronised every K only.
+        self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
         self.floats_communicated = int(state["floats_communicated"])
+
+    def _count_backward(self, _: Tensor) -> None:
+        self.backward_passes += 1
 
     # -- attaching to a loop -----------------------------------------------------------------
 
@@ -197,6 +268,13 @@ class PeriodicAverager:
             handle.remove()
         self._hooks = []
 
+    def remove_hooks(self) -> None:
+        """Detach, and remove the gradient hook that counts backward passes (the averager is done)."""
+        self.detach()
+        if self._backward_hook is not None:
+            self._backward_hook.remove()
+            self._backward_hook = None
+
     def __enter__(self) -> "PeriodicAverager":
         return self.attach()
 
@@ -215,7 +293,9 @@ class PeriodicAverager:
     @property
     def machines_per_process(self) -> int:
         """m: machines hosted by this process (1 unless the model holds ``SimulatedMachines``)."""
-        return machines_per_process(self.modules)
+        if self._machines is None:
+            self._machines = machines_per_process(self.modules)
+        return self._machines
 
     @property
     def num_machines(self) -> int:
@@ -223,8 +303,14 @@ class PeriodicAverager:
         return self.world_size * self.machines_per_process
 
     def floats_per_sync(self) -> int:
-        """Floats one machine sends per synchronisation (the averaged tensors of one machine)."""
-        return sum(t[0].numel() if s else t.numel() for t, s in self._tensors())
+        """Floats one machine sends per synchronisation (the averaged tensors of one machine); 0 with
+        one machine in all, which sends nothing."""
+        return self._floats(self._tensors())
+
+    def _floats(self, tensors: list[tuple[Tensor, bool]]) -> int:
+        if self.num_machines == 1:
+            return 0
+        return sum(t[0].numel() if s else t.numel() for t, s in tensors)
 
     # -- the synchronisation -----------------------------------------------------------------
 
@@ -240,20 +326,44 @@ class PeriodicAverager:
 
     def sync(self) -> None:
         """Synchronise now: the sync pre-hooks, ``optimizer.pre_sync()``, the average over all machines,
-        ``optimizer.post_sync()``."""
+        ``optimizer.post_sync()``.
+
+        With several processes it first checks that every rank is at the same point of the schedule
+        (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
+        """
+        if self.check_schedule and self.world_size > 1:
+            self._check_schedule()
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
         pre = getattr(self.optimizer, "pre_sync", None)
         if callable(pre):
             pre()
         tensors = self._tensors()
-        self.floats_communicated += sum(t[0].numel() if s else t.numel() for t, s in tensors)
+        self.floats_communicated += self._floats(tensors)
         with torch.no_grad():
             self._average(tensors)
         post = getattr(self.optimizer, "post_sync", None)
         if callable(post):
             post()
         self.num_syncs += 1
+        self.last_sync_step = self.steps
+
+    def _check_schedule(self) -> None:
+        """All ranks at the same step and backward count, or one ``RuntimeError`` on every rank."""
+        device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+        if device.type == "cpu" and dist.get_backend(self.process_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([self.steps, self.backward_passes], dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.process_group)
+        counts = [tuple(int(v) for v in t.tolist()) for t in everyone]
+        if len(set(counts)) > 1:
+            ranks = ", ".join(f"rank {r}: {s} steps, {b} backward passes" for r, (s, b) in enumerate(counts))
+            raise RuntimeError(
+                f"PeriodicAverager: the ranks reached this synchronisation at different points ({ranks}); "
+                "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
+                f"skipped optimizer.step()), and averaging now would mix different steps: {self.skip_advice}."
+            )
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.
@@ -290,9 +400,9 @@ class PeriodicAverager:
                 for key in keys:
                     if isinstance(state.get(key), Tensor):
                         add(state[key], p)
-        for module in self.modules:
-            for b in module.buffers():
-                add(b, b)
+        buffers = self.buffers if self.buffers is not None else (b for m in self.modules for b in m.buffers())
+        for b in buffers:
+            add(b, b)
         return out
 
     def _average(self, tensors: list[tuple[Tensor, bool]]) -> None:
@@ -367,6 +477,39 @@ def machines_per_process(modules: Modules) -> int:
     if len(sims) > 1:
         raise ValueError(f"All SimulatedMachines of a model must host the same number of machines, got {sorted(sims)}")
     return sims.pop() if sims else 1
+
+
+def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[list[Tensor]]:
+    """Each floating buffer of ``module`` given to exactly one optimizer's averager: ``out[i]`` for ``optimizers[i]``.
+
+    A buffer belongs to the optimizer that steps the parameters of the smallest submodule holding
+    it whose parameters one optimizer alone steps (a discriminator's BatchNorm statistics go with
+    the discriminator's optimizer); a buffer no single optimizer claims goes to the first. So a
+    buffer is averaged once per round, by one averager, however many optimizers there are.
+    """
+    owner = {id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+    parents: dict[int, Optional[nn.Module]] = {id(module): None}
+    for m in module.modules():
+        for child in m.children():
+            parents.setdefault(id(child), m)
+    out: list[list[Tensor]] = [[] for _ in optimizers]
+    seen: set[int] = set()
+    for m in module.modules():
+        for b in m.buffers(recurse=False):
+            if id(b) in seen or not b.is_floating_point():
+                continue
+            seen.add(id(b))
+            index, node = 0, m
+            while node is not None:
+                claims = {owner[id(p)] for p in node.parameters() if id(p) in owner}
+                if len(claims) == 1:
+                    index = claims.pop()
+                    break
+                if len(claims) > 1:
+                    break
+                node = parents.get(id(node))
+            out[index].append(b)
+    return out
 
 
 def broadcast_module(

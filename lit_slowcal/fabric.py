@@ -12,18 +12,29 @@ optimizer)`` gives every process rank 0's weights and leaves gradients local, an
         optimizer.zero_grad()
         fabric.backward(loss_fn(model(x), y))
         optimizer.step()  # averaged over all processes after every 16th step
+    fabric.strategy.close_round()  # the end of training (and before evaluating mid-round)
+
+Round boundaries as with the Trainer (docs/library.md): ``fabric.save`` closes the round first
+(every rank saves the averaged model) and saves every optimizer's schedule with it, which
+``fabric.load`` restores; before evaluating or returning the model mid-round, call
+``fabric.strategy.close_round()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from torch import nn
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lit_slowcal._validation import check_int
-from lit_slowcal.averaging import PeriodicAverager, broadcast_module
+from lit_slowcal.averaging import PeriodicAverager, broadcast_module, buffer_owners
+
+# The key of the saved state holding the averagers' schedules, one per optimizer in set-up order.
+CHECKPOINT_KEY = "periodic_averaging"
+_SKIP_ADVICE = "call optimizer.step() in every iteration on every rank (fabric's GradScaler skips are counted alike)"
 
 __all__ = ["PeriodicAveragingFabricStrategy"]
 
@@ -42,11 +53,38 @@ class PeriodicAveragingFabricStrategy(DDPStrategy):
         self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.sync_every = check_int("sync_every", sync_every)
+        self.averagers: dict[int, PeriodicAverager] = {}  # id(optimizer) -> its averager
+        self.sync_every = sync_every
         self.average_state = tuple(average_state)
         self.bucket_cap_mb = bucket_cap_mb
         self.modules: list[nn.Module] = []
-        self.averagers: dict[int, PeriodicAverager] = {}  # id(optimizer) -> its averager
+        self.optimizers: list[Optimizer] = []  # in set-up order
+        self._restored: Optional[list[dict[str, int]]] = None  # schedules loaded before the first step
+
+    @property
+    def sync_every(self) -> int:
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        self._sync_every = check_int("sync_every", value)
+        for averager in self.averagers.values():
+            averager.sync_every = value
+
+    @property
+    def num_syncs(self) -> int:
+        """Synchronisations so far (of the first optimizer)."""
+        return next(iter(self.averagers.values())).num_syncs if self.averagers else 0
+
+    @property
+    def floats_communicated(self) -> int:
+        """Floats one machine has sent so far (all optimizers' averagers)."""
+        return sum(a.floats_communicated for a in self.averagers.values())
+
+    def close_round(self) -> bool:
+        """Synchronise every optimizer's machines now if a step was taken since their last synchronisation
+        (``PeriodicAverager.close_round``); call it before evaluating or returning the model mid-round."""
+        return any([averager.close_round() for averager in self.averagers.values()])
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The module itself (no DDP wrapper), with rank 0's parameters and buffers on every process."""
@@ -54,16 +92,63 @@ class PeriodicAveragingFabricStrategy(DDPStrategy):
         self.modules.append(module)
         return module
 
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self.optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         averager = self.averagers.get(id(optimizer))
         if averager is None:
-            averager = self.averagers[id(optimizer)] = PeriodicAverager(
-                self.modules, optimizer, self.sync_every, average_state=self.average_state,
-                bucket_cap_mb=self.bucket_cap_mb,
-            )  # fmt: skip
+            self._create_averagers()
+            averager = self.averagers.get(id(optimizer)) or self._averager(optimizer, None)
+            self.averagers[id(optimizer)] = averager
         averager.step()
         return output
+
+    def _averager(self, optimizer: Optimizer, buffers: Optional[list[Tensor]]) -> PeriodicAverager:
+        averager = PeriodicAverager(
+            self.modules, optimizer, self.sync_every, average_state=self.average_state,
+            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers,
+        )  # fmt: skip
+        averager.skip_advice = _SKIP_ADVICE
+        return averager
+
+    def _create_averagers(self) -> None:
+        """An averager for every optimizer set up so far (each buffer given to one of them), each
+        schedule restored from a loaded state."""
+        optimizers = [o for o in self.optimizers if id(o) not in self.averagers]
+        if not optimizers:
+            return
+        owners = buffer_owners(nn.ModuleList(self.modules), self.optimizers) if len(self.optimizers) > 1 else None
+        for i, optimizer in enumerate(self.optimizers):
+            if id(optimizer) in self.averagers:
+                continue
+            averager = self.averagers[id(optimizer)] = self._averager(optimizer, owners[i] if owners else None)
+            if self._restored is not None and i < len(self._restored):
+                averager.load_state_dict(self._restored[i])
+        self._restored = None
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # Every rank calls fabric.save: the round closes everywhere, and the file holds the average.
+        self.close_round()
+        self._create_averagers()
+        if self.averagers:
+            state = {**state, CHECKPOINT_KEY: [self.averagers[id(o)].state_dict() for o in self.optimizers if id(o) in self.averagers]}
+        super().save_checkpoint(path, state, *args, **kwargs)
+
+    def load_checkpoint(
+        self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, *args, **kwargs)
+        schedules = remainder.pop(CHECKPOINT_KEY, None) if isinstance(remainder, dict) else None
+        if schedules is not None:
+            for averager in self.averagers.values():
+                averager.remove_hooks()
+            self.averagers = {}
+            self._restored = schedules
+            self._create_averagers()
+        return remainder
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

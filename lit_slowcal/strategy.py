@@ -5,6 +5,13 @@
 data, and a ``PeriodicAverager`` per optimizer averages the machines every ``sync_every`` optimizer
 steps. The strategy only wires the averager in: all averaging logic lives in
 ``lit_slowcal.averaging``, shared with plain torch loops and Fabric.
+
+Round boundaries (the library's contract, docs/library.md): the model Lightning evaluates, saves
+and returns is one averaged model, the same on every machine. Before every validation during
+``fit``, before every checkpoint and at the end of ``fit``, the strategy closes the round
+(``PeriodicAverager.close_round``: a synchronisation when a step was taken since the last one);
+the schedule goes on unchanged. Checkpoints hold every optimizer's schedule, so a resumed run
+(on any number of processes) continues it exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._validation import check_int
-from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
+from lit_slowcal.averaging import PeriodicAverager, broadcast_module, buffer_owners, machines_per_process
 from lit_slowcal.checkpoint import AtomicCheckpointIO
 
 __all__ = ["PeriodicAveragingStrategy"]
@@ -37,6 +44,12 @@ log = logging.getLogger(__name__)
 
 # The hooks Lightning calls around every backward and optimizer step (see _direct_steps).
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+# The checkpoint key holding the averagers' schedules, one per optimizer in Trainer order.
+CHECKPOINT_KEY = "periodic_averaging"
+_SKIP_ADVICE = (
+    "call optimizer.step() in every iteration on every rank (a GradScaler's skip under Lightning's "
+    "precision plugins is counted alike; a step the LightningModule leaves out is not)"
+)
 
 
 class PeriodicAveragingStrategy(DDPStrategy):
@@ -94,6 +107,7 @@ class PeriodicAveragingStrategy(DDPStrategy):
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
+        self._restored: Optional[list[dict[str, int]]] = None  # the schedules of the checkpoint being resumed
 
     @property
     def sync_every(self) -> int:
@@ -105,13 +119,39 @@ class PeriodicAveragingStrategy(DDPStrategy):
         for averager in getattr(self, "averagers", {}).values():
             averager.sync_every = value
 
-    def _averager(self, optimizer: Optimizer) -> PeriodicAverager:
+    def _averager(self, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
         averager = PeriodicAverager(
             self.lightning_module, optimizer, self.sync_every, average_state=self.average_state,
-            bucket_cap_mb=self.bucket_cap_mb,
+            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers,
         )  # fmt: skip
+        averager.skip_advice = _SKIP_ADVICE
         averager.register_sync_pre_hook(self._run_sync_pre_hooks)
         return averager
+
+    def _torch_optimizers(self) -> list[Optimizer]:
+        return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _create_averagers(self) -> None:
+        """One averager per optimizer, in Trainer order, each buffer given to one of them, each
+        schedule restored from the checkpoint being resumed."""
+        for averager in self.averagers.values():
+            averager.remove_hooks()
+        self.averagers = {}
+        optimizers = self._torch_optimizers()
+        owners = buffer_owners(self.lightning_module, optimizers) if len(optimizers) > 1 else [None]
+        restored, self._restored = self._restored, None
+        trainer = self.lightning_module.trainer
+        for i, optimizer in enumerate(optimizers):
+            averager = self.averagers[id(optimizer)] = self._averager(optimizer, owners[i])
+            if restored is not None and i < len(restored):
+                averager.load_state_dict(restored[i])
+            elif restored is None and len(optimizers) == 1 and trainer.global_step > 0:
+                # A checkpoint written before the schedules were saved: K-step rounds, one optimizer.
+                averager.resume(trainer.global_step)
+
+    def close_rounds(self) -> bool:
+        """Close every optimizer's round (``PeriodicAverager.close_round``). Returns whether any synchronised."""
+        return any([averager.close_round() for averager in self.averagers.values()])
 
     def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
         """``hook(averager)`` at the start of every synchronisation of every optimizer's averager,
@@ -173,10 +213,37 @@ class PeriodicAveragingStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._direct = self._direct_steps()
+        self._create_averagers()
 
     def on_train_end(self) -> None:
+        # fit returns one model: the machines' average, the same on every rank.
+        self.close_rounds()
+        for averager in self.averagers.values():
+            averager.remove_hooks()
         self._direct = False
         super().on_train_end()
+
+    def on_validation_start(self) -> None:
+        # Validation during fit evaluates the averaged model, the same on every rank.
+        self.close_rounds()
+        super().on_validation_start()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Every checkpoint holds the averaged model (Lightning calls this on every rank).
+        self.close_rounds()
+        return super().lightning_module_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        optimizers = self._torch_optimizers()
+        if optimizers and all(id(o) in self.averagers for o in optimizers):
+            checkpoint[CHECKPOINT_KEY] = [self.averagers[id(o)].state_dict() for o in optimizers]
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        if self._fitting():
+            self._restored = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
 
     def _direct_steps(self) -> bool:
         """Whether Lightning's backward and optimizer step would do nothing but ``loss.backward()``
@@ -215,13 +282,8 @@ class PeriodicAveragingStrategy(DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         averager = self.averagers.get(id(inner))
-        if averager is None:
+        if averager is None:  # an optimizer stepped outside Lightning's fit
             averager = self.averagers[id(inner)] = self._averager(inner)
-            # A run resumed from a checkpoint keeps its sync schedule (and its sync and float counts).
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            # global_step does not count this step yet (Lightning increments it after the strategy's step).
-            if trainer is not None and len(self.averagers) == 1 and trainer.global_step > 0:
-                averager.resume(trainer.global_step)
         averager.step()
         return output
 
@@ -243,3 +305,20 @@ class PeriodicAveragingStrategy(DDPStrategy):
 
 
 PeriodicAveragingStrategy.register_strategies(StrategyRegistry)
+
+
+class periodic_averaging(PeriodicAveragingStrategy):  # noqa: N801 (the registered name, on purpose)
+    """``PeriodicAveragingStrategy`` under its registered name, so that LightningCLI sets K by name.
+
+    jsonargparse resolves ``--trainer.strategy=periodic_averaging --trainer.strategy.sync_every=8``
+    (and ``class_path: periodic_averaging`` in YAML) to a class of that name; the name alone, with no
+    argument after it, stays the registry's string (K = 1 unless set).
+    """
+
+
+class periodic_averaging_spawn(PeriodicAveragingStrategy):  # noqa: N801
+    """``PeriodicAveragingStrategy`` starting its processes with ``spawn``, under its registered name."""
+
+    def __init__(self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+        kwargs.setdefault("start_method", "spawn")
+        super().__init__(sync_every, average_state, bucket_cap_mb, **kwargs)

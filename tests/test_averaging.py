@@ -232,7 +232,7 @@ def test_state_dict_resume_and_bad_values():
     for _ in range(10):
         averager.step()
     other = PeriodicAverager(machines, optimizer, sync_every=4, start_step=10)
-    assert other.state_dict() == averager.state_dict() == {"steps": 10, "num_syncs": 2, "floats_communicated": 8}
+    assert other.state_dict() == averager.state_dict() == {"steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8}
     with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
         PeriodicAverager(machines, optimizer, sync_every=0)
     with pytest.raises(ValueError, match=r"Invalid bucket_cap_mb: -1"):

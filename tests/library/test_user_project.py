@@ -1,0 +1,183 @@
+"""The library in a user's own Lightning project (examples/lightning_cnn.py: a CNN with BatchNorm, its
+own LightningModule and data module) on two gloo processes: one averaged model at every round
+boundary (validation, checkpoints, the end of fit), one schedule on every rank, exact resumes on
+2 -> 2, 2 -> 1 and 1 -> 2 processes mid-round; two optimizers (a GAN); a GradScaler's skipped step.
+
+A round is closed (the machines averaged) after every K-th step and wherever the model leaves
+training: so the synchronisations of a run are the union of the multiples of K, the validations,
+the checkpoints and the last step, which ``sync_points`` computes independently of the code.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, subprocess_env
+
+SCRIPT = Path(__file__).with_name("user_project.py")
+K, STEPS, EPOCH = 7, 30, 12  # K, max_steps, batches per epoch (384 images, 2 shards, batch 16)
+CNN_ARGS = ["--sync-every", str(K), "--max-steps", str(STEPS), "--train-size", "384", "--batch-size", "16", "--val-size", "128"]
+# SlowcalSGD sends x and w of the CNN's 9,114 parameters and BatchNorm's 16 running statistics.
+CNN_FLOATS_PER_SYNC = 2 * 9114 + 16
+
+
+
+def sync_points(start: int, end: int, k: int, boundaries) -> set[int]:
+    """Steps after which a run that goes from ``start`` to ``end`` synchronises."""
+    return {s for s in range(start + 1, end + 1) if s % k == 0} | {b for b in boundaries if start < b <= end} | {end}
+
+
+def run(scenario: str, out: Path, *args: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), scenario, str(out), "--", *args],
+        cwd=out.parent, env=subprocess_env(PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}"
+    return [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs by {(a[key].double() - b[key].double()).abs().max():.3g}"
+
+
+def assert_ranks_agree(ranks: list[dict]) -> None:
+    """Every rank ends with the same model (BatchNorm statistics included), optimizer state and schedule."""
+    first = ranks[0]
+    for other in ranks[1:]:
+        assert_same(first["final"], other["final"], "final model")
+        for mine, theirs in zip(first["optimizers"], other["optimizers"]):
+            assert_same({k: v for k, v in mine.items() if not k.endswith("step")}, {k: v for k, v in theirs.items() if not k.endswith("step")}, "optimizer state")
+        assert first["averagers"] == other["averagers"]
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """A: 2 processes from scratch; B: A resumed at step 12 on 2 processes; C: A resumed at step 12 on
+    1 process; D: C resumed at step 24 on 2 processes. K = 7: steps 12 and 24 (epoch ends, with a
+    validation and checkpoints) are mid-round."""
+    root = tmp_path_factory.mktemp("cnn")
+    a = run("cnn", root / "A", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "A" / "run"))
+    at12 = root / "A" / "run" / "epochs" / "epoch=0-step=12.ckpt"
+    b = run("cnn", root / "B", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "B" / "run"), "--ckpt-path", str(at12))
+    c = run("cnn", root / "C", *CNN_ARGS, "--devices", "1", "--run-dir", str(root / "C" / "run"), "--ckpt-path", str(at12))
+    at24 = root / "C" / "run" / "epochs" / "epoch=1-step=24.ckpt"
+    d = run("cnn", root / "D", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "D" / "run"), "--ckpt-path", str(at24))
+    return {"A": a, "B": b, "C": c, "D": d, "root": root}
+
+
+def test_fit_ending_mid_round_returns_one_averaged_model_on_every_rank(cnn):
+    a = cnn["A"]
+    assert [r["world_size"] for r in a] == [2, 2]
+    assert_ranks_agree(a)
+    expected = len(sync_points(0, STEPS, K, {EPOCH, 2 * EPOCH}))  # 7, 12, 14, 21, 24, 28, 30
+    assert expected == 7
+    for rank in a:
+        assert rank["num_syncs"] == expected
+        assert rank["averagers"] == [{"steps": STEPS, "num_syncs": expected, "last_sync_step": STEPS, "floats_communicated": expected * CNN_FLOATS_PER_SYNC}]
+        assert rank["floats_communicated"] == expected * CNN_FLOATS_PER_SYNC
+
+
+def test_validation_and_checkpoints_see_the_averaged_model(cnn):
+    a = cnn["A"]
+    validated = [[step for step, _ in r["validated"]] for r in a]
+    assert validated == [[EPOCH, 2 * EPOCH]] * 2
+    for (step0, model0), (step1, model1) in zip(a[0]["validated"], a[1]["validated"]):
+        assert_same(model0, model1, f"model validated at step {step0}")
+    evaluated = dict(a[0]["validated"])
+    saved_steps = sorted({step for step, _, _ in a[0]["saved"]})
+    assert saved_steps == [EPOCH, 2 * EPOCH, STEPS]
+    for (step, state0, schedules), (_, state1, _) in zip(a[0]["saved"], a[1]["saved"]):
+        assert_same(state0, state1, f"checkpoint at step {step}")
+        if step in evaluated:
+            assert_same(state0, evaluated[step], f"checkpoint vs validated model at step {step}")
+        assert schedules[0]["num_syncs"] == len(sync_points(0, step, K, {EPOCH, 2 * EPOCH}))
+        assert schedules[0]["last_sync_step"] == step
+    # The monitored checkpoint holds exactly the model whose val_acc chose it.
+    best = torch.load(a[0]["best_model_path"], weights_only=False)
+    assert_same(best["state_dict"], evaluated[best["global_step"]], "best checkpoint")
+    assert best["periodic_averaging"][0]["last_sync_step"] == best["global_step"]
+
+
+def test_resume_mid_round_on_two_processes_equals_the_uninterrupted_run(cnn):
+    a, b = cnn["A"], cnn["B"]
+    checkpoint = {step: state for step, state, _ in a[0]["saved"]}[EPOCH]
+    for rank_a, rank_b in zip(a, b):
+        assert_same(rank_b["start"], checkpoint, "resumed start")
+        assert_same(rank_a["final"], rank_b["final"], "final model of the resumed run")
+        assert rank_a["averagers"] == rank_b["averagers"]
+        assert rank_a["optimizers"][0].keys() == rank_b["optimizers"][0].keys()
+        assert_same(rank_a["optimizers"][0], rank_b["optimizers"][0], "optimizer state of the resumed run")
+
+
+def test_resume_mid_round_two_to_one_and_one_to_two_processes(cnn):
+    a, (c,), d = cnn["A"], cnn["C"], cnn["D"]
+    assert c["world_size"] == 1 and [r["world_size"] for r in d] == [2, 2]
+    at12 = {step: state for step, state, _ in a[0]["saved"]}[EPOCH]
+    assert_same(c["start"], at12, "2 -> 1: the resumed start is the averaged checkpoint")
+    syncs_at_12 = len(sync_points(0, EPOCH, K, {EPOCH}))  # 7, 12
+    c_syncs = syncs_at_12 + len(sync_points(EPOCH, STEPS, K, {2 * EPOCH}))  # + 14, 21, 24, 28, 30
+    # One machine sends nothing: C's count of floats stays where A's checkpoint left it.
+    assert c["averagers"] == [{"steps": STEPS, "num_syncs": c_syncs, "last_sync_step": STEPS, "floats_communicated": syncs_at_12 * CNN_FLOATS_PER_SYNC}]
+    at24 = {step: state for step, state, _ in c["saved"]}[2 * EPOCH]
+    syncs_at_24 = syncs_at_12 + len(sync_points(EPOCH, 2 * EPOCH, K, {2 * EPOCH}))
+    assert_ranks_agree(d)
+    for rank in d:
+        assert_same(rank["start"], at24, "1 -> 2: both ranks start from the checkpoint")
+        assert rank["averagers"] == [
+            {
+                "steps": STEPS,
+                "num_syncs": syncs_at_24 + len(sync_points(2 * EPOCH, STEPS, K, ())),  # + 28, 30
+                "last_sync_step": STEPS,
+                "floats_communicated": (syncs_at_12 + 2) * CNN_FLOATS_PER_SYNC,
+            }
+        ]
+
+
+def _floats(module: torch.nn.Module) -> int:
+    """SlowcalSGD's x and w of ``module``'s parameters and its BatchNorm running statistics."""
+    bn = [m for m in module.modules() if isinstance(m, torch.nn.BatchNorm1d)]
+    return 2 * sum(p.numel() for p in module.parameters()) + sum(m.running_mean.numel() + m.running_var.numel() for m in bn)
+
+
+def test_two_optimizers_keep_their_own_schedules_across_a_resume_and_average_each_buffer_once(tmp_path):
+    """Manual optimization, a generator and a discriminator, K = 6, 10 batches an epoch. Uninterrupted:
+    both sync after batches 6, 10 (checkpoint), 12, 18, 20 (checkpoint, end). Resumed from the
+    epoch-0 checkpoint: the same schedules, counts and final model, bit for bit."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from user_project import GAN
+
+    whole = run("gan", tmp_path / "whole", "--max-epochs", "2")
+    resumed = run("gan", tmp_path / "resumed", "--max-epochs", "2", "--ckpt-path", str(tmp_path / "whole" / "checkpoints" / "epoch=0.ckpt"))
+    model = GAN()
+    per_sync = [_floats(model.generator), _floats(model.discriminator)]
+    syncs = len(sync_points(0, 20, 6, {10}))
+    assert syncs == 5
+    expected = [{"steps": 20, "num_syncs": syncs, "last_sync_step": 20, "floats_communicated": syncs * n} for n in per_sync]
+    for run_ in (whole, resumed):
+        assert_ranks_agree(run_)
+        for rank in run_:
+            assert rank["averagers"] == expected
+    for rank_w, rank_r in zip(whole, resumed):
+        assert_same(rank_w["final"], rank_r["final"], "final model of the resumed GAN")
+
+
+def test_a_gradscaler_skip_on_one_rank_is_caught_attached_and_harmless_counted_per_iteration(tmp_path):
+    """A real GradScaler; rank 1's loss is inf at iteration 1, so only its scaler skips optimizer.step().
+    Attached to the optimizer (the step hooks), the ranks' counts part: the first synchronisation
+    raises on both ranks, naming the counts, before anything is averaged. Counting iterations with
+    ``averager.step()`` (the README's pattern for loops that may skip), both sync after iterations 4
+    and 8 and end with one model."""
+    ranks = run("gradscaler", tmp_path / "out")
+    for rank in ranks:
+        message = rank["attached"]["error"]
+        assert "rank 0: 4 steps, 4 backward passes, rank 1: 4 steps, 5 backward passes" in message
+        assert "call averager.step() once per iteration" in message
+        assert rank["explicit"]["state"] == {"steps": 8, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 2 * (2 * 29 + 8)}
+    assert ranks[1]["explicit"]["scale"] < ranks[0]["explicit"]["scale"]  # rank 1's scaler did skip
+    assert_same(ranks[0]["explicit"]["final"], ranks[1]["explicit"]["final"], "model")
+    w = [{k: v for k, v in r["explicit"]["w"].items() if k.endswith(".w")} for r in ranks]
+    assert_same(w[0], w[1], "SlowcalSGD's w")
