@@ -69,8 +69,7 @@ def train(rank: int, world: int, args: argparse.Namespace, init_file: str) -> No
             per_machine = ((machines(x[step]) - y[step]) ** 2).mean(dim=(1, 2))  # each machine's own loss
             per_machine.sum().backward()
             optimizer.step()
-    if args.steps % args.sync_every:
-        averager.sync()  # the output is the synchronised x_T
+    averager.close_round()  # the last round, if it was not over: the output is the synchronised x_T
     if rank == 0 and args.out:
         torch.save({k: v.cpu() for k, v in machines.averaged_state().items()}, args.out)
         print(f"{args.optimizer}: {averager.num_syncs} syncs, {averager.floats_communicated} floats sent per machine")

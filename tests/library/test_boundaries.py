@@ -93,6 +93,21 @@ def test_buffer_owners_give_each_buffer_to_one_optimizer():
     assert len(everything) == 5  # one optimizer owns every floating buffer
 
 
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """Fabric's one-process DDP sets up a process group and rendezvous variables: both gone afterwards
+    (a process forked later by another test would otherwise inherit a live group)."""
+    import os
+
+    import torch.distributed as dist
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _fabric(strategy):
     from lightning.fabric import Fabric
 
@@ -111,7 +126,7 @@ def _fabric_steps(fabric, model, optimizer, n):
         optimizer.step()
 
 
-def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tmp_path):
+def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tmp_path, one_process_group):
     with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
         PeriodicAveragingFabricStrategy(sync_every=0)
     strategy = PeriodicAveragingFabricStrategy(sync_every=8, process_group_backend="gloo")
