@@ -16,12 +16,14 @@ of its state from the average in ``post_sync``.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from lit_slowcal._elementwise import ElementwiseOptimizer
-from lit_slowcal._validation import check_number
+from lit_slowcal._validation import check_int, check_number
 
 __all__ = ["AcceleratedSGD"]
 
@@ -41,9 +43,17 @@ class AcceleratedSGD(ElementwiseOptimizer):
             &x^{ag}_{s+1} = \beta_s^{-1} x_{s+1} + (1 - \beta_s^{-1})\, x^{ag}_s
        \end{aligned}
 
-    ``lr`` is :math:`\gamma`. Corollary 1 takes :math:`\gamma = \min\{1/(2L),\ \sqrt{6}\,D /
-    (\sigma (N+1)^{3/2})\}` for N steps (L the smoothness constant, sigma the gradient noise, D the
-    distance to a minimiser); here it is a tuned constant like every other method's learning rate.
+    Corollary 1 takes :math:`\gamma = \min\{1/(2L),\ \sqrt{6}\,D / (\sigma (N+1)^{3/2})\}` for a
+    horizon of N steps (L the smoothness constant, sigma the gradient noise, D the distance to a
+    minimiser). Two ways to set :math:`\gamma`:
+
+    * ``horizon=None`` (default): ``lr`` is :math:`\gamma`, a tuned constant like every other
+      method's learning rate, whatever the horizon;
+    * ``horizon=N`` (Lan's horizon-aware step): ``lr`` is the constant c and
+      :math:`\gamma = \min\{\gamma_{max},\ c\,(N+1)^{-3/2}\}`, :math:`\gamma_{max}` = ``max_lr``
+      (Lan's 1/(2L); none by default). One tuned c then serves runs of any length, as the
+      corollary's :math:`\sqrt{6} D / \sigma` does.
+
     The condition of Lan's Theorem 2, :math:`L\gamma_s \le \beta_s / 2`, holds at every s when
     :math:`\gamma \le 1/(2L)`: the growing step is matched by the growing averaging weight.
 
@@ -62,20 +72,54 @@ class AcceleratedSGD(ElementwiseOptimizer):
 
     Args:
         params: iterable of parameters or named_parameters, or of dicts defining parameter groups.
-        lr (float): :math:`\gamma` (> 0).
+        lr (float): :math:`\gamma` (> 0); with ``horizon``, the constant c of :math:`c\,(N+1)^{-3/2}`.
         weight_decay (float, optional): L2 penalty :math:`\lambda` added to the gradient (default: 0).
+        horizon (int, optional): N, the steps the run will take (>= 1): Lan's horizon-aware step
+            (default: None, ``lr`` is :math:`\gamma`).
+        max_lr (float, optional): :math:`\gamma_{max}` (> 0), the cap of the horizon-aware step
+            (default: None, no cap); only with ``horizon``.
+
+    Example:
+        >>> optimizer = AcceleratedSGD(model.parameters(), lr=1000.0, horizon=235)  # gamma = 1000 / 236**1.5
     """
 
     #: Nothing besides the parameters is averaged: pre_sync places x in them (d floats a machine).
     averaged_state: tuple[str, ...] = ()
 
-    def __init__(self, params: ParamsT, lr: float, *, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float,
+        *,
+        weight_decay: float = 0.0,
+        horizon: Optional[int] = None,
+        max_lr: Optional[float] = None,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "horizon": horizon, "max_lr": max_lr})
 
     @staticmethod
     def _check(options: dict) -> None:
         check_number("lr", options["lr"])
         check_number("weight_decay", options["weight_decay"], strict=False)
+        if options["horizon"] is not None:
+            check_int("horizon", options["horizon"])
+        if options["max_lr"] is not None:
+            check_number("max_lr", options["max_lr"])
+            if options["horizon"] is None:
+                raise ValueError(
+                    f"Invalid max_lr: {options['max_lr']!r} without horizon (it caps the horizon-aware step "
+                    "min{max_lr, lr (N+1)^-3/2}; give horizon=N, or leave max_lr unset)"
+                )
+
+    @staticmethod
+    def step_size(group: dict[str, Any]) -> float:
+        """:math:`\gamma` of a parameter group: ``lr``, or :math:`\min\{\gamma_{max}, c\,(N+1)^{-3/2}\}` with a horizon."""
+        horizon = group.get("horizon")  # absent from the groups of a state saved before the option existed
+        if horizon is None:
+            return group["lr"]
+        gamma = group["lr"] / (horizon + 1) ** 1.5
+        max_lr = group.get("max_lr")
+        return gamma if max_lr is None else min(max_lr, gamma)
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         state["step"] = 0  # steps taken; the next is s = step + 1
@@ -89,7 +133,7 @@ class AcceleratedSGD(ElementwiseOptimizer):
         if group["weight_decay"] != 0:
             grad = grad.add(p, alpha=group["weight_decay"])
         x, x_ag = state["x"], state["x_ag"]
-        x.add_(grad, alpha=-group["lr"] * (s + 1) / 2)  # x_{s+1} = x_s - gamma_s g_s
+        x.add_(grad, alpha=-self.step_size(group) * (s + 1) / 2)  # x_{s+1} = x_s - gamma_s g_s
         x_ag.lerp_(x, 2.0 / (s + 1))  # x^ag_{s+1} = beta_s^-1 x_{s+1} + (1 - beta_s^-1) x^ag_s
         p.copy_(x_ag).lerp_(x, 2.0 / (s + 2))  # x^md_{s+1}
         state["step"] = s

@@ -123,10 +123,68 @@ def test_state_dict_resumes_bitwise_mid_run():
     assert state["step"] == state2["step"] == 20
 
 
+def lan_gamma(c, horizon, gamma_max=None):
+    """Lan (2012), Corollary 1's form: gamma = min{gamma_max, c (N+1)^(-3/2)}, in float64 Python arithmetic."""
+    gamma = c * (horizon + 1) ** -1.5
+    return gamma if gamma_max is None else min(gamma_max, gamma)
+
+
+@pytest.mark.parametrize(("c", "horizon", "max_lr", "capped"), [
+    (2.0, 15, None, False),     # gamma = 2 / 64 = 0.03125
+    (40.0, 24, None, False),    # gamma = 40 / 125 = 0.32
+    (40.0, 24, 0.1, True),      # the cap: gamma = 0.1 < 0.32
+    (5.0, 24, 0.5, False),      # under the cap: gamma = 0.04
+])  # fmt: skip
+def test_horizon_aware_step_matches_lans_rule_on_the_averaged_gradient(c, horizon, max_lr, capped):
+    M = 4
+    q = Quadratics(machines=M, dim=3, steps=horizon, seed=5)
+    gamma = lan_gamma(c, horizon, max_lr)
+    assert (gamma == max_lr) is capped
+    machines = SimulatedMachines(_Point(q.x0), M)
+    opt = AcceleratedSGD(machines.parameters(), lr=c, horizon=horizon, max_lr=max_lr)
+    assert opt.step_size(opt.param_groups[0]) == gamma
+    averager = PeriodicAverager(machines, opt, sync_every=1)
+    want = ac_sa(lambda x, t: sum(q.grad(i, x, t) for i in range(M)) / M, q.x0, gamma, horizon)
+    p, dev = machines.x, 0.0
+    for t, (x_md, x, x_ag) in enumerate(want):
+        dev = max(dev, (p.detach() - x_md).abs().max().item())
+        p.grad = q.stacked_grad(p.detach(), t)
+        opt.step()
+        averager.step()
+        state = opt.state[p]
+        dev = max(dev, (state["x"] - x).abs().max().item(), (state["x_ag"] - x_ag).abs().max().item())
+    print(f"horizon-aware AC-SA, c={c}, N={horizon}, max_lr={max_lr}: largest deviation {dev:.1e}")
+    assert dev <= 1e-12, dev
+    assert (want[-1][2] - q.x0).abs().max() > 0.1  # it moved
+
+
+def test_horizon_aware_step_by_hand():
+    # c = 27, N = 8: gamma = 27 / 9**1.5 = 1. f(x) = (x - 1)^2 / 2, x_0 = 0. s = 1: g = -1, gamma_1 = 1,
+    # x_2 = x_ag_2 = 1 (the minimiser), x_md_2 = 1; s = 2: g = 0, nothing moves.
+    p = nn.Parameter(torch.zeros(1, dtype=F64))
+    opt = AcceleratedSGD([p], lr=27.0, horizon=8)
+    for _ in range(2):
+        opt.zero_grad()
+        (0.5 * (p - 1) ** 2).sum().backward()
+        opt.step()
+        assert opt.state[p]["x"].item() == 1.0 and opt.state[p]["x_ag"].item() == 1.0 and p.item() == 1.0
+
+
+def test_one_c_gives_each_horizon_its_own_step():
+    groups = [AcceleratedSGD([nn.Parameter(torch.zeros(1))], lr=100.0, horizon=n).param_groups[0] for n in (15, 59, 938)]
+    assert [AcceleratedSGD.step_size(g) for g in groups] == [100 / 16**1.5, 100 / 60**1.5, 100 / 939**1.5]
+    # Without a horizon lr is gamma itself, as before the option existed (and for a state saved then).
+    assert AcceleratedSGD.step_size({"lr": 0.01, "weight_decay": 0.0}) == 0.01
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"lr": 0}, "Invalid lr: 0"),
     ({"lr": float("nan")}, "Invalid lr: nan"),
     ({"lr": 0.1, "weight_decay": -1}, "Invalid weight_decay: -1"),
+    ({"lr": 0.1, "horizon": 0}, r"Invalid horizon: 0 \(must be an integer >= 1\)"),
+    ({"lr": 0.1, "horizon": 2.5}, r"Invalid horizon: 2.5 \(must be an integer >= 1\)"),
+    ({"lr": 0.1, "horizon": 10, "max_lr": 0}, r"Invalid max_lr: 0 \(must be a finite number > 0\)"),
+    ({"lr": 0.1, "max_lr": 0.5}, r"Invalid max_lr: 0.5 without horizon"),
 ])  # fmt: skip
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

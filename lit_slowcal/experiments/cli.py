@@ -139,7 +139,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         description = (
             f"{', '.join(get_method(name).label for name in method_names())} on M machines. Subcommands: fit, validate, test, "
-            "predict; also `sweep` and `report` (see --help of each)."
+            "predict; also `sweep`, `report` and `tune` (see --help of each)."
         )
         kwargs.setdefault("parser_kwargs", {"prog": "python -m lit_slowcal", "description": description})
         defaults = {

@@ -1,4 +1,4 @@
-"""``python -m lit_slowcal`` / ``lit-slowcal``: ``fit``, ``validate``, ``test`` (LightningCLI), ``sweep``, ``report``.
+"""``python -m lit_slowcal`` / ``lit-slowcal``: ``fit``, ``validate``, ``test`` (LightningCLI), ``sweep``, ``report``, ``tune``.
 
 A failure the user can cause (a refused value, a missing or corrupt file, a resume of a different
 run, a run that diverges or does not fit in memory) ends the command with one line on stderr,
@@ -24,7 +24,7 @@ USER_ERRORS = (ValueError, OSError, FloatingPointError)
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Dispatch to the sweep runner, the report, or the training CLI (each imported only when used)."""
+    """Dispatch to the sweep runner, the report, the tuning, or the training CLI (each imported only when used)."""
     argv = sys.argv[1:] if args is None else list(args)
     try:
         if argv and argv[0] == "sweep":
@@ -35,6 +35,10 @@ def main(args: Optional[list[str]] = None) -> None:
             from lit_slowcal.experiments.report import main as report_main
 
             raise SystemExit(report_main(argv[1:]))
+        if argv and argv[0] == "tune":
+            from lit_slowcal.experiments.tune import main as tune_main
+
+            raise SystemExit(tune_main(argv[1:]))
         from lit_slowcal.experiments.cli import run
 
         run(args)

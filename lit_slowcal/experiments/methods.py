@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -50,8 +50,10 @@ class Method:
         uploads: d-sized vectors one machine sends per round.
         paper_lr: the learning rate of the paper-config runs (``model.lr`` unset): the paper's for
             its three methods, the choice of ``sweeps/lr.yaml`` for the others.
-        optimizer: ``(parameters, hparams) -> Optimizer``, ``hparams`` being the model's
-            hyperparameters (``lr``, ``weight_decay`` and the method's own options).
+        optimizer: ``(parameters, hparams, steps=None) -> Optimizer``, ``hparams`` being the model's
+            hyperparameters (``lr``, ``weight_decay`` and the method's own options) and ``steps`` the
+            optimizer steps of the whole run, N, where the caller knows it (AC-SA's horizon-aware step
+            needs it; the model reads it from the trainer, a stacked group from its rounds).
         options: the model hyperparameters the method reads besides ``lr`` and ``weight_decay``.
     """
 
@@ -61,7 +63,7 @@ class Method:
     local: bool
     uploads: int
     paper_lr: float
-    optimizer: Callable[[Iterable[Tensor], Any], Optimizer]
+    optimizer: Callable[..., Optimizer]
     options: tuple[str, ...] = ()
 
     def sync_period(self, local_steps: int) -> int:
@@ -84,22 +86,31 @@ class Method:
         return self.uploads * dim
 
 
-def _sgd(params: Iterable[Tensor], h: Any) -> Optimizer:
+def _sgd(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
     return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
 
 
-def _slowcal(params: Iterable[Tensor], h: Any) -> Optimizer:
+def _slowcal(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
     return SlowcalSGD(
         params, lr=h.lr, weight_power=h.weight_power, scale_lr_by_weight=h.scale_lr_by_weight, gamma=h.gamma,
         weight_decay=h.weight_decay,
     )  # fmt: skip
 
 
-def _accelerated(params: Iterable[Tensor], h: Any) -> Optimizer:
-    return AcceleratedSGD(params, lr=h.lr, weight_decay=h.weight_decay)
+def _accelerated(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
+    # horizon_aware: lr is Lan's constant c and gamma = min{max_lr, c (N+1)^-3/2}, N the run's steps.
+    horizon = None
+    if getattr(h, "horizon_aware", False):
+        if steps is None:
+            raise ValueError("model.horizon_aware needs the run's number of steps N, which only a fit knows")
+        horizon = steps
+    max_lr = getattr(h, "max_lr", None)
+    if max_lr is not None and horizon is None:
+        raise ValueError(f"Invalid max_lr: {max_lr!r} (it caps the horizon-aware step; set horizon_aware=true or leave it unset)")
+    return AcceleratedSGD(params, lr=h.lr, weight_decay=h.weight_decay, horizon=horizon, max_lr=max_lr)
 
 
-def _scaffold(params: Iterable[Tensor], h: Any) -> Optimizer:
+def _scaffold(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
     return Scaffold(params, lr=h.lr, server_lr=h.server_lr, weight_decay=h.weight_decay)
 
 
@@ -113,7 +124,7 @@ METHODS: dict[str, Method] = {
         Method("local_sgd", "Local-SGD", "tab:blue", local=True, uploads=1, paper_lr=0.01, optimizer=_sgd),
         Method("minibatch_sgd", "Minibatch-SGD", "tab:green", local=False, uploads=1, paper_lr=0.1, optimizer=_sgd),
         Method("accel_minibatch_sgd", "Accelerated Minibatch-SGD", "tab:purple", local=False, uploads=1,
-               paper_lr=0.01, optimizer=_accelerated),
+               paper_lr=0.01, optimizer=_accelerated, options=("horizon_aware", "max_lr")),
         Method("scaffold", "SCAFFOLD", "tab:orange", local=True, uploads=2, paper_lr=0.01, optimizer=_scaffold,
                options=("server_lr",)),
     )

@@ -46,6 +46,10 @@ class LogisticRegression(pl.LightningModule):
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
         server_lr: SCAFFOLD's server step size eta_g (SCAFFOLD only; 1: x is the average of the
             local models).
+        horizon_aware: Lan's horizon-aware step (AC-SA only): ``lr`` is the constant c and gamma =
+            min{max_lr, c (N+1)^-3/2}, N the run's steps (its rounds, read from the trainer when the
+            optimizer is built), so that one c serves runs of any length. ``lr`` must then be given.
+        max_lr: gamma_max, the cap of the horizon-aware step (AC-SA only; ``None``: no cap).
         weight_decay: L2 penalty added to every gradient.
         init: x_0 = 0 (``zeros``, the usual start of a convex problem: results then depend on the
             seed only through the data), PyTorch's default random ``nn.Linear`` initialisation, the
@@ -68,6 +72,8 @@ class LogisticRegression(pl.LightningModule):
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
         server_lr: float = 1.0,
+        horizon_aware: bool = False,
+        max_lr: Optional[float] = None,
         weight_decay: float = 0.0,
         init: Literal["zeros", "default", "official"] = "zeros",
         seed: Optional[int] = None,
@@ -83,6 +89,11 @@ class LogisticRegression(pl.LightningModule):
             check_int("model.seed", seed, minimum=0)
         if loss not in ("cross_entropy", "squared"):
             raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared)")
+        if lr is None and horizon_aware:
+            raise ValueError(
+                "Invalid model.lr: None with model.horizon_aware=true (lr is then Lan's constant c of gamma = "
+                "c (N+1)^-3/2, not a paper rate; give it, e.g. 36, the registry's gamma 0.01 at N = 235 rounds)"
+            )
         if lr is None:
             lr = entry.paper_lr
         check_number("model.lr", lr)
@@ -93,7 +104,7 @@ class LogisticRegression(pl.LightningModule):
         # parsed config as the hyperparameters, which lacks them.
         self.hparams.update(input_dim=input_dim, num_classes=num_classes, loss=loss)
         try:  # the method's own options, checked by its optimizer now rather than when training starts
-            entry.optimizer([torch.zeros(1)], self.hparams)
+            entry.optimizer([torch.zeros(1)], self.hparams, steps=1)  # steps: a stand-in, the run's is known at fit
         except ValueError as err:
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
         self.automatic_optimization = False  # one training batch is a whole round of local steps
@@ -142,7 +153,23 @@ class LogisticRegression(pl.LightningModule):
             self._official_init()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return get_method(self.hparams.method).optimizer(self.machines.parameters(), self.hparams)
+        # N is read only where it is used: estimating it sets up the training data ahead of the fit loop.
+        steps = self.run_steps() if self.hparams.get("horizon_aware") else None
+        return get_method(self.hparams.method).optimizer(self.machines.parameters(), self.hparams, steps=steps)
+
+    def run_steps(self) -> Optional[int]:
+        """N, the optimizer steps of the whole fit (``None`` for a fit without an end): its rounds (the
+        trainer's training batches over all epochs, the data module's ``num_rounds`` per epoch with
+        ``limit_train_batches`` applied) times the steps per round, at most ``trainer.max_steps``."""
+        trainer = self.trainer
+        per_round = getattr(trainer.datamodule, "steps_per_round", 1)
+        # In rounds (one training batch is one round), already capped by max_steps, which counts optimizer
+        # steps: min(min(R, S) K, S) = min(R K, S) for K >= 1.
+        rounds = trainer.estimated_stepping_batches
+        if not math.isfinite(rounds):
+            return None
+        steps = int(rounds) * per_round
+        return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """One communication round: ``steps`` local steps on every machine, then (in the strategy) the sync.

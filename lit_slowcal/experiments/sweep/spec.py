@@ -47,8 +47,10 @@ TOP_LEVEL_KEYS = (
 )
 METHODS = ("grid", "random")
 METRIC_KEYS = ("name", "goal", "target", "impute", "impute_while_running")
-#: Metrics the model logs; a trial records their final values.
-KNOWN_METRICS = ("test_acc", "test_loss", "train_loss", "round", "samples_seen", "floats_communicated")
+#: Metrics the model and its Diagnostics callback log; a trial records their final values.
+KNOWN_METRICS = (
+    "test_acc", "test_loss", "train_loss", "round", "samples_seen", "floats_communicated", "train_objective", "excess_loss",
+)  # fmt: skip
 
 _MIN_MAX = ("min", "max")
 #: distribution -> (required keys, optional keys with W&B's defaults)

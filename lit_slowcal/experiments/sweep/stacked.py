@@ -382,7 +382,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         by_lr: dict[float, list[Tensor]] = {}
         for i in s.members:
             by_lr.setdefault(models[i].hparams.lr, []).extend(trial_params[i])
-        s.optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[s.start].hparams)
+        s.optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[s.start].hparams, steps=s.steps)
         s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, entry.sync_period(trials[s.start].config["local_steps"]))
 
     loggers = []

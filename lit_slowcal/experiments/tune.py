@@ -1,0 +1,217 @@
+"""Tuning without the test set: ``python -m lit_slowcal tune sweeps/results/table1_tuned.jsonl --out docs/table1_tuned.csv``.
+
+Reads a sweep's results file (``lit_slowcal sweep``), groups its trials by cell (method, M, K) and
+learning rate, averages a criterion over the seeds at each rate, and picks per cell the rate with
+the best mean. Only then are the test figures at that rate read: the test set never chooses.
+
+Criteria (``--criterion``), each a final metric of the trials' records:
+
+* ``train_objective`` (default): f(x_R), the training objective at the end of the run (the paper's
+  global objective, weight decay included; ``lit_slowcal.experiments.diagnostics``);
+* ``excess_loss``: f(x_R) - f*, which the paper's guarantees bound (runs with weight decay);
+* ``val_<metric>``: a held-out validation metric, where the records have one (maximised when its name
+  ends in ``acc``, minimised otherwise).
+
+``test_*`` is refused. A rate at which a seed diverged or failed, or lacks the criterion, is not
+chosen. A cell whose chosen rate is the smallest or the largest of the rates it searched is flagged
+(``lr_at_edge``: ``low`` or ``high``; ``only`` when it searched one rate; ``no`` otherwise): its
+grid should be extended that way. The CSV has one row per cell, the figures at the chosen rate
+(means and sample standard deviations over its seeds; an empty field where the records lack the
+metric), in the registry's method order, then M, then K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lit_slowcal.experiments.methods import METHODS
+from lit_slowcal.experiments.report import load_results
+from lit_slowcal.files import atomic_write
+
+__all__ = ["CSV_HEADER", "Choice", "check_criterion", "main", "tune", "write_csv"]
+
+#: The columns of the tuned table, in order.
+CSV_HEADER = (
+    "method", "M", "K", "lr", "lr_at_edge", "n_seeds", "train_objective_mean", "excess_loss_mean", "excess_loss_std",
+    "test_acc_mean", "test_acc_std", "test_loss_mean", "test_loss_std",
+)  # fmt: skip
+
+_CELL = ("method", "num_machines", "local_steps")
+_LR, _SEED = "model.lr", "seed_everything"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A cell's chosen rate and the finished trials (one per seed) at it."""
+
+    method: str
+    M: int
+    K: int
+    lr: float
+    lr_at_edge: str
+    criterion_mean: float
+    records: tuple[dict[str, Any], ...]
+
+    def values(self, metric: str) -> list[float]:
+        found = [r["metrics"].get(metric) for r in self.records]
+        return [float(v) for v in found if v is not None and math.isfinite(v)]
+
+    def mean(self, metric: str) -> Optional[float]:
+        values = self.values(metric)
+        return statistics.fmean(values) if values else None
+
+    def std(self, metric: str) -> Optional[float]:
+        """Sample standard deviation over the seeds (0 for one seed)."""
+        values = self.values(metric)
+        if not values:
+            return None
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def check_criterion(criterion: str) -> str:
+    """``criterion`` if it may choose a rate; else one line naming it and what is allowed."""
+    if not isinstance(criterion, str) or not (criterion in ("train_objective", "excess_loss") or criterion.startswith("val_")):
+        reason = "the test set is never a tuning criterion; " if str(criterion).startswith("test") else ""
+        raise ValueError(f"Invalid --criterion: {criterion!r} ({reason}allowed: train_objective, excess_loss, val_<metric>)")
+    return criterion
+
+
+def _lr(params: dict[str, Any]) -> float:
+    if _LR in params:
+        return float(params[_LR])
+    method = params["method"]
+    if method in METHODS:
+        return METHODS[method].paper_lr  # a trial without model.lr trains at its method's paper-config rate
+    raise ValueError(f"a trial of method {method!r} (not in the registry) lacks model.lr in its params ({params})")
+
+
+def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> list[Choice]:
+    """The best rate per (method, M, K) by the seeds' mean of ``criterion``, in the registry's order.
+
+    Raises:
+        ValueError: for a test criterion, a record without method, num_machines or local_steps, a
+            parameter other than the rate and the seed that varies within a cell, or a cell where
+            no rate has every seed finished with the criterion.
+    """
+    check_criterion(criterion)
+    sign = -1.0 if criterion.endswith("acc") else 1.0  # minimised; accuracies maximised
+    cells: dict[tuple[str, int, int], dict[float, list[dict[str, Any]]]] = {}
+    for r in records:
+        p = r.get("params", {})
+        missing = [k for k in _CELL if k not in p]
+        if missing:
+            raise ValueError(f"a trial lacks {', '.join(missing)} in its params ({p}); tuning is per (method, M, K)")
+        key = (str(p["method"]), int(p["num_machines"]), int(p["local_steps"]))
+        cells.setdefault(key, {}).setdefault(_lr(p), []).append(r)
+    choices = []
+    for (method, m, k), by_lr in cells.items():
+        where = f"{method} M={m} K={k}"
+        trials = [r for rs in by_lr.values() for r in rs]
+        for name in {n for r in trials for n in r["params"]} - {*_CELL, _LR, _SEED}:
+            values = {json.dumps(r["params"].get(name)) for r in trials}
+            if len(values) > 1:
+                raise ValueError(
+                    f"{name} takes several values ({', '.join(sorted(values))}) at {where}: tuning compares rates "
+                    f"averaged over seeds only; tune each value of {name} from its own results file"
+                )
+        scores = {}
+        for lr, rs in by_lr.items():
+            values = [r["metrics"].get(criterion) for r in rs if r.get("status") == "finished"]
+            if len(values) == len(rs) and all(v is not None and math.isfinite(v) for v in values):
+                scores[lr] = statistics.fmean(float(v) for v in values)
+        if not scores:
+            raise ValueError(
+                f"no rate at {where} has every seed finished with {criterion} in its metrics (rates: "
+                f"{', '.join(f'{lr:g}' for lr in sorted(by_lr))}); runs log train_objective unless --objective=false, "
+                "excess_loss with --model.weight_decay > 0"
+            )
+        lr = min(scores, key=lambda v: (sign * scores[v], v))  # ties: the smaller rate
+        searched = sorted(by_lr)
+        edge = "only" if len(searched) == 1 else "low" if lr == searched[0] else "high" if lr == searched[-1] else "no"
+        choices.append(Choice(method, m, k, lr, edge, scores[lr], tuple(by_lr[lr])))
+    order = {name: i for i, name in enumerate(METHODS)}
+    return sorted(choices, key=lambda c: (order.get(c.method, len(order)), c.method, c.M, c.K))
+
+
+def _field(value: Optional[float]) -> str:
+    return "" if value is None else repr(value)
+
+
+def rows(choices: Sequence[Choice]) -> list[list[str]]:
+    """The CSV rows (``CSV_HEADER``'s columns) of the choices; the test figures are read here, after choosing."""
+    out = []
+    for c in choices:
+        out.append([
+            c.method, str(c.M), str(c.K), repr(c.lr), c.lr_at_edge, str(len(c.records)),
+            _field(c.mean("train_objective")), _field(c.mean("excess_loss")), _field(c.std("excess_loss")),
+            _field(c.mean("test_acc")), _field(c.std("test_acc")), _field(c.mean("test_loss")), _field(c.std("test_loss")),
+        ])  # fmt: skip
+    return out
+
+
+def write_csv(choices: Sequence[Choice], path: str | Path) -> None:
+    """The tuned table as CSV, replaced atomically."""
+    with atomic_write(path, newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(CSV_HEADER)
+        writer.writerows(rows(choices))
+
+
+def markdown(choices: Sequence[Choice], criterion: str) -> str:
+    """The tuned table for the terminal: per cell the rate, its edge flag and the figures at it."""
+    def pm(c: Choice, metric: str, fmt: str) -> str:
+        mean, std = c.mean(metric), c.std(metric)
+        return "n/a" if mean is None else f"{mean:{fmt}} ± {std:{fmt}}"
+
+    lines = [
+        f"| method | M | K | lr | at edge | seeds | {criterion} (chose) | excess loss | test accuracy | test loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in choices:
+        lines.append(
+            f"| {c.method} | {c.M} | {c.K} | {c.lr:g} | {c.lr_at_edge} | {len(c.records)} | {c.criterion_mean:.6g} | "
+            f"{pm(c, 'excess_loss', '.3e')} | {pm(c, 'test_acc', '.4f')} | {pm(c, 'test_loss', '.4f')} |"
+        )
+    edges = [f"{c.method} M={c.M} K={c.K} ({c.lr_at_edge})" for c in choices if c.lr_at_edge != "no"]
+    note = f"Chosen by the seeds' mean {criterion}; the test figures are read at the chosen rate only."
+    if edges:
+        note += f" At the edge of its grid ({len(edges)}): " + "; ".join(edges) + "."
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lit_slowcal tune RESULTS.jsonl [--criterion C] [--out FILE.csv]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_slowcal tune",
+        description="Choose the learning rate of every (method, M, K) by a training criterion averaged over seeds "
+        "(never the test set), then report the test figures at it.",
+    )
+    parser.add_argument("results", type=Path, help="JSON-lines file written by `lit_slowcal sweep`")
+    parser.add_argument(
+        "--criterion", default="train_objective",
+        help="train_objective (f(x_R), default), excess_loss (f(x_R) - f*) or val_<metric>; test_* is refused",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, help="write the table as CSV there (columns: " + ",".join(CSV_HEADER) + ")")
+    opts = parser.parse_args(argv)
+    try:
+        check_criterion(opts.criterion)
+        choices = tune(load_results(opts.results), opts.criterion)
+        if opts.out is not None:
+            if opts.out.parent != Path(""):
+                opts.out.parent.mkdir(parents=True, exist_ok=True)
+            write_csv(choices, opts.out)
+    except (OSError, ValueError) as err:
+        print(f"lit_slowcal tune: error: {err}", file=sys.stderr)
+        return 2
+    print(markdown(choices, opts.criterion))
+    if opts.out is not None:
+        print(f"wrote {opts.out}")
+    return 0

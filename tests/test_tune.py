@@ -1,0 +1,178 @@
+"""``python -m lit_slowcal tune``: the rate per (method, M, K) chosen by a training criterion over seeds,
+the test figures read at it afterwards, edges flagged; checked against hand computation."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lit_slowcal.experiments import tune
+from lit_slowcal.experiments.main import main as app_main
+
+HEADER = (
+    "method,M,K,lr,lr_at_edge,n_seeds,train_objective_mean,excess_loss_mean,excess_loss_std,"
+    "test_acc_mean,test_acc_std,test_loss_mean,test_loss_std"
+)
+F_STAR = {1: 0.20, 2: 0.19, 3: 0.21}  # f* of each seed's split: excess_loss = train_objective - f*
+
+
+def record(method, m, k, seed, lr, objective, acc, loss, status="finished", excess=True, **extra):
+    params = {"local_steps": k, "method": method, "num_machines": m, "seed_everything": seed, **extra}
+    if lr is not None:
+        params["model.lr"] = lr
+    metrics = {"test_acc": acc, "test_loss": loss, "round": 10.0}
+    if objective is not None:
+        metrics["train_objective"] = objective
+        if excess:
+            metrics["excess_loss"] = objective - F_STAR[seed]
+    return {"params": params, "status": status, "error": None if status == "finished" else "Training diverged: ...", "metrics": metrics}
+
+
+RECORDS = [
+    # slowcal M=16 K=4, seeds 1, 2. lr 0.003 has the best test accuracy but not the best objective.
+    record("slowcal", 16, 4, 1, 0.003, 0.30, 0.95, 0.20),
+    record("slowcal", 16, 4, 2, 0.003, 0.32, 0.95, 0.22),
+    record("slowcal", 16, 4, 1, 0.01, 0.25, 0.90, 0.30),  # chosen: mean objective 0.26
+    record("slowcal", 16, 4, 2, 0.01, 0.27, 0.92, 0.36),
+    record("slowcal", 16, 4, 1, 0.03, 0.20, 0.97, 0.10),  # the lowest objective, but seed 2 diverged at 0.03
+    record("slowcal", 16, 4, 2, 0.03, None, None, None, status="diverged"),
+    # local_sgd M=16 K=4, seeds 1-3: the largest rate wins (edge: high).
+    *(record("local_sgd", 16, 4, s, 0.01, 0.50, 0.80, 0.60) for s in (1, 2, 3)),
+    record("local_sgd", 16, 4, 1, 0.1, 0.30, 0.85, 0.40),
+    record("local_sgd", 16, 4, 2, 0.1, 0.39, 0.88, 0.45),
+    record("local_sgd", 16, 4, 3, 0.1, 0.51, 0.91, 0.47),  # mean 0.4 < 0.5
+    # minibatch_sgd M=32 K=8, seed 1: the smallest rate wins (edge: low).
+    record("minibatch_sgd", 32, 8, 1, 0.1, 0.40, 0.86, 0.45),
+    record("minibatch_sgd", 32, 8, 1, 0.3, 0.41, 0.87, 0.44),
+    # AC-SA M=64 K=64: no model.lr (the paper-config rate 0.01), one rate, no weight decay (no excess loss).
+    record("accel_minibatch_sgd", 64, 64, 1, None, 0.70, 0.84, 0.79, excess=False),
+]
+
+
+def write(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_csv(path: Path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_tune_chooses_by_the_objective_and_reports_the_test_figures_at_the_choice(tmp_path, capsys):
+    results = write(tmp_path / "grid.jsonl", RECORDS)
+    out = tmp_path / "docs" / "tuned.csv"
+    assert app_main_exit(["tune", str(results), "--out", str(out)]) == 0
+    assert out.read_text().splitlines()[0] == HEADER
+    rows = {(r["method"], int(r["M"]), int(r["K"])): r for r in read_csv(out)}
+    assert list(rows) == [("slowcal", 16, 4), ("local_sgd", 16, 4), ("minibatch_sgd", 32, 8), ("accel_minibatch_sgd", 64, 64)]
+
+    slowcal = rows["slowcal", 16, 4]
+    assert (float(slowcal["lr"]), slowcal["lr_at_edge"], slowcal["n_seeds"]) == (0.01, "no", "2")
+    assert float(slowcal["train_objective_mean"]) == pytest.approx(0.26, abs=1e-15)
+    # excess: 0.25 - 0.20 = 0.05 and 0.27 - 0.19 = 0.08: mean 0.065, sample std 0.03 / sqrt(2)
+    assert float(slowcal["excess_loss_mean"]) == pytest.approx(0.065, abs=1e-15)
+    assert float(slowcal["excess_loss_std"]) == pytest.approx(0.03 / math.sqrt(2), abs=1e-15)
+    assert float(slowcal["test_acc_mean"]) == pytest.approx(0.91, abs=1e-15)
+    assert float(slowcal["test_acc_std"]) == pytest.approx(0.02 / math.sqrt(2), abs=1e-15)
+    assert float(slowcal["test_loss_mean"]) == pytest.approx(0.33, abs=1e-15)
+    assert float(slowcal["test_loss_std"]) == pytest.approx(0.06 / math.sqrt(2), abs=1e-15)
+
+    local = rows["local_sgd", 16, 4]
+    assert (float(local["lr"]), local["lr_at_edge"], local["n_seeds"]) == (0.1, "high", "3")
+    assert float(local["train_objective_mean"]) == pytest.approx(0.40, abs=1e-15)
+    # excess: 0.10, 0.20, 0.30: mean 0.2, std 0.1; accuracy 0.85, 0.88, 0.91: mean 0.88, std 0.03
+    assert float(local["excess_loss_mean"]) == pytest.approx(0.20, abs=1e-15)
+    assert float(local["excess_loss_std"]) == pytest.approx(0.10, abs=1e-15)
+    assert float(local["test_acc_mean"]) == pytest.approx(0.88, abs=1e-15)
+    assert float(local["test_acc_std"]) == pytest.approx(0.03, abs=1e-15)
+    assert float(local["test_loss_std"]) == pytest.approx(math.sqrt(((0.40 - 0.44) ** 2 + 0.01**2 + 0.03**2) / 2), abs=1e-15)
+
+    minibatch = rows["minibatch_sgd", 32, 8]
+    assert (float(minibatch["lr"]), minibatch["lr_at_edge"], minibatch["n_seeds"]) == (0.1, "low", "1")
+    assert (float(minibatch["excess_loss_std"]), float(minibatch["test_acc_std"])) == (0.0, 0.0)  # one seed
+
+    accel = rows["accel_minibatch_sgd", 64, 64]
+    assert (float(accel["lr"]), accel["lr_at_edge"]) == (0.01, "only")
+    assert accel["excess_loss_mean"] == accel["excess_loss_std"] == ""  # no weight decay: not in the records
+    assert float(accel["test_acc_mean"]) == 0.84
+
+    printed = capsys.readouterr().out
+    assert "| slowcal | 16 | 4 | 0.01 | no | 2 | 0.26 |" in printed
+    assert "At the edge of its grid (3): local_sgd M=16 K=4 (high); minibatch_sgd M=32 K=8 (low); accel_minibatch_sgd M=64 K=64 (only)." in printed
+
+
+def app_main_exit(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        app_main(argv)
+    return exit_info.value.code
+
+
+def test_excess_loss_and_validation_criteria(tmp_path):
+    chosen = {(c.method, c.M, c.K): (c.lr, c.criterion_mean) for c in tune.tune(RECORDS[:12], "excess_loss")}
+    assert chosen[("slowcal", 16, 4)] == (0.01, pytest.approx(0.065, abs=1e-15))
+    assert chosen[("local_sgd", 16, 4)] == (0.1, pytest.approx(0.20, abs=1e-15))
+    # A validation accuracy is maximised, a validation loss minimised.
+    val = [
+        {**record("scaffold", 16, 16, 1, lr, 0.3, 0.9, 0.3), "metrics": {"val_acc": acc, "val_loss": loss, "test_acc": 0.5}}
+        for lr, acc, loss in ((0.003, 0.80, 0.50), (0.01, 0.85, 0.45), (0.03, 0.83, 0.40))
+    ]
+    assert [c.lr for c in tune.tune(val, "val_acc")] == [0.01]
+    assert [(c.lr, c.lr_at_edge) for c in tune.tune(val, "val_loss")] == [(0.03, "high")]
+
+
+@pytest.mark.parametrize("criterion", ["test_acc", "test_loss"])
+def test_the_test_set_is_never_a_criterion(tmp_path, capsys, criterion):
+    results = write(tmp_path / "grid.jsonl", RECORDS)
+    assert app_main_exit(["tune", str(results), "--criterion", criterion, "--out", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"lit_slowcal tune: error: Invalid --criterion: '{criterion}' (the test set is never a tuning criterion; "
+        "allowed: train_objective, excess_loss, val_<metric>)"
+    )
+    assert not (tmp_path / "x.csv").exists()
+    with pytest.raises(ValueError, match="Invalid --criterion: 'loss' \\(allowed: train_objective"):
+        tune.tune(RECORDS, "loss")
+
+
+def test_refusals_name_the_cell(tmp_path, capsys):
+    mixed = [record("accel_minibatch_sgd", 16, 16, 1, 30.0, 0.3, 0.9, 0.3, **{"model.horizon_aware": flag}) for flag in (True, False)]
+    with pytest.raises(ValueError, match=r"model.horizon_aware takes several values \(false, true\) at accel_minibatch_sgd M=16 K=16"):
+        tune.tune(mixed)
+    no_objective = [record("slowcal", 16, 4, 1, 0.01, None, 0.9, 0.3), record("slowcal", 16, 4, 1, 0.03, None, 0.9, 0.3)]
+    results = write(tmp_path / "old.jsonl", no_objective)
+    assert app_main_exit(["tune", str(results)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "lit_slowcal tune: error: no rate at slowcal M=16 K=4 has every seed finished with train_objective in its metrics "
+        "(rates: 0.01, 0.03)"
+    )
+
+
+def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
+    from lit_slowcal.experiments import sweep as sw
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.methods import METHODS
+
+    sweeps = Path(__file__).resolve().parents[1] / "sweeps"
+    lr_grid, c_grid = sw.load_sweep(sweeps / "table1_tuned.yaml"), sw.load_sweep(sweeps / "table1_tuned_acsa.yaml")
+    trials = sw.expand_trials(lr_grid) + sw.expand_trials(c_grid)
+    assert (len(sw.expand_trials(lr_grid)), len(sw.expand_trials(c_grid))) == (1800, 360)
+    assert len({sw.trial_key(t) for t in trials}) == 2160
+    assert {t["method"] for t in trials} == set(METHODS)
+    cells = {(t["method"], t["num_machines"], t["local_steps"], t["seed_everything"]) for t in trials}
+    assert len(cells) == 5 * 3 * 5 * 3
+    for sweep, centre in ((lr_grid, None), (c_grid, 0.01 * 236**1.5)):
+        rates = next(p.spec["values"] for p in sweep.params if p.name == "model.lr")
+        ratios = [b / a for a, b in zip(rates, rates[1:])]
+        assert len(rates) >= 6 and all(abs(r / 10 ** (1 / 3) - 1) < 0.01 for r in ratios), rates  # log-spaced
+        centres = [centre] if centre else [m.paper_lr for m in METHODS.values() if m.name != "accel_minibatch_sgd"]
+        for rate in centres:  # every method's registry rate inside its grid, 3 rates or more on either side
+            assert sum(r < rate * 0.99 for r in rates) >= 3 and sum(r > rate * 1.01 for r in rates) >= 3, (rate, rates)
+        args = sweep.args_before
+        assert "--model.weight_decay=1e-4" in args and "--diagnostics=false" in args
+        # One evaluation, after the last round, however long the run (M = 16, K = 4: 938 rounds).
+        every = int(next(a for a in args if a.startswith("--eval_every=")).split("=")[1])
+        assert every >= num_rounds(MNIST_TRAIN_SIZE, 16, 4, 1) == 938
+    assert "--model.horizon_aware=true" in c_grid.args_before and "--model.horizon_aware=true" not in lr_grid.args_before
