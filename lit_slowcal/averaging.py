@@ -30,6 +30,31 @@ here. Every attribute is optional; ``torch.optim.SGD`` declares nothing and gets
 What is averaged is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and
 delta_c, 2d floats a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d).
 
+``outer_optimizer: Callable[[list[Tensor]], Optimizer] | None``
+    A server step of the optimizer's own (``Scaffold`` with ``server_lr != 1``: SGD at that rate),
+    used when the averager is given no ``outer_optimizer`` (below).
+
+The server's side of a round
+----------------------------
+By default the round's new model is the plain average of the machines. Two server-side options
+change that, on every path (plain loop, Fabric, Trainer, simulated machines, several processes):
+
+``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` over the *global* parameters (one
+copy of the model's parameters per process, of one machine's shape; not one per simulated machine).
+At every synchronisation the machines' parameters are averaged to x_bar; the global parameters
+still hold the round's start x_s; the outer optimizer is fed the pseudo-gradient
+Delta = x_s - x_bar as their gradient and steps; every machine then starts the next round at the new
+global parameters. DiLoCo is an outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; FedAvgM an outer
+SGD with momentum; FedAdam an outer Adam; an outer ``SGD(lr=1)`` is the plain average. The
+optimizer's declared averaged state (SLowcal-SGD's w) and the buffers are averaged plainly, not
+stepped. The outer optimizer's state and x_s travel in ``state_dict()``.
+
+``participation``: S machines of the M take part in each round (an int S, or a fraction of M), drawn
+afresh every round from ``participation_seed`` and the round's index, the same on every rank. The
+new model is the average over the S participants (each with weight 1/S); every machine, the others
+included, starts the next round from it. ``floats_communicated`` counts what the participants send
+(per machine on average: S/M of a full round's floats). With S = M it is the plain average, bitwise.
+
 Observers that are not the optimizer (diagnostics: how far the machines drifted apart in the round)
 register with ``register_sync_pre_hook``: ``hook(averager)`` runs at the start of every
 synchronisation, after the K-th step and before ``pre_sync()`` and the average.
@@ -109,6 +134,12 @@ class PeriodicAverager:
             With several optimizers each buffer belongs to one averager (see ``buffer_owners``).
         check_schedule: with several processes, compare the ranks' step and backward counts at
             every synchronisation and raise on a difference (one small all-gather a sync).
+        outer_optimizer: ``params -> Optimizer``, the server's optimizer on the pseudo-gradient
+            (see the module docstring); ``None``: the optimizer's own ``outer_optimizer`` if it
+            declares one, else the plain average.
+        participation: machines taking part in each round: an int S (1 <= S <= M) or a fraction of
+            M in (0, 1]; ``None``: all of them.
+        participation_seed: the seed of the per-round sample of participants.
 
     Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
 
@@ -134,6 +165,9 @@ class PeriodicAverager:
         start_step: int = 0,
         buffers: Optional[Sequence[Tensor]] = None,
         check_schedule: bool = True,
+        outer_optimizer: Optional[Callable[[list[Tensor]], Optimizer]] = None,
+        participation: Optional[Union[int, float]] = None,
+        participation_seed: int = 0,
     ) -> None:
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
@@ -165,6 +199,21 @@ class PeriodicAverager:
         self._backward_hook = None if first is None else first.register_post_accumulate_grad_hook(self._count_backward)
         self._hooks: list[Any] = []
         self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
+        self.participation = _check_participation(participation)
+        self.participation_seed = check_int("participation_seed", participation_seed, minimum=0)
+        if self.participation is not None and not getattr(optimizer, "supports_participation", True):
+            raise ValueError(
+                f"Invalid participation: {participation!r} ({type(optimizer).__name__} keeps per-machine state that "
+                "machines outside a round would update; use participation=None)"
+            )
+        factory = outer_optimizer if outer_optimizer is not None else getattr(optimizer, "outer_optimizer", None)
+        if factory is not None and not callable(factory):
+            raise TypeError(f"Invalid outer_optimizer: {factory!r} (a callable params -> torch.optim.Optimizer)")
+        self._outer_factory = factory
+        self.outer: Optional[Optimizer] = None  # the server's optimizer over self.global_params
+        self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
+        if factory is not None:
+            self._start_outer()
         if start_step:
             self.resume(start_step)
 
@@ -221,20 +270,30 @@ class PeriodicAverager:
         self.last_sync_step = self.num_syncs * self.sync_every
         self.floats_communicated = self.num_syncs * self.floats_per_sync()
 
-    def state_dict(self) -> dict[str, int]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule (and, with an outer optimizer, the round's start and the outer optimizer's state)."""
+        state: dict[str, Any] = {
             "steps": self.steps,
             "num_syncs": self.num_syncs,
             "last_sync_step": self.last_sync_step,
             "floats_communicated": self.floats_communicated,
         }
+        if self.outer is not None:
+            state["outer"] = {"round_start": [g.detach().clone() for g in self.global_params], "optimizer": self.outer.state_dict()}
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
         # States saved before the key existed come from schedules that synchronised every K only.
         self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
-        self.floats_communicated = int(state["floats_communicated"])
+        floats = state["floats_communicated"]
+        self.floats_communicated = floats if isinstance(floats, float) else int(floats)
+        if self.outer is not None and "outer" in state:
+            with torch.no_grad():
+                for g, saved in zip(self.global_params, state["outer"]["round_start"]):
+                    g.copy_(saved)
+            self.outer.load_state_dict(state["outer"]["optimizer"])
 
     def _count_backward(self, _: Tensor) -> None:
         self.backward_passes += 1
@@ -307,10 +366,38 @@ class PeriodicAverager:
         one machine in all, which sends nothing."""
         return self._floats(self._tensors())
 
-    def _floats(self, tensors: list[tuple[Tensor, bool]]) -> int:
+    def _floats(self, tensors: list[tuple[Tensor, bool]]) -> Union[int, float]:
         if self.num_machines == 1:
             return 0
-        return sum(t[0].numel() if s else t.numel() for t, s in tensors)
+        floats = sum(t[0].numel() if s else t.numel() for t, s in tensors)
+        participants = self.participants
+        if participants == self.num_machines:
+            return floats
+        return floats * participants / self.num_machines  # what the participants send, per machine
+
+    @property
+    def participants(self) -> int:
+        """S: the machines that take part in each round."""
+        M, p = self.num_machines, self.participation
+        if p is None:
+            return M
+        if isinstance(p, float):
+            return max(1, round(p * M))
+        if p > M:
+            raise ValueError(f"Invalid participation: {p} (must be <= M = {M}, the machines in all)")
+        return p
+
+    def participant_weights(self, round_index: Optional[int] = None) -> Optional[Tensor]:
+        """The weights (1/S for the participants, 0 for the others) of the M machines in round
+        ``round_index`` (the next synchronisation's by default); ``None`` when all take part."""
+        M, S = self.num_machines, self.participants
+        if S == M:
+            return None
+        r = self.num_syncs if round_index is None else round_index
+        g = torch.Generator().manual_seed(self.participation_seed * 1_000_003 + r)
+        weights = torch.zeros(M, dtype=torch.float64)
+        weights[torch.randperm(M, generator=g)[:S]] = 1.0 / S
+        return weights
 
     # -- the synchronisation -----------------------------------------------------------------
 
@@ -341,7 +428,9 @@ class PeriodicAverager:
         tensors = self._tensors()
         self.floats_communicated += self._floats(tensors)
         with torch.no_grad():
-            self._average(tensors)
+            self._average(tensors, self.participant_weights())
+            if self.outer is not None:
+                self._outer_step()
         post = getattr(self.optimizer, "post_sync", None)
         if callable(post):
             post()
@@ -369,10 +458,39 @@ class PeriodicAverager:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.
 
         Makes every machine start from the same point x_0, as the algorithms assume (machines
-        simulated in one process are identical copies already). No-op with one process.
+        simulated in one process are identical copies already). No-op with one process. With an
+        outer optimizer, the round's start becomes that point.
         """
         extra = [t for t, _ in self._tensors()]
         broadcast_module(self.modules, src, process_group=self.process_group, extra=extra)
+        if self.outer is not None:
+            with torch.no_grad():
+                for g, (p, stacked) in zip(self.global_params, self._outer_pairs()):
+                    g.copy_(p[0] if stacked else p)
+
+    # -- the server's optimizer --------------------------------------------------------------
+
+    def _outer_pairs(self) -> list[tuple[Tensor, bool]]:
+        """The optimizer's parameters, each with whether it is stacked (one slice per machine)."""
+        stacked = {id(t) for t, s in self._tensors() if s}
+        return [(p, id(p) in stacked) for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _start_outer(self) -> None:
+        """The global parameters (the round's start: machine 0's parameters now) and the outer optimizer."""
+        self.global_params = [(p[0] if s else p).detach().clone() for p, s in self._outer_pairs()]
+        self.outer = self._outer_factory(self.global_params)
+        if not isinstance(self.outer, Optimizer):
+            raise TypeError(f"Invalid outer_optimizer: it returned {self.outer!r} (must return a torch.optim.Optimizer)")
+
+    def _outer_step(self) -> None:
+        """The pseudo-gradient x_s - x_bar into the outer optimizer; its step is everyone's next start."""
+        pairs = self._outer_pairs()
+        for g, (p, stacked) in zip(self.global_params, pairs):
+            g.grad = g - (p[0] if stacked else p)
+        self.outer.step()
+        for g, (p, stacked) in zip(self.global_params, pairs):
+            p.copy_(g.expand_as(p) if stacked else g)
+            g.grad = None
 
     def _tensors(self) -> list[tuple[Tensor, bool]]:
         """The floating tensors to average, each with whether it has a leading machine dimension.
@@ -405,33 +523,53 @@ class PeriodicAverager:
             add(b, b)
         return out
 
-    def _average(self, tensors: list[tuple[Tensor, bool]]) -> None:
+    def _average(self, tensors: list[tuple[Tensor, bool]], weights: Optional[Tensor] = None) -> None:
+        """Replace every tensor by its average over the machines: the mean, or with ``weights`` (one
+        per machine of all M, summing to 1) the weighted sum."""
         world = self.world_size
+        local = None
+        if weights is not None:
+            m = self.machines_per_process
+            rank = dist.get_rank(self.process_group) if world > 1 else 0
+            local = weights[rank * m : (rank + 1) * m]
+
+        def combine(t: Tensor, s: bool) -> Tensor:
+            """This process's share: the machines' mean (or weighted sum) over its machine dimension."""
+            if local is None:
+                return t.mean(0) if s else t
+            w = local.to(device=t.device, dtype=t.dtype)
+            return torch.tensordot(w, t, dims=1) if s else t * w[0]
+
         if world == 1:
             for t, s in tensors:
                 if s:
-                    t.copy_(t.mean(0, keepdim=True).expand_as(t))
+                    t.copy_((t.mean(0, keepdim=True) if local is None else combine(t, s).unsqueeze(0)).expand_as(t))
             return
+        divide = world if local is None else 1  # the weights already sum to 1 over all machines
         pending: list[tuple[list[tuple[Tensor, bool]], Optional[Tensor], Any]] = []
         for bucket in self._buckets(tensors):
             if len(pending) == 2:
-                self._finish(*pending.pop(0), world)
+                self._finish(*pending.pop(0), divide)
             t, s = bucket[0]
             if len(bucket) == 1 and not s and t.is_contiguous():  # reduce in place: no copy at all
+                if local is not None:
+                    t.mul_(local[0].item())
                 pending.append((bucket, None, dist.all_reduce(t, group=self.process_group, async_op=True)))
                 continue
-            flat = torch.cat([(t.mean(0) if s else t).reshape(-1) for t, s in bucket])
+            flat = torch.cat([combine(t, s).reshape(-1) for t, s in bucket])
             pending.append((bucket, flat, dist.all_reduce(flat, group=self.process_group, async_op=True)))
         for item in pending:
-            self._finish(*item, world)
+            self._finish(*item, divide)
 
     @staticmethod
     def _finish(bucket: list[tuple[Tensor, bool]], flat: Optional[Tensor], work: Any, world: int) -> None:
         work.wait()
         if flat is None:
-            bucket[0][0].div_(world)
+            if world != 1:
+                bucket[0][0].div_(world)
             return
-        flat.div_(world)
+        if world != 1:
+            flat.div_(world)
         offset = 0
         for t, s in bucket:
             n = t[0].numel() if s else t.numel()
@@ -464,6 +602,17 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
+
+
+def _check_participation(value: Any) -> Optional[Union[int, float]]:
+    """``None``, an int >= 1, or a fraction in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, float) and not isinstance(value, bool):
+        if not (0.0 < value <= 1.0):
+            raise ValueError(f"Invalid participation: {value!r} (a number of machines >= 1, or a fraction in (0, 1])")
+        return value
+    return check_int("participation", value)
 
 
 def _all_modules(modules: Modules) -> Iterable[nn.Module]:

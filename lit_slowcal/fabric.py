@@ -22,8 +22,8 @@ Round boundaries as with the Trainer (docs/library.md): ``fabric.save`` closes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import Tensor, nn
@@ -46,17 +46,28 @@ class PeriodicAveragingFabricStrategy(DDPStrategy):
         sync_every: K, optimizer steps between synchronisations (>= 1).
         average_state: extra optimizer state keys to average (``PeriodicAverager``).
         bucket_cap_mb: largest flattened buffer of one all-reduce.
+        outer_optimizer, participation, participation_seed: the server's side of a round
+            (``PeriodicAverager``).
         **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
     """
 
     def __init__(
-        self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
+        self,
+        sync_every: int = 1,
+        average_state: Sequence[str] = (),
+        bucket_cap_mb: float = 25.0,
+        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
+        participation: Optional[Union[int, float]] = None,
+        participation_seed: int = 0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.averagers: dict[int, PeriodicAverager] = {}  # id(optimizer) -> its averager
         self.sync_every = sync_every
         self.average_state = tuple(average_state)
         self.bucket_cap_mb = bucket_cap_mb
+        # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
+        self.server_options = {"outer_optimizer": outer_optimizer, "participation": participation, "participation_seed": participation_seed}
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, int]]] = None  # schedules loaded before the first step
@@ -97,19 +108,19 @@ class PeriodicAveragingFabricStrategy(DDPStrategy):
         return super().setup_optimizer(optimizer)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
         averager = self.averagers.get(id(optimizer))
-        if averager is None:
+        if averager is None:  # before the first step: the round starts at the set-up weights
             self._create_averagers()
             averager = self.averagers.get(id(optimizer)) or self._averager(optimizer, None)
             self.averagers[id(optimizer)] = averager
+        output = super().optimizer_step(optimizer, **kwargs)
         averager.step()
         return output
 
     def _averager(self, optimizer: Optimizer, buffers: Optional[list[Tensor]]) -> PeriodicAverager:
         averager = PeriodicAverager(
             self.modules, optimizer, self.sync_every, average_state=self.average_state,
-            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers,
+            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options,
         )  # fmt: skip
         averager.skip_advice = _SKIP_ADVICE
         return averager

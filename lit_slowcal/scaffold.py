@@ -10,6 +10,9 @@ the averager averages the local models y and the changes, ``post_sync`` takes th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
@@ -58,6 +61,9 @@ class Scaffold(ElementwiseOptimizer):
 
     #: The change of the control variate is averaged (and sent) with the local model y.
     averaged_state: tuple[str, ...] = ("delta_c",)
+    #: Each machine's c_i changes at every synchronisation (pre_sync): a machine left out of a round
+    #: would change it too, so partial participation is refused.
+    supports_participation = False
 
     def __init__(self, params: ParamsT, lr: float, *, server_lr: float = 1.0, weight_decay: float = 0.0) -> None:
         super().__init__(params, {"lr": lr, "server_lr": server_lr, "weight_decay": weight_decay})
@@ -67,6 +73,18 @@ class Scaffold(ElementwiseOptimizer):
         check_number("lr", options["lr"])
         check_number("server_lr", options["server_lr"])
         check_number("weight_decay", options["weight_decay"], strict=False)
+
+    @property
+    def outer_optimizer(self) -> Optional[Callable[[list[Tensor]], torch.optim.Optimizer]]:
+        """The server step x <- x + eta_g (ybar - x) = x - eta_g (x - ybar): SGD at ``server_lr`` on the
+        pseudo-gradient, run by the averager (``None`` at eta_g = 1: the plain average, exactly)."""
+        rates = {group["server_lr"] for group in self.param_groups}
+        if rates == {1.0}:
+            return None
+        if len(rates) > 1:
+            raise ValueError(f"Invalid server_lr: {sorted(rates)} (one server_lr for all parameter groups)")
+        (rate,) = rates
+        return lambda params: torch.optim.SGD(params, lr=rate)
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         state["round_steps"] = 0  # K of this round so far
@@ -97,14 +115,11 @@ class Scaffold(ElementwiseOptimizer):
 
     @torch.no_grad()
     def post_sync(self) -> None:
-        """The server step from the averaged y and delta_c; every machine starts the next round at x."""
+        """After the server step (the average, or with eta_g != 1 the averager's outer SGD step, see
+        ``outer_optimizer``): the parameters hold the new x, every machine's start of the next round;
+        c takes the averaged delta_c."""
         for p, state, group in self._stepped():
-            x = state["x"]
-            if group["server_lr"] == 1:
-                x.copy_(p)  # x + 1 * (ybar - x) is ybar
-            else:
-                x.lerp_(p, group["server_lr"])
-            p.copy_(x)
+            state["x"].copy_(p)
             state["c"].add_(state["delta_c"])
             state["round_steps"] = 0
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -82,6 +82,10 @@ class PeriodicAveragingStrategy(DDPStrategy):
             be set after construction (``trainer.strategy.sync_every = 16``).
         average_state: extra optimizer state keys to average besides ``optimizer.averaged_state``.
         bucket_cap_mb: largest flattened buffer of one all-reduce (``PeriodicAverager``).
+        outer_optimizer: ``params -> Optimizer``, the server's optimizer on the round's pseudo-gradient
+            (DiLoCo: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; ``PeriodicAverager``).
+        participation: machines taking part in each round: an int S or a fraction of M (``PeriodicAverager``).
+        participation_seed: the seed of the per-round sample of participants.
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -92,7 +96,14 @@ class PeriodicAveragingStrategy(DDPStrategy):
     strategy_name = "periodic_averaging"
 
     def __init__(
-        self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
+        self,
+        sync_every: int = 1,
+        average_state: Sequence[str] = (),
+        bucket_cap_mb: float = 25.0,
+        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
+        participation: Optional[Union[int, float]] = None,
+        participation_seed: int = 0,
+        **kwargs: Any,
     ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
@@ -104,6 +115,8 @@ class PeriodicAveragingStrategy(DDPStrategy):
         self.sync_every = sync_every
         self.average_state = tuple(average_state)
         self.bucket_cap_mb = bucket_cap_mb
+        # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
+        self.server_options = {"outer_optimizer": outer_optimizer, "participation": participation, "participation_seed": participation_seed}
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
@@ -122,7 +135,7 @@ class PeriodicAveragingStrategy(DDPStrategy):
     def _averager(self, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
         averager = PeriodicAverager(
             self.lightning_module, optimizer, self.sync_every, average_state=self.average_state,
-            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers,
+            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options,
         )  # fmt: skip
         averager.skip_advice = _SKIP_ADVICE
         averager.register_sync_pre_hook(self._run_sync_pre_hooks)
@@ -276,14 +289,14 @@ class PeriodicAveragingStrategy(DDPStrategy):
         model: Optional[Union[pl.LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        averager = self.averagers.get(id(inner))
+        if averager is None:  # an optimizer stepped outside Lightning's fit (its round starts here)
+            averager = self.averagers[id(inner)] = self._averager(inner)
         if self._direct:
             output = optimizer.step(closure=closure, **kwargs)
         else:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        averager = self.averagers.get(id(inner))
-        if averager is None:  # an optimizer stepped outside Lightning's fit
-            averager = self.averagers[id(inner)] = self._averager(inner)
         averager.step()
         return output
 
