@@ -176,3 +176,20 @@ def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
         every = int(next(a for a in args if a.startswith("--eval_every=")).split("=")[1])
         assert every >= num_rounds(MNIST_TRAIN_SIZE, 16, 4, 1) == 938
     assert "--model.horizon_aware=true" in c_grid.args_before and "--model.horizon_aware=true" not in lr_grid.args_before
+
+
+def test_winners_and_docs_by_hand(tmp_path):
+    """In cell (16, 4): slowcal's excess loss at its rate 0.01 is [0.05, 0.08] (mean 0.065, std 0.0212),
+    local_sgd's at 0.1 is [0.10, 0.20, 0.30] (mean 0.2, std 0.1): slowcal wins by 0.135 = 1.35 sigma."""
+    choices = tune.tune(RECORDS, "train_objective")
+    wins = {(w.M, w.K): w for w in tune.winners(choices, "excess_loss")}
+    w = wins[16, 4]
+    assert (w.best, w.runner_up) == ("slowcal", "local_sgd")
+    assert math.isclose(w.margin, 0.2 - 0.065, rel_tol=1e-12) and math.isclose(w.spread, 0.1, rel_tol=1e-12)
+    assert math.isclose(w.margin_in_spreads, 1.35, rel_tol=1e-12)
+    assert wins[32, 8].runner_up is None and (64, 64) not in wins  # one method; no excess loss logged
+    written = tune.write_docs(choices, "train_objective", tmp_path, "table1_tuned")
+    assert [p.name for p in written] == ["table1_tuned.md", "table1_tuned_excess_loss.png", "table1_tuned_test_acc.png", "table1_tuned_wins.png"]
+    text = (tmp_path / "table1_tuned.md").read_text()
+    assert "**SLowcal-SGD** over Local-SGD: 1.35e-01 (1.35 σ)" in text and "**Minibatch-SGD** (alone)" in text
+    assert all(p.stat().st_size > 1000 for p in written)

@@ -36,7 +36,7 @@ from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.report import load_results
 from lit_slowcal.files import atomic_write
 
-__all__ = ["CSV_HEADER", "Choice", "check_criterion", "main", "tune", "write_csv"]
+__all__ = ["CSV_HEADER", "Choice", "check_criterion", "main", "tune", "winners", "write_csv", "write_docs"]
 
 #: The columns of the tuned table, in order.
 CSV_HEADER = (
@@ -187,8 +187,129 @@ def markdown(choices: Sequence[Choice], criterion: str) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+@dataclass(frozen=True)
+class Win:
+    """The method with the lowest mean of a metric in one (M, K) cell, and its lead over the runner-up."""
+
+    M: int
+    K: int
+    best: str
+    runner_up: Optional[str]
+    margin: float  # runner-up's mean minus the best's
+    spread: float  # the larger of the two methods' standard deviations over seeds
+
+    @property
+    def margin_in_spreads(self) -> float:
+        """The lead in units of the seeds' spread (inf when both spreads are 0)."""
+        return self.margin / self.spread if self.spread > 0 else math.inf
+
+
+def winners(choices: Sequence[Choice], metric: str = "excess_loss") -> list[Win]:
+    """Per (M, K): the tuned method with the lowest seeds' mean of ``metric``, and the runner-up's gap."""
+    cells: dict[tuple[int, int], list[tuple[float, float, str]]] = {}
+    for c in choices:
+        mean, std = c.mean(metric), c.std(metric)
+        if mean is not None:
+            cells.setdefault((c.M, c.K), []).append((mean, std or 0.0, c.method))
+    out = []
+    for (m, k), found in sorted(cells.items()):
+        found.sort()
+        (best_mean, best_std, best), rest = found[0], found[1:]
+        if rest:
+            second_mean, second_std, second = rest[0]
+            out.append(Win(m, k, best, second, second_mean - best_mean, max(best_std, second_std)))
+        else:
+            out.append(Win(m, k, best, None, math.inf, 0.0))
+    return out
+
+
+def _label(method: str) -> str:
+    return METHODS[method].label if method in METHODS else method
+
+
+def win_table(wins: Sequence[Win], metric: str) -> str:
+    """Markdown: rows M, columns K, the winner and its lead in seeds' spreads."""
+    ms, ks = sorted({w.M for w in wins}), sorted({w.K for w in wins})
+    at = {(w.M, w.K): w for w in wins}
+    lines = ["| M \\ K | " + " | ".join(str(k) for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for m in ms:
+        row = []
+        for k in ks:
+            w = at.get((m, k))
+            if w is None:
+                row.append("")
+                continue
+            if w.runner_up is None:
+                row.append(f"**{_label(w.best)}** (alone)")
+                continue
+            lead = "∞" if math.isinf(w.margin_in_spreads) else f"{w.margin_in_spreads:.2f}"
+            row.append(f"**{_label(w.best)}** over {_label(w.runner_up)}: {w.margin:.2e} ({lead} σ)")
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: str) -> list[Path]:
+    """``stem``.md (the tuned table and the map of winners) and two figures in ``folder``."""
+    from lit_slowcal.experiments.report import Cell, _save, plot_metric
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for metric, label, log_y in (("excess_loss", "excess loss f(x_R) - f*", True), ("test_acc", "test accuracy", False)):
+        cells = {(c.M, c.K, c.method): Cell(tuple(c.values(metric))) for c in choices if c.values(metric)}
+        if cells:
+            path = folder / f"{stem}_{metric}.png"
+            plot_metric(cells, label, f"{label} at each cell's tuned rate", path, log_y=log_y)
+            written.append(path)
+    metric = "excess_loss" if any(c.values("excess_loss") for c in choices) else criterion
+    wins = winners(choices, metric)
+    if wins:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
+
+        ms, ks = sorted({w.M for w in wins}), sorted({w.K for w in wins})
+        fig = Figure(figsize=(1.6 * len(ks) + 1.5, 0.9 * len(ms) + 1.2), layout="constrained")
+        ax = fig.subplots()
+        for w in wins:
+            i, j = ms.index(w.M), ks.index(w.K)
+            color = METHODS[w.best].color if w.best in METHODS else "grey"
+            strong = math.isinf(w.margin_in_spreads) or w.margin_in_spreads >= 2
+            ax.add_patch(Rectangle((j, i), 1, 1, color=color, alpha=0.85 if strong else 0.35))
+            lead = "∞" if math.isinf(w.margin_in_spreads) else f"{w.margin_in_spreads:.1f}σ"
+            ax.text(j + 0.5, i + 0.5, f"{_label(w.best)}\n{lead}", ha="center", va="center", fontsize=7)
+        ax.set_xlim(0, len(ks)), ax.set_ylim(0, len(ms))
+        ax.set_xticks([j + 0.5 for j in range(len(ks))], [str(k) for k in ks])
+        ax.set_yticks([i + 0.5 for i in range(len(ms))], [str(m) for m in ms])
+        ax.set_xlabel("K"), ax.set_ylabel("M")
+        ax.set_title(f"lowest {metric} per cell (tuned); lead over the runner-up in seeds' spreads\n(pale: lead < 2σ)", fontsize=9)
+        path = folder / f"{stem}_wins.png"
+        _save(fig, path)
+        written.append(path)
+    lines = [
+        f"# {stem}: every method at its own tuned rate per (M, K)",
+        "",
+        f"Rates chosen per cell by the seeds' mean {criterion} (never the test set); the test figures are read at "
+        "the chosen rate only. Generated by `python -m lit_slowcal tune` from the results file.",
+        "",
+        *[f"![{p.stem}]({p.name})" for p in written],
+        "",
+        f"## Which method wins each cell ({metric}, lower is better)",
+        "",
+        "Each cell: the winner, the runner-up, the gap between their means, and that gap in units of the larger",
+        "of the two methods' standard deviations over seeds (σ); under 2 σ the seeds do not separate them.",
+        "",
+        win_table(wins, metric),
+        "## The tuned table",
+        "",
+        markdown(choices, criterion),
+    ]
+    path = folder / f"{stem}.md"
+    with atomic_write(path, encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return [path, *written]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lit_slowcal tune RESULTS.jsonl [--criterion C] [--out FILE.csv]``."""
+    """``python -m lit_slowcal tune RESULTS.jsonl [--criterion C] [--out FILE.csv] [--docs DIR]``."""
     parser = argparse.ArgumentParser(
         prog="python -m lit_slowcal tune",
         description="Choose the learning rate of every (method, M, K) by a training criterion averaged over seeds "
@@ -200,6 +321,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="train_objective (f(x_R), default), excess_loss (f(x_R) - f*) or val_<metric>; test_* is refused",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the table as CSV there (columns: " + ",".join(CSV_HEADER) + ")")
+    parser.add_argument(
+        "--docs", type=Path,
+        help="write <results stem>.md (the table, the map of which method wins each cell) and its figures there",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     try:
         check_criterion(opts.criterion)
@@ -208,6 +333,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if opts.out.parent != Path(""):
                 opts.out.parent.mkdir(parents=True, exist_ok=True)
             write_csv(choices, opts.out)
+        if opts.docs is not None:
+            for path in write_docs(choices, opts.criterion, opts.docs, opts.results.stem):
+                print(f"wrote {path}")
     except (OSError, ValueError) as err:
         print(f"lit_slowcal tune: error: {err}", file=sys.stderr)
         return 2
