@@ -111,7 +111,7 @@ if dist.is_available():
     # with lit_slowcal and before any process group, it binds None (2 ms).
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process"]
+__all__ = ["PeriodicAverager", "broadcast_module", "buffer_owners", "check_participation", "machines_per_process"]
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -199,7 +199,7 @@ class PeriodicAverager:
         self._backward_hook = None if first is None else first.register_post_accumulate_grad_hook(self._count_backward)
         self._hooks: list[Any] = []
         self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
-        self.participation = _check_participation(participation)
+        self.participation = check_participation(participation)
         self.participation_seed = check_int("participation_seed", participation_seed, minimum=0)
         if self.participation is not None and not getattr(optimizer, "supports_participation", True):
             raise ValueError(
@@ -604,15 +604,18 @@ class PeriodicAverager:
         )
 
 
-def _check_participation(value: Any) -> Optional[Union[int, float]]:
-    """``None``, an int >= 1, or a fraction in (0, 1]."""
+def check_participation(value: Any, num_machines: Optional[int] = None) -> Optional[Union[int, float]]:
+    """``value`` if it is ``None``, an int >= 1 (and <= ``num_machines`` when given), or a fraction in (0, 1]."""
     if value is None:
         return None
     if isinstance(value, float) and not isinstance(value, bool):
         if not (0.0 < value <= 1.0):
             raise ValueError(f"Invalid participation: {value!r} (a number of machines >= 1, or a fraction in (0, 1])")
         return value
-    return check_int("participation", value)
+    check_int("participation", value)
+    if num_machines is not None and value > num_machines:
+        raise ValueError(f"Invalid participation: {value} (must be <= M = {num_machines}, the machines in all)")
+    return value
 
 
 def _all_modules(modules: Modules) -> Iterable[nn.Module]:

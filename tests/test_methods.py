@@ -10,7 +10,7 @@ from helpers import Quadratics
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines
-from lit_slowcal.experiments.methods import METHODS, get_method
+from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS, get_method, server_step
 
 M, DIM, K, ROUNDS = 4, 3, 5, 6
 LR = 0.05
@@ -93,12 +93,35 @@ def ref_scaffold(q):
     return {"param": x, "c": c, "c_local": torch.stack(c_local)}
 
 
+def ref_diloco(q, lr=LR, b1=0.9, b2=0.999, eps=1e-8):
+    """DiLoCo: AdamW on every machine (its moments kept by the machine across rounds; no weight decay
+    here), then the outer SGD with Nesterov momentum (lr 0.7, momentum 0.9) on x - mean(y_i)."""
+    x, t = q.x0.clone(), 0
+    moments = [(torch.zeros_like(x), torch.zeros_like(x)) for _ in range(M)]
+    buf = None
+    for _ in range(ROUNDS):
+        ys = []
+        for i in range(M):
+            y, (m, v) = x.clone(), moments[i]
+            for k in range(K):
+                g, n = q.grad(i, y, t + k), t + k + 1
+                m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+                y = y - lr * (m / (1 - b1**n)) / ((v / (1 - b2**n)).sqrt() + eps)
+            moments[i] = (m, v)
+            ys.append(y)
+        delta = x - mean(ys)
+        buf = delta.clone() if buf is None else 0.9 * buf + delta
+        x, t = x - 0.7 * (delta + 0.9 * buf), t + K
+    return {"param": x}
+
+
 REFERENCES = {
     "slowcal": ref_slowcal,
     "local_sgd": ref_local_sgd,
     "minibatch_sgd": ref_minibatch_sgd,
     "accel_minibatch_sgd": ref_accel_minibatch_sgd,
     "scaffold": ref_scaffold,
+    "diloco": ref_diloco,
 }
 
 
@@ -143,11 +166,12 @@ def deviation(got, want):
     return dev
 
 
-def test_the_registry_is_the_five_methods_of_table_1():
-    assert list(METHODS) == ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold"]
+def test_the_registry_is_the_five_methods_of_table_1_and_diloco():
+    assert list(METHODS) == ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold", "diloco"]
+    assert TABLE1_METHODS == ("slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold")
     assert set(REFERENCES) == set(METHODS)
     with pytest.raises(ValueError, match=r"Invalid method: 'fedavg' \(allowed: slowcal, local_sgd, minibatch_sgd, "
-                       r"accel_minibatch_sgd, scaffold\)"):  # fmt: skip
+                       r"accel_minibatch_sgd, scaffold, diloco\)"):  # fmt: skip
         get_method("fedavg")
 
 
@@ -183,8 +207,28 @@ def test_floats_communicated_is_what_each_method_uploads(name):
 
 def test_round_shape_of_local_and_minibatch_methods():
     for name, entry in METHODS.items():
-        local = name in ("slowcal", "local_sgd", "scaffold")
+        local = name in ("slowcal", "local_sgd", "scaffold", "diloco")
         assert entry.steps_per_round(16) == entry.sync_period(16) == (16 if local else 1)
         assert entry.per_step_batch(16, 2) == (2 if local else 32)
     with pytest.raises(ValueError, match="Invalid local_steps: 0"):
         METHODS["scaffold"].steps_per_round(0)
+
+
+def test_server_options_of_the_local_methods():
+    """model.outer on a local method declares the outer optimizer the averager runs; refused where the
+    method's synchronisation is its own step."""
+    params = [torch.zeros(2, requires_grad=True)]
+    sgd = METHODS["local_sgd"].optimizer(params, hparams(outer="nesterov", outer_lr=0.5, outer_momentum=0.8))
+    outer = sgd.outer_optimizer([torch.zeros(2)])
+    assert type(outer) is torch.optim.SGD and outer.defaults["lr"] == 0.5 and outer.defaults["momentum"] == 0.8 and outer.defaults["nesterov"]
+    assert type(METHODS["slowcal"].optimizer(params, hparams(outer="adam", outer_lr=0.01)).outer_optimizer([torch.zeros(2)])) is torch.optim.Adam
+    assert not hasattr(METHODS["slowcal"].optimizer(params, hparams()), "outer_optimizer")  # none: the plain average
+    diloco = METHODS["diloco"].optimizer(params, hparams())
+    assert type(diloco) is torch.optim.AdamW and diloco.outer_optimizer([torch.zeros(2)]).defaults["lr"] == 0.7
+    assert server_step(hparams(outer="none")) is None
+    with pytest.raises(ValueError, match=r"Invalid outer: 'momentum' \(allowed: none, sgd, nesterov, adam\)"):
+        METHODS["local_sgd"].optimizer(params, hparams(outer="momentum"))
+    with pytest.raises(ValueError, match=r"Invalid outer_lr: -1"):
+        METHODS["local_sgd"].optimizer(params, hparams(outer="sgd", outer_lr=-1))
+    with pytest.raises(ValueError, match=r"Invalid outer: 'sgd' with method scaffold \(SCAFFOLD's server step is SGD at model.server_lr\)"):
+        METHODS["scaffold"].optimizer(params, hparams(outer="sgd"))

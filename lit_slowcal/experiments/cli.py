@@ -38,11 +38,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 from urllib.parse import urlparse
 
 import lightning.pytorch
 from jsonargparse import ActionConfigFile, Namespace
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -56,6 +57,8 @@ from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
+from lit_slowcal.averaging import check_participation
+from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
@@ -222,6 +225,13 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             type=Optional[str],
             default=None,
             help="folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)",
+        )
+        parser.add_argument(
+            "--participation",
+            type=Optional[Union[int, float]],
+            default=None,
+            help="machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every "
+            "round from the seed; unset: all of them",
         )
         parser.add_argument(
             "--threads",
@@ -434,6 +444,16 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             )
         strategy.sync_every = get_method(self.setting("method")).sync_period(self.setting("local_steps"))
         machines = self.setting("num_machines")
+        participation = check_participation(self.setting("participation"), machines)
+        if participation is not None:
+            probe = get_method(self.setting("method")).optimizer([torch.zeros(1, requires_grad=True)], self.model.hparams, steps=1)
+            if not getattr(probe, "supports_participation", True):
+                raise ValueError(
+                    f"Invalid participation: {participation!r} with method {self.setting('method')} ({type(probe).__name__} "
+                    "keeps per-machine state that machines outside a round would update; leave participation unset)"
+                )
+        seed = self.setting("seed_everything")
+        strategy.server_options.update(participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0)
         if machines % trainer.world_size:
             raise ValueError(
                 f"num_machines = {machines} is not divisible by the number of processes ({trainer.world_size} = "
@@ -492,8 +512,9 @@ def run_name(get: Callable[..., Any]) -> str:
 
 def diagnostics_callback(get: Callable[..., Any]) -> Diagnostics:
     """The ``Diagnostics`` callback every fit gets, from ``get(key, default)`` as ``run_name`` takes it."""
+    linear = get_architecture(get("model.arch", "linear") or "linear").linear
     return Diagnostics(
-        objective=get("objective", True),
+        objective=get("objective", True) and linear,  # f, f* and G_* are the linear model's
         per_round=get("diagnostics", True),
         step_every=check_int("step_every", get("step_every", 10), minimum=0),
         cache_dir=get("cache_dir"),

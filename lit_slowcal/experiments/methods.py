@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lit_slowcal._validation import check_int
+from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 
-__all__ = ["METHODS", "Method", "get_method", "method_names"]
+__all__ = ["METHODS", "Method", "OUTER_STEPS", "TABLE1_METHODS", "get_method", "method_names", "server_step"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class Method:
             optimizer steps of the whole run, N, where the caller knows it (AC-SA's horizon-aware step
             needs it; the model reads it from the trainer, a stacked group from its rounds).
         options: the model hyperparameters the method reads besides ``lr`` and ``weight_decay``.
+        table1: whether the method is one of the paper's Table 1 (the grids of the reproduction).
     """
 
     name: str
@@ -65,6 +66,7 @@ class Method:
     paper_lr: float
     optimizer: Callable[..., Optimizer]
     options: tuple[str, ...] = ()
+    table1: bool = True  # one of the paper's Table 1 methods (its grids: sweeps/table1*.yaml, lr.yaml)
 
     def sync_period(self, local_steps: int) -> int:
         """Optimizer steps between synchronisations."""
@@ -86,18 +88,65 @@ class Method:
         return self.uploads * dim
 
 
+#: The server steps a method may take at each synchronisation (``model.outer``), on the pseudo-gradient
+#: x_s - x_bar (``PeriodicAverager``'s ``outer_optimizer``): none (the plain average), SGD with momentum
+#: (FedAvgM), SGD with Nesterov momentum (DiLoCo), Adam (FedAdam).
+OUTER_STEPS = ("none", "sgd", "nesterov", "adam")
+
+
+def server_step(h: Any, default: Optional[tuple[str, float]] = None) -> Optional[Callable[[list[Tensor]], Optimizer]]:
+    """The outer optimizer factory of ``model.outer`` / ``model.outer_lr`` / ``model.outer_momentum``
+    (``default``: the method's own (kind, lr) when ``model.outer`` is unset); ``None`` for the plain average."""
+    kind, lr = getattr(h, "outer", None), getattr(h, "outer_lr", None)
+    if kind is None:
+        kind, default_lr = default if default is not None else ("none", 1.0)
+        lr = default_lr if lr is None else lr
+    if kind not in OUTER_STEPS:
+        raise ValueError(f"Invalid outer: {kind!r} (allowed: {', '.join(OUTER_STEPS)})")
+    if kind == "none":
+        if lr is not None and getattr(h, "outer", None) == "none":
+            raise ValueError(f"Invalid outer_lr: {lr!r} (model.outer is none: there is no server step to take it)")
+        return None
+    lr = 1.0 if lr is None else lr
+    check_number("outer_lr", lr)
+    momentum = getattr(h, "outer_momentum", 0.9)
+    check_number("outer_momentum", momentum, strict=False, maximum=1.0)
+    if kind == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=kind == "nesterov")
+
+
+def _serve(optimizer: Optimizer, h: Any, default: Optional[tuple[str, float]] = None) -> Optimizer:
+    """``optimizer`` with the run's server step declared (the averager's optimizer protocol)."""
+    factory = server_step(h, default)
+    if factory is not None:
+        optimizer.outer_optimizer = factory  # type: ignore[attr-defined]
+    return optimizer
+
+
 def _sgd(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
-    return torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay)
+    return _serve(torch.optim.SGD(params, lr=h.lr, weight_decay=h.weight_decay), h)
 
 
 def _slowcal(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
-    return SlowcalSGD(
+    return _serve(SlowcalSGD(
         params, lr=h.lr, weight_power=h.weight_power, scale_lr_by_weight=h.scale_lr_by_weight, gamma=h.gamma,
         weight_decay=h.weight_decay,
-    )  # fmt: skip
+    ), h)  # fmt: skip
+
+
+def _diloco(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
+    # DiLoCo: inner AdamW on every machine, outer SGD with Nesterov momentum (lr 0.7, momentum 0.9).
+    return _serve(torch.optim.AdamW(params, lr=h.lr, weight_decay=h.weight_decay), h, default=("nesterov", 0.7))
+
+
+def _no_server_step(h: Any, method: str, instead: str) -> None:
+    if getattr(h, "outer", None) not in (None, "none"):
+        raise ValueError(f"Invalid outer: {h.outer!r} with method {method} ({instead})")
 
 
 def _accelerated(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
+    _no_server_step(h, "accel_minibatch_sgd", "AC-SA's synchronisation is its own step; model.outer=none")
     # horizon_aware: lr is Lan's constant c and gamma = min{max_lr, c (N+1)^-3/2}, N the run's steps.
     horizon = None
     if getattr(h, "horizon_aware", False):
@@ -111,6 +160,7 @@ def _accelerated(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) 
 
 
 def _scaffold(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
+    _no_server_step(h, "scaffold", "SCAFFOLD's server step is SGD at model.server_lr")
     return Scaffold(params, lr=h.lr, server_lr=h.server_lr, weight_decay=h.weight_decay)
 
 
@@ -127,8 +177,15 @@ METHODS: dict[str, Method] = {
                paper_lr=0.01, optimizer=_accelerated, options=("horizon_aware", "max_lr")),
         Method("scaffold", "SCAFFOLD", "tab:orange", local=True, uploads=2, paper_lr=0.01, optimizer=_scaffold,
                options=("server_lr",)),
+        # paper_lr: AdamW's default rate (DiLoCo is not in the paper; not tuned here).
+        Method("diloco", "DiLoCo", "tab:brown", local=True, uploads=1, paper_lr=0.001, optimizer=_diloco,
+               options=("outer", "outer_lr", "outer_momentum"), table1=False),
     )
 }  # fmt: skip
+
+
+#: The paper's Table 1 methods, in the registry's order.
+TABLE1_METHODS: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.table1)
 
 
 def method_names() -> tuple[str, ...]:

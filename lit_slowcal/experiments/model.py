@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lit_slowcal._lightning import batches_started
 from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -46,6 +47,12 @@ class LogisticRegression(pl.LightningModule):
         gamma: fixed x/w interpolation instead of alpha weights (SLowcal only).
         server_lr: SCAFFOLD's server step size eta_g (SCAFFOLD only; 1: x is the average of the
             local models).
+        outer: the server step at each synchronisation, on the pseudo-gradient x_s - x_bar
+            (``methods.OUTER_STEPS``: none, sgd (FedAvgM), nesterov (DiLoCo), adam (FedAdam));
+            ``None``: the method's own (DiLoCo: nesterov at 0.7; the others: none, the plain average).
+        outer_lr, outer_momentum: the server step's rate (``None``: the method's, else 1) and momentum.
+        arch: the model each machine trains (``architectures.ARCHITECTURES``: linear, the paper's;
+            mlp; cnn). The non-linear ones need ``init=default``.
         horizon_aware: Lan's horizon-aware step (AC-SA only): ``lr`` is the constant c and gamma =
             min{max_lr, c (N+1)^-3/2}, N the run's steps (its rounds, read from the trainer when the
             optimizer is built), so that one c serves runs of any length. ``lr`` must then be given.
@@ -72,6 +79,10 @@ class LogisticRegression(pl.LightningModule):
         scale_lr_by_weight: bool = False,
         gamma: Optional[float] = None,
         server_lr: float = 1.0,
+        outer: Optional[str] = None,
+        outer_lr: Optional[float] = None,
+        outer_momentum: float = 0.9,
+        arch: str = "linear",
         horizon_aware: bool = False,
         max_lr: Optional[float] = None,
         weight_decay: float = 0.0,
@@ -89,6 +100,14 @@ class LogisticRegression(pl.LightningModule):
             check_int("model.seed", seed, minimum=0)
         if loss not in ("cross_entropy", "squared"):
             raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared)")
+        architecture = get_architecture(arch)
+        if not architecture.linear and init != "default":
+            raise ValueError(
+                f"Invalid model.init: {init!r} with model.arch={arch} (zeros would leave every hidden unit alike, "
+                "official is the linear model's; use model.init=default)"
+            )
+        if architecture.image_input and input_dim != 28 * 28:
+            raise ValueError(f"Invalid model.arch: {arch!r} for inputs of {input_dim} features (it needs 28 x 28 images)")
         if lr is None and horizon_aware:
             raise ValueError(
                 "Invalid model.lr: None with model.horizon_aware=true (lr is then Lan's constant c of gamma = "
@@ -124,7 +143,7 @@ class LogisticRegression(pl.LightningModule):
                 f"num_machines = {self.hparams.num_machines} is not divisible by the number of processes ({world})"
             )
         # Random init is seeded by seed_everything; rank 0's weights are broadcast at setup anyway.
-        template = nn.Linear(self.hparams.input_dim, self.hparams.num_classes)
+        template = get_architecture(self.hparams.get("arch", "linear")).build(self.hparams.input_dim, self.hparams.num_classes)
         if self.hparams.init == "zeros":
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)

@@ -110,6 +110,13 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return f"trainer.limit_train_batches is {limit!r}"
     if (config.get("data") or {}).get("problem") is not None:
         return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
+    model = config.get("model") or {}
+    if model.get("arch", "linear") != "linear":
+        return f"model.arch is {model.get('arch')} (stacking trains the linear model only)"
+    if config.get("participation") is not None:
+        return "participation is set (stacking averages every machine every round)"
+    if config.get("method") == "diloco" or model.get("outer") not in (None, "none"):
+        return "it takes a server step (diloco, model.outer; stacking takes the plain average)"
     return None
 
 
