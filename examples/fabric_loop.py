@@ -52,7 +52,7 @@ def main(argv=None) -> None:
         loss = ((model(x[step]) - y[step]) ** 2).mean()
         fabric.backward(loss)
         optimizer.step()  # averaged over the processes after every K-th step
-    strategy.close_round()  # the last round, if it was not over: one model on every process
+    strategy.close_rounds()  # the last round, if it was not over: one model on every process
     if fabric.global_rank == 0 and args.out:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
     # No process tears gloo down while its peer still talks to it (an abort at exit otherwise, under load).

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal._validation import check_int
-from lit_slowcal.averaging import PeriodicAverager, broadcast_module, buffer_owners, machines_per_process
+from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
+from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
 from lit_slowcal.checkpoint import AtomicCheckpointIO
 
 __all__ = ["PeriodicAveragingStrategy"]
@@ -44,15 +44,9 @@ log = logging.getLogger(__name__)
 
 # The hooks Lightning calls around every backward and optimizer step (see _direct_steps).
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
-# The checkpoint key holding the averagers' schedules, one per optimizer in Trainer order.
-CHECKPOINT_KEY = "periodic_averaging"
-_SKIP_ADVICE = (
-    "call optimizer.step() in every iteration on every rank (a GradScaler's skip under Lightning's "
-    "precision plugins is counted alike; a step the LightningModule leaves out is not)"
-)
 
 
-class PeriodicAveragingStrategy(DDPStrategy):
+class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
     """Local updates on every machine, averaged over all machines every ``sync_every`` steps.
 
     With ``torch.optim.SGD`` this is Local-SGD; with ``SlowcalSGD`` it is SLowcal-SGD (Algorithm 2),
@@ -94,6 +88,10 @@ class PeriodicAveragingStrategy(DDPStrategy):
     """
 
     strategy_name = "periodic_averaging"
+    skip_advice = (
+        "call optimizer.step() in every iteration on every rank (a GradScaler's skip under Lightning's "
+        "precision plugins is counted alike; a step the LightningModule leaves out is not)"
+    )
 
     def __init__(
         self,
@@ -112,32 +110,13 @@ class PeriodicAveragingStrategy(DDPStrategy):
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
-        self.sync_every = sync_every
-        self.average_state = tuple(average_state)
-        self.bucket_cap_mb = bucket_cap_mb
-        # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
-        self.server_options = {"outer_optimizer": outer_optimizer, "participation": participation, "participation_seed": participation_seed}
-        self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
+        self._init_averagers(sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed)
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
-        self._restored: Optional[list[dict[str, int]]] = None  # the schedules of the checkpoint being resumed
+        self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
 
-    @property
-    def sync_every(self) -> int:
-        return self._sync_every
-
-    @sync_every.setter
-    def sync_every(self, value: int) -> None:
-        self._sync_every = check_int("sync_every", value)
-        for averager in getattr(self, "averagers", {}).values():
-            averager.sync_every = value
-
-    def _averager(self, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
-        averager = PeriodicAverager(
-            self.lightning_module, optimizer, self.sync_every, average_state=self.average_state,
-            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options,
-        )  # fmt: skip
-        averager.skip_advice = _SKIP_ADVICE
+    def _new_averager(self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
+        averager = super()._new_averager(modules, optimizer, buffers)
         averager.register_sync_pre_hook(self._run_sync_pre_hooks)
         return averager
 
@@ -145,26 +124,16 @@ class PeriodicAveragingStrategy(DDPStrategy):
         return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def _create_averagers(self) -> None:
-        """One averager per optimizer, in Trainer order, each buffer given to one of them, each
-        schedule restored from the checkpoint being resumed."""
-        for averager in self.averagers.values():
-            averager.remove_hooks()
-        self.averagers = {}
+        """A fresh averager per optimizer for this fit, in Trainer order, each schedule restored from the
+        checkpoint being resumed."""
+        self._drop_averagers()
         optimizers = self._torch_optimizers()
-        owners = buffer_owners(self.lightning_module, optimizers) if len(optimizers) > 1 else [None]
         restored, self._restored = self._restored, None
-        trainer = self.lightning_module.trainer
-        for i, optimizer in enumerate(optimizers):
-            averager = self.averagers[id(optimizer)] = self._averager(optimizer, owners[i])
-            if restored is not None and i < len(restored):
-                averager.load_state_dict(restored[i])
-            elif restored is None and len(optimizers) == 1 and trainer.global_step > 0:
-                # A checkpoint written before the schedules were saved: K-step rounds, one optimizer.
-                averager.resume(trainer.global_step)
-
-    def close_rounds(self) -> bool:
-        """Close every optimizer's round (``PeriodicAverager.close_round``). Returns whether any synchronised."""
-        return any([averager.close_round() for averager in self.averagers.values()])
+        self._add_averagers(self.lightning_module, self.lightning_module, optimizers, restored)
+        global_step = self.lightning_module.trainer.global_step
+        if restored is None and len(optimizers) == 1 and global_step > 0:
+            # A checkpoint written before the schedules were saved: K-step rounds, one optimizer.
+            self.averagers[id(optimizers[0])].resume(global_step)
 
     def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
         """``hook(averager)`` at the start of every synchronisation of every optimizer's averager,
@@ -186,16 +155,6 @@ class PeriodicAveragingStrategy(DDPStrategy):
     def num_machines(self) -> int:
         """M = world_size x m."""
         return self.world_size * self.machines_per_rank
-
-    @property
-    def num_syncs(self) -> int:
-        """Synchronisations so far (of the first optimizer)."""
-        return next(iter(self.averagers.values())).num_syncs if self.averagers else 0
-
-    @property
-    def floats_communicated(self) -> int:
-        """Floats one machine has sent so far (all optimizers' averagers)."""
-        return sum(a.floats_communicated for a in self.averagers.values())
 
     def setup_distributed(self) -> None:
         # One process fitting: no process group (its set-up, and the gloo collectives that
@@ -232,7 +191,7 @@ class PeriodicAveragingStrategy(DDPStrategy):
         # fit returns one model: the machines' average, the same on every rank.
         self.close_rounds()
         for averager in self.averagers.values():
-            averager.remove_hooks()
+            averager.remove_hooks()  # kept for their counts, which the strategy reports after fit
         self._direct = False
         super().on_train_end()
 
@@ -247,9 +206,9 @@ class PeriodicAveragingStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        optimizers = self._torch_optimizers()
-        if optimizers and all(id(o) in self.averagers for o in optimizers):
-            checkpoint[CHECKPOINT_KEY] = [self.averagers[id(o)].state_dict() for o in optimizers]
+        schedules = self._schedules(self._torch_optimizers())
+        if schedules is not None:
+            checkpoint[CHECKPOINT_KEY] = schedules
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -292,7 +251,7 @@ class PeriodicAveragingStrategy(DDPStrategy):
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         averager = self.averagers.get(id(inner))
         if averager is None:  # an optimizer stepped outside Lightning's fit (its round starts here)
-            averager = self.averagers[id(inner)] = self._averager(inner)
+            averager = self.averagers[id(inner)] = self._new_averager(self.lightning_module, inner)
         if self._direct:
             output = optimizer.step(closure=closure, **kwargs)
         else:
@@ -303,7 +262,9 @@ class PeriodicAveragingStrategy(DDPStrategy):
     def synchronize(self, optimizer: Optimizer) -> None:
         """Average now (outside the schedule), for ``optimizer``'s parameters and state."""
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        self.averagers.setdefault(id(inner), self._averager(inner)).sync()
+        if id(inner) not in self.averagers:
+            self.averagers[id(inner)] = self._new_averager(self.lightning_module, inner)
+        self.averagers[id(inner)].sync()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

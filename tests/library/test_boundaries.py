@@ -150,7 +150,7 @@ def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tm
     _fabric_steps(fabric2, model2, optimizer2, 2)  # steps 11, 12: the schedule's sync at 12
     assert other.num_syncs == 3
     _fabric_steps(fabric2, model2, optimizer2, 1)
-    assert other.close_round() and other.num_syncs == 4
+    assert other.close_rounds() and other.num_syncs == 4
 
 
 def test_lightning_cli_sets_k_by_the_registered_name_and_by_class_path(tmp_path, monkeypatch):

@@ -1,0 +1,103 @@
+"""What the Trainer and Fabric strategies share: one ``PeriodicAverager`` per optimizer.
+
+``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
+(K, extra averaged state, bucket size, the server's options), the averagers by optimizer, each
+buffer given to one of them (``buffer_owners``), and the operations on all of them: K changed
+mid-run, the round closed, the schedules saved and restored, the counts read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lit_slowcal._validation import check_int
+from lit_slowcal.averaging import PeriodicAverager, buffer_owners
+
+__all__ = ["CHECKPOINT_KEY", "AveragerSet"]
+
+#: Where a checkpoint holds the averagers' schedules: a list, one per optimizer in the strategy's order.
+CHECKPOINT_KEY = "periodic_averaging"
+
+
+class AveragerSet:
+    """One ``PeriodicAverager`` per optimizer, built alike (mixed into the strategies)."""
+
+    #: What a rank whose count fell behind should do (``PeriodicAverager.skip_advice``).
+    skip_advice = "call optimizer.step() in every iteration on every rank"
+
+    def _init_averagers(
+        self,
+        sync_every: int,
+        average_state: Sequence[str],
+        bucket_cap_mb: float,
+        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]],
+        participation: Optional[Union[int, float]],
+        participation_seed: int,
+    ) -> None:
+        self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
+        self.sync_every = sync_every
+        self.average_state = tuple(average_state)
+        self.bucket_cap_mb = bucket_cap_mb
+        # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
+        self.server_options = {"outer_optimizer": outer_optimizer, "participation": participation, "participation_seed": participation_seed}
+
+    @property
+    def sync_every(self) -> int:
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        """K; set mid-run it applies to the running averagers too."""
+        self._sync_every = check_int("sync_every", value)
+        for averager in getattr(self, "averagers", {}).values():
+            averager.sync_every = value
+
+    @property
+    def num_syncs(self) -> int:
+        """Synchronisations so far (of the first optimizer)."""
+        return next(iter(self.averagers.values())).num_syncs if self.averagers else 0
+
+    @property
+    def floats_communicated(self) -> Union[int, float]:
+        """Floats one machine has sent so far (all optimizers' averagers)."""
+        return sum(a.floats_communicated for a in self.averagers.values())
+
+    def close_rounds(self) -> bool:
+        """Close every optimizer's round (``PeriodicAverager.close_round``): a synchronisation where a
+        step was taken since the last one. Call it before evaluating or returning the model mid-round
+        (the strategies do at their boundaries). Returns whether any synchronised."""
+        return any([averager.close_round() for averager in self.averagers.values()])
+
+    def _new_averager(self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
+        averager = PeriodicAverager(
+            modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
+            buffers=buffers, **self.server_options,
+        )  # fmt: skip
+        averager.skip_advice = self.skip_advice
+        return averager
+
+    def _add_averagers(self, root: nn.Module, modules: Any, optimizers: Sequence[Optimizer], restored: Optional[list[dict]] = None) -> None:
+        """An averager for each of ``optimizers`` that has none, each buffer of ``root`` given to one of
+        them, each schedule restored from ``restored`` (by position) where given."""
+        owners = buffer_owners(root, optimizers) if len(optimizers) > 1 else None
+        for i, optimizer in enumerate(optimizers):
+            if id(optimizer) in self.averagers:
+                continue
+            averager = self.averagers[id(optimizer)] = self._new_averager(modules, optimizer, owners[i] if owners else None)
+            if restored is not None and i < len(restored):
+                averager.load_state_dict(restored[i])
+
+    def _drop_averagers(self) -> None:
+        for averager in self.averagers.values():
+            averager.remove_hooks()
+        self.averagers = {}
+
+    def _schedules(self, optimizers: Sequence[Optimizer]) -> Optional[list[dict[str, Any]]]:
+        """Every optimizer's schedule, in order (what a checkpoint holds); ``None`` before all have averagers."""
+        if not optimizers or not all(id(o) in self.averagers for o in optimizers):
+            return None
+        return [self.averagers[id(o)].state_dict() for o in optimizers]
