@@ -281,7 +281,7 @@ def test_results_file_appends_new_trials_and_replaces_a_retried_one_atomically(t
         {"params": {"a": 2}, "status": "finished"},
     ]
     assert sw.ResultsFile(path).get({"a": 2}) == {"params": {"a": 2}, "status": "finished"}
-    path.write_text('{"params": {"a": 1}}\n{"params"\n')
+    path.write_text('{"params": {"a": 1}, "status": "failed"}\n{"params"\n')
     with pytest.raises(ValueError, match="line 2"):
         sw.ResultsFile(path)
 
@@ -486,7 +486,9 @@ def test_dry_run_lists_the_trials_and_runs_nothing(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(REPO)
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     failed = {"local_steps": 2, "method": "slowcal", "model.lr": 0.1, "num_machines": 4}
-    sw.ResultsFile(results).put({"params": failed, "status": "failed"})
+    # A record as written before identities were stored: its arguments give its identity.
+    args = sw.trial_args(sw.load_sweep(yaml_path), failed, ["--wandb=false"])
+    sw.ResultsFile(results).put({"params": failed, "status": "failed", "args": args})
     assert sw.main([str(yaml_path), "--results", str(results), "--dry-run", "--wandb=false"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("4 trials, 1 already in " + str(results) + ", 3 to run")
@@ -627,3 +629,56 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
         assert saved.pop("run_dir") in (str(tmp_path / "trials"), str(tmp_path / "given"))
         assert expected.pop("run_dir") == str(tmp_path / "fresh")
         assert saved == expected
+
+
+# ----------------------------------------------------------------------------- a trial's identity
+
+
+def test_a_record_of_another_command_or_config_is_never_taken_for_a_trials(tmp_path, monkeypatch, capsys):
+    """A trial is its parameters and everything its command and config set: the same parameters with another
+    command run again, and each record stays with its own identity."""
+    monkeypatch.chdir(REPO)
+    yaml_path, results = tiny_sweep(tmp_path, methods=("slowcal",), lrs=(0.01,)), tmp_path / "results.jsonl"
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    (first,) = read_records(results)
+    assert first["status"] == "finished" and len(first["identity"]) == 25
+    cfg = yaml.safe_load(yaml_path.read_text())
+    cfg["command"].insert(-1, "--data.dirichlet_alpha=1.0")
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    capsys.readouterr()
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 0 already in" in capsys.readouterr().out
+    assert sw.main([str(other), "--results", str(results), "--wandb=false"]) == 0
+    out = capsys.readouterr().out
+    records = read_records(results)
+    assert len(records) == 2 and records[0] == first and records[1]["params"] == first["params"]
+    assert records[1]["identity"] != first["identity"] and records[1]["metrics"]["test_loss"] != first["metrics"]["test_loss"]
+    assert f"| {records[1]['metrics']['test_acc']:.4f} |" in out  # the table shows this command's trial
+    # A config file edited between two runs of the same command: another identity too.
+    config = tmp_path / "paper.yaml"
+    config.write_text((REPO / "configs" / "paper.yaml").read_text())
+    cfg["command"][cfg["command"].index("configs/paper.yaml")] = str(config)
+    other.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 1 already in" in capsys.readouterr().out  # same settings, another path: the same run
+    config.write_text(config.read_text().replace("init: official", "init: zeros"))
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 0 already in" in capsys.readouterr().out
+    # The first command still finds its own record; what may change on resume (run_dir, W&B) is not part of it.
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=true", "--dry-run"]) == 0
+    assert "1 trials, 1 already in" in capsys.readouterr().out
+
+
+def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_own(tmp_path, monkeypatch, capsys):
+    # The shipped results were written before identities were stored: their arguments give theirs.
+    monkeypatch.chdir(REPO)
+    cfg = yaml.safe_load((REPO / "sweeps" / "lr.yaml").read_text())
+    cfg["command"][-1:-1] = ["--data.split=balanced", "--model.weight_decay=0.01"]
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(cfg))
+    before = (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes()
+    assert sw.main([str(tmp_path / "lr.yaml"), "--dry-run", "--wandb=false"]) == 0
+    assert "30 trials, 0 already in sweeps/results/lr.jsonl, 30 to run" in capsys.readouterr().out
+    assert sw.main([str(REPO / "sweeps" / "lr.yaml"), "--dry-run", "--wandb=false"]) == 0
+    assert "30 trials, 30 already in sweeps/results/lr.jsonl, 0 to run" in capsys.readouterr().out
+    assert (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes() == before

@@ -43,7 +43,7 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
-from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args, trial_key
+from lit_slowcal.experiments.sweep.trials import expand_trials, identity_digest, trial_args, trial_key
 
 __all__ = ["CommandLine", "main", "run_trial"]
 
@@ -236,14 +236,61 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     return {"status": status, "error": error, "metrics": metrics, "run_dir": run_dir, "wall_time_s": round(wall, 3)}
 
 
+# The sweep's parser, read by the workers forked to check trials (_parse): a forked worker has it already.
+_checker: Optional[CommandLine] = None
+
+def trial_identity_of(parsed: Any) -> str:
+    """The identity digest of a trial's run from its parse (``CommandLine.parse``): everything that defines
+    its results (``lit_slowcal.experiments.identity.trial_identity``), the command and config included."""
+    import json
+
+    from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
+
+    # As the CLI takes a run's identity: the dump leaves out the settings linked from others (data.batch_size, ...).
+    dumped = json.loads(_command_line().parser.dump(parsed, format="json", skip_unset=False, skip_validation=True))
+    return identity_digest(trial_identity(dumped["fit"]), SEED_KEYS)
+
+
+def _command_line() -> CommandLine:
+    """The sweep's parser (``_checker``), built here where it is not yet (a spawned worker)."""
+    global _checker
+    if _checker is None:
+        _checker = CommandLine()
+    return _checker
+
+
+# Identities of records written before identities were stored, by their arguments (parsed once per process).
+_legacy: dict[tuple[str, ...], Optional[str]] = {}
+
+
+def _legacy_identity(record: dict[str, Any]) -> Optional[str]:
+    """The identity of a record that stores none: its ``args`` parsed by the CLI now (``None`` if it cannot
+    tell: no args, or args the CLI refuses today). Its config file is read as it is now."""
+    args = record.get("args")
+    if not isinstance(args, list) or not args:
+        return None
+    key = tuple(args)
+    if key not in _legacy:
+        try:
+            _legacy[key] = trial_identity_of(_command_line().parse(args))
+        except (ValueError, OSError):
+            _legacy[key] = None
+    return _legacy[key]
+
+
+def results_file(path: str | Path) -> ResultsFile:
+    """The sweep's results file, whose records without a stored identity get one from their arguments."""
+    return ResultsFile(path, identify=_legacy_identity)
+
+
 @dataclass
 class _Unit:
     """What one process runs at a time: a stacked group (``StackedTrial`` s), or one trial alone
-    (``(params, args, parsed)``, ``parsed`` being ``CommandLine.parse(args)``)."""
+    (``(params, args, parsed, identity)``, ``parsed`` being ``CommandLine.parse(args)``)."""
 
     label: str  # "group 2/9", "4/20"
     title: str  # what it runs, printed as it starts
-    trials: Any  # list[StackedTrial] (a group) or (params, args, parsed) (a trial alone)
+    trials: Any  # list[StackedTrial] (a group) or (params, args, parsed, identity) (a trial alone)
     cost: float = 0.0  # relative running time (groups: stacked.group_cost), to start the longest first
 
 
@@ -252,25 +299,32 @@ def _pending(record: Optional[dict[str, Any]], retry_failed: bool) -> bool:
     return record is None or (retry_failed and record["status"] != "finished")
 
 
-def _run_unit(check: tuple[str, bool], unit: _Unit) -> tuple[str, list[tuple[dict[str, Any], dict[str, Any], list[str]]]]:
-    """Run ``unit`` here; return its label and ``(params, outcome, args)`` of each of its trials (none when the
-    results file ``check = (path, retry_failed)`` holds a lone trial already: another sweep ran it meanwhile)."""
+_Outcome = tuple[dict[str, Any], str, dict[str, Any], list[str]]  # (params, identity, outcome, args) of a trial
+
+
+def _run_unit(check: tuple[str, bool], unit: _Unit) -> tuple[str, list[_Outcome]]:
+    """Run ``unit`` here; return its label and ``(params, identity, outcome, args)`` of each trial it ran: the
+    trials that the results file ``check = (path, retry_failed)`` holds already (another sweep ran them
+    meanwhile) are left out, read just before the unit starts."""
+    results, retry = results_file(check[0]), check[1]
     if isinstance(unit.trials, tuple):
-        (params, args, parsed), path = unit.trials, check[0]
-        if not _pending(ResultsFile(path).get(params), check[1]):
-            print(f"\n[{unit.label}] {unit.title}: already in {path}", flush=True)
+        params, args, parsed, identity = unit.trials
+        if not _pending(results.get(params, identity), retry):
+            print(f"\n[{unit.label}] {unit.title}: already in {check[0]}", flush=True)
             return unit.label, []
         print(f"\n[{unit.label}] {unit.title}", flush=True)
-        return unit.label, [(params, run_trial(args, parsed), args)]
-    from lit_slowcal.experiments.sweep.stacked import config_yaml, run_group
+        return unit.label, [(params, identity, run_trial(args, parsed), args)]
+    from lit_slowcal.experiments.sweep.stacked import config_yaml, group_title, run_group
 
-    print(f"\n[{unit.label}] {unit.title}", flush=True)
-    run_group(unit.trials, config_yaml)
-    return unit.label, [(t.params, t.outcome, t.args) for t in unit.trials]
+    group = [t for t in unit.trials if _pending(results.get(t.params, t.identity), retry)]
+    if not group:
+        print(f"\n[{unit.label}] {unit.title}: already in {check[0]}", flush=True)
+        return unit.label, []
+    title = unit.title if len(group) == len(unit.trials) else f"{group_title(group)} ({len(unit.trials) - len(group)} already in {check[0]})"
+    print(f"\n[{unit.label}] {title}", flush=True)
+    run_group(group, config_yaml)
+    return unit.label, [(t.params, t.identity, t.outcome, t.args) for t in group]
 
-
-# The sweep's parser, read by the workers forked to check trials (_parse): a forked worker has it already.
-_checker: Optional[CommandLine] = None
 
 
 def _worker_start(threads: int) -> None:
@@ -309,17 +363,18 @@ def _worker_pool(workers: int, threads: int) -> Iterator[Any]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _parse(args: list[str]) -> tuple[Any, Optional[str]]:
-    """``(_checker.parse(args), None)``, or ``(None, the CLI's message)`` when it refuses them."""
+def _parse(args: list[str]) -> tuple[Any, Optional[str], Optional[str]]:
+    """``(_checker.parse(args), its identity, None)``, or ``(None, None, the CLI's message)`` when it refuses them."""
     assert _checker is not None
     try:
-        return _checker.parse(args), None
+        parsed = _checker.parse(args)
     except ValueError as err:
-        return None, str(err)
+        return None, None, str(err)
+    return parsed, trial_identity_of(parsed), None
 
 
 def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1) -> dict[str, Any]:
-    """Every trial's ``(params, args)`` as ``(args, parsed)`` by trial key, ``parsed`` by the CLI's parser
+    """Every trial's ``(params, args)`` as ``(args, parsed, identity)`` by trial key, ``parsed`` by the CLI's parser
     (``_checker``): in this process, or shared among the forked workers of ``pool`` (each has ``_checker`` from
     this process).
 
@@ -332,10 +387,10 @@ def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, wor
     else:  # a few chunks per worker: even shares, and few round trips
         outcomes = pool.imap(_parse, args, chunksize=max(1, len(args) // (4 * workers)))
     checked: dict[str, Any] = {}
-    for (params, trial), (config, error) in zip(trials, outcomes):
+    for (params, trial), (config, identity, error) in zip(trials, outcomes):
         if error is not None:
             raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {error}")
-        checked[trial_key(params)] = (trial, config)
+        checked[trial_key(params)] = (trial, config, identity)
     return checked
 
 
@@ -346,8 +401,8 @@ def _run_in_workers(pool: Any, workers: int, units: list[_Unit], threads: int, c
     each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
     print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
     for label, outcomes in pool.imap_unordered(functools.partial(_run_unit, check), order):
-        for params, outcome, args in outcomes:
-            record(params, outcome, args, label)
+        for params, identity, outcome, args in outcomes:
+            record(params, identity, outcome, args, label)
 
 
 def _bool(text: str) -> bool:
@@ -413,8 +468,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_int("--workers", opts.workers)
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
-        results = ResultsFile(results_path)
         _checker = CommandLine()  # built before the workers fork: they check trials with it too
+        results = results_file(results_path)
     except (ValueError, OSError) as err:
         print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
         return 2
@@ -448,8 +503,11 @@ def _run(
     for key in sweep.ignored:
         print(f"note: {key} needs W&B's controller and is ignored here; every trial runs to its end")
 
+    def get(params: dict[str, Any]) -> Optional[dict[str, Any]]:  # the record of this very trial, if any
+        return results.get(params, checked[trial_key(params)][2])
+
     def pending(params: dict[str, Any]) -> bool:
-        return _pending(results.get(params), opts.retry_failed)
+        return _pending(get(params), opts.retry_failed)
 
     todo = [t for t in trials if pending(t)]
     print(
@@ -459,7 +517,7 @@ def _run(
     )
     if opts.dry_run:
         for i, params in enumerate(trials, 1):
-            record = results.get(params)
+            record = get(params)
             state = "pending" if record is None else record["status"]
             if record is not None and pending(params):
                 state += ", will retry"
@@ -468,10 +526,10 @@ def _run(
 
     sweep_start, ran = time.perf_counter(), 0
 
-    def record(params: dict[str, Any], outcome: dict[str, Any], args: list[str], label: str) -> None:
+    def record(params: dict[str, Any], identity: str, outcome: dict[str, Any], args: list[str], label: str) -> None:
         nonlocal ran
         ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        results.put({"params": params, **outcome, "args": args, "ended_at": ended})
+        results.put({"params": params, "identity": identity, **outcome, "args": args, "ended_at": ended})
         ran += 1
         value = outcome["metrics"].get(sweep.metric)
         line = f"[{label}] {outcome['status']}: {sweep.metric} {format_value(value)} in {outcome['wall_time_s']:.1f} s"
@@ -500,8 +558,8 @@ def _run(
         if workers == 1 or len(units) <= 1:
             for unit in units:
                 label, outcomes = _run_unit(check, unit)
-                for params, outcome, args in outcomes:
-                    record(params, outcome, args, label)
+                for params, identity, outcome, args in outcomes:
+                    record(params, identity, outcome, args, label)
         else:
             busy = min(workers, len(units))
             with contextlib.ExitStack() as scope:
@@ -517,7 +575,7 @@ def _run(
         return 130 if isinstance(err, KeyboardInterrupt) else 143
     if todo:
         print(f"\n{len(todo)} trials in {time.perf_counter() - sweep_start:.1f} s; results in {results_path}")
-    done = [r for r in (results.get(t) for t in trials) if r is not None]
+    done = [r for r in map(get, trials) if r is not None]
     counts = {s: sum(r["status"] == s for r in done) for s in ("finished", "diverged", "failed")}
     print(f"{counts['finished']} finished, {counts['diverged']} diverged, {counts['failed']} failed of {len(trials)} trials\n")
     print(summary_table(sweep, done))

@@ -83,6 +83,7 @@ class StackedTrial:
     params: dict[str, Any]
     args: list[str]
     config: dict[str, Any]
+    identity: Optional[str] = None  # the identity digest of its run (runner.trial_identity_of)
     outcome: dict[str, Any] = field(default_factory=dict)  # as run_trial returns it, once the group ran
     final_state: dict[str, Any] = field(default_factory=dict)  # {"params": the trial's (M, ...) tensors}
 
@@ -641,21 +642,21 @@ def config_yaml(trial: StackedTrial) -> str:
 
 
 def plan_stacked(
-    trials: list[tuple[dict[str, Any], list[str], Any]], budget: Optional[int]
+    trials: list[tuple[dict[str, Any], list[str], Any, Optional[str]]], budget: Optional[int]
 ) -> tuple[list[list[StackedTrial]], list[tuple[dict[str, Any], list[str]]]]:
     """The stackable trials in groups (printed: how many, the memory budget, why the others are not
     stacked), and the others (``(params, args)``) to run one at a time.
 
     Args:
-        trials: ``(params, args, parsed)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
+        trials: ``(params, args, parsed, identity)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
         budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
     """
     stacked, alone, reasons = [], [], {}
-    for params, args, parsed in trials:
+    for params, args, parsed, identity in trials:
         config = parsed.get("fit").as_dict()
         why = stackable(config)
         if why is None:
-            stacked.append(StackedTrial(params, list(args), config))
+            stacked.append(StackedTrial(params, list(args), config, identity))
         else:
             alone.append((params, list(args)))
             reasons[why] = reasons.get(why, 0) + 1
