@@ -305,3 +305,24 @@ def test_groups_are_halved_only_while_that_shortens_the_workers_time():
     groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16)]
     assert stacked.balance_groups(groups, 2) == groups
     assert stacked.group_cost(group(6)) == 3750 * (96 + 40)
+
+
+def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the_same_versions(tmp_path, monkeypatch, capsys):
+    """Two sweeps (or a sweep's workers) may both see version_0 as the next free folder of a run name: each trial
+    claims its folder by creating it, as a single run does, so no two trials share one."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(CSVLogger, "_get_next_version", lambda self: 0)  # what a concurrent lister saw
+    path = grid_file(tmp_path, lrs=(0.01, 0.03, 0.1), seeds=(1,), methods=("slowcal",))
+    results = tmp_path / "results.jsonl"
+    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["status"] for r in records] == ["finished"] * 3
+    folders = [Path(r["run_dir"]) for r in records]
+    assert sorted(f.name for f in folders) == ["version_0", "version_1", "version_2"]
+    for r, folder in zip(records, folders):
+        assert yaml.safe_load((folder / "config.yaml").read_text())["model"]["lr"] == r["params"]["model.lr"]
+        rows = list(csv.DictReader(open(folder / "metrics.csv")))
+        assert [row["round"] for row in rows if row.get("test_acc")] == ["3.0", "6.0", "7.0"]  # its own rows only
+        assert float(rows[-1]["test_acc"]) == r["metrics"]["test_acc"]

@@ -61,7 +61,7 @@ from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "diagnostics_callback", "per_step_batch", "run", "run_name", "steps_per_round"]
+__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "per_step_batch", "run", "run_name", "steps_per_round"]
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
@@ -345,14 +345,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         """
         version = os.environ.get(RUN_VERSION_ENV)
         if version is None:
-            number = CSVLogger(save_dir=self.setting("run_dir"), name=self.run_name()).version
-            while True:
-                try:
-                    (Path(self.setting("run_dir")) / self.run_name() / f"version_{number}").mkdir(parents=True)
-                    break
-                except FileExistsError:
-                    number += 1
-            version = str(number)
+            version = str(claim_version(self.setting("run_dir"), self.run_name()))
             os.environ[RUN_VERSION_ENV] = version
             self._owns_version_env = True
         return int(version)
@@ -479,6 +472,18 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if data.partition_png is not None:
             lines.append(f"  class distribution: {data.partition_png}")
         print("\n".join(lines), flush=True)
+
+
+def claim_version(run_dir: str | Path, name: str) -> int:
+    """The next free version folder ``run_dir/<name>/version_<n>``, claimed by creating it: runs of one name
+    started at the same time (two sweeps, a sweep's workers) never share one."""
+    number = CSVLogger(save_dir=str(run_dir), name=name).version
+    while True:
+        try:
+            (Path(run_dir) / name / f"version_{number}").mkdir(parents=True)
+            return number
+        except FileExistsError:
+            number += 1
 
 
 def run_name(get: Callable[..., Any]) -> str:

@@ -300,7 +300,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from torchmetrics.functional.classification import multiclass_accuracy
 
     from lit_slowcal.averaging import PeriodicAverager
-    from lit_slowcal.experiments.cli import run_name
+    from lit_slowcal.experiments.cli import claim_version, run_name
     from lit_slowcal.experiments.data import MNISTDataModule
     from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
@@ -388,8 +388,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     loggers = []
     for i, t in enumerate(trials):
-        logger = CSVLogger(save_dir=t.config["run_dir"], name=run_name(t.config.get))
-        logger.experiment  # creates the version folder: the next trial of the same name takes the next one
+        name = run_name(t.config.get)  # each trial claims its own version folder, as a single run does
+        logger = CSVLogger(save_dir=t.config["run_dir"], name=name, version=claim_version(t.config["run_dir"], name))
+        logger.experiment
         write_class_counts(streams[i].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
         if config_text is not None:
             with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
