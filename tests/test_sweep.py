@@ -682,3 +682,42 @@ def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_o
     assert sw.main([str(REPO / "sweeps" / "lr.yaml"), "--dry-run", "--wandb=false"]) == 0
     assert "30 trials, 30 already in sweeps/results/lr.jsonl, 0 to run" in capsys.readouterr().out
     assert (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes() == before
+
+
+def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_ends_non_zero(tmp_path, monkeypatch, capsys):
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    sweep_pid, run_trial = os.getpid(), runner.run_trial
+
+    def killed(args, parsed=None):
+        if os.getpid() != sweep_pid and "--model.lr=0.1" in args and "--method=local_sgd" in args:
+            os.kill(os.getpid(), signal.SIGKILL)  # as `kill -9 <worker>` mid-trial
+        return run_trial(args, parsed)
+
+    def hung(signum, frame):
+        raise TimeoutError("the sweep waits for its lost worker forever")
+
+    monkeypatch.setattr(runner, "run_trial", killed)
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--workers", "2"]
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(90)
+    try:
+        assert sw.main(args) == 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lit_slowcal sweep: error: the worker process (pid " in err and "--retry-failed" in err
+    statuses = {(r["params"]["method"], r["params"]["model.lr"]): r["status"] for r in read_records(results)}
+    assert statuses == {
+        ("slowcal", 0.01): "finished", ("slowcal", 0.1): "finished", ("local_sgd", 0.01): "finished", ("local_sgd", 0.1): "failed",
+    }  # fmt: skip
+    (lost,) = [r for r in read_records(results) if r["status"] == "failed"]
+    assert "ended before it did" in lost["error"] and lost["identity"] and lost["args"][-1] == "--wandb=false"
+
+    monkeypatch.setattr(runner, "run_trial", run_trial)
+    assert sw.main([*args, "--retry-failed"]) == 0
+    assert "4 trials, 3 already in" in capsys.readouterr().out
+    assert sorted(r["status"] for r in read_records(results)) == ["finished"] * 4

@@ -302,10 +302,13 @@ def _pending(record: Optional[dict[str, Any]], retry_failed: bool) -> bool:
 _Outcome = tuple[dict[str, Any], str, dict[str, Any], list[str]]  # (params, identity, outcome, args) of a trial
 
 
-def _run_unit(check: tuple[str, bool], unit: _Unit) -> tuple[str, list[_Outcome]]:
+def _run_unit(check: tuple[str, bool], unit: _Unit, index: Optional[int] = None) -> tuple[str, list[_Outcome]]:
     """Run ``unit`` here; return its label and ``(params, identity, outcome, args)`` of each trial it ran: the
     trials that the results file ``check = (path, retry_failed)`` holds already (another sweep ran them
-    meanwhile) are left out, read just before the unit starts."""
+    meanwhile) are left out, read just before the unit starts. In a worker, ``index`` is the unit's number,
+    sent to the sweep with this process's id as the unit starts (``_started``)."""
+    if _started is not None and index is not None:
+        _started.put((index, os.getpid()))
     results, retry = results_file(check[0]), check[1]
     if isinstance(unit.trials, tuple):
         params, args, parsed, identity = unit.trials
@@ -325,11 +328,17 @@ def _run_unit(check: tuple[str, bool], unit: _Unit) -> tuple[str, list[_Outcome]
     run_group(group, config_yaml)
     return unit.label, [(t.params, t.identity, t.outcome, t.args) for t in group]
 
+# In a worker: the queue on which it tells the sweep which unit it starts (_run_unit); in the sweep: the
+# queue of its pool's workers (_worker_pool), read by _run_in_workers to tell which unit a lost worker ran.
+_started: Any = None
+_pool_started: Any = None
 
 
-def _worker_start(threads: int) -> None:
+def _worker_start(threads: int, started: Any = None) -> None:
     import torch
 
+    global _started
+    _started = started
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker inherits the sweep's handler)
     if threads > 0:
@@ -354,13 +363,16 @@ def _worker_pool(workers: int, threads: int) -> Iterator[Any]:
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
+    global _pool_started
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         context = multiprocessing.get_context("fork" if _forks() else "spawn")
-        with context.Pool(workers, initializer=_worker_start, initargs=(threads,)) as pool:
+        _pool_started = context.SimpleQueue()  # put writes at once (a Queue's thread might not before a kill)
+        with context.Pool(workers, initializer=_worker_start, initargs=(threads, _pool_started)) as pool:
             yield pool
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _pool_started = None
 
 
 def _parse(args: list[str]) -> tuple[Any, Optional[str], Optional[str]]:
@@ -394,15 +406,48 @@ def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, wor
     return checked
 
 
-def _run_in_workers(pool: Any, workers: int, units: list[_Unit], threads: int, check: tuple[str, bool], record: Any) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # ended, and reaped by the pool (which starts another worker in its place)
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _run_in_workers(
+    pool: Any, workers: int, units: list[_Unit], threads: int, check: tuple[str, bool], record: Any, lost: Any
+) -> list[str]:
     """Run ``units`` in the ``workers`` processes of ``pool``, longest first, each taking the next when it is done;
-    every trial is recorded here, as its unit ends."""
+    every trial is recorded here, as its unit ends. A unit whose worker process ends before it does (killed,
+    out of memory) is given to ``lost(unit, message)`` (which records its trials as failed) and the others go
+    on; returns those messages."""
     order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
     each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
     print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
-    for label, outcomes in pool.imap_unordered(functools.partial(_run_unit, check), order):
-        for params, identity, outcome, args in outcomes:
-            record(params, identity, outcome, args, label)
+    waiting = {i: pool.apply_async(_run_unit, (check, unit, i)) for i, unit in enumerate(order)}
+    running: dict[int, int] = {}  # unit -> the worker process running it
+    messages: list[str] = []
+    while waiting:
+        next(iter(waiting.values())).wait(0.2)
+        for i, result in list(waiting.items()):
+            if result.ready():
+                del waiting[i]
+                running.pop(i, None)
+                label, outcomes = result.get()
+                for params, identity, outcome, args in outcomes:
+                    record(params, identity, outcome, args, label)
+        while not _pool_started.empty():
+            i, pid = _pool_started.get()
+            running[i] = pid
+        for i, pid in list(running.items()):
+            if i in waiting and not _alive(pid) and not waiting[i].wait(0.5):  # its result would be there by now
+                del waiting[i], running[i]
+                message = f"the worker process (pid {pid}) running {order[i].label} ended before it did (killed, or out of memory?)"
+                lost(order[i], message)
+                messages.append(message)
+    return messages
 
 
 def _bool(text: str) -> bool:
@@ -537,6 +582,7 @@ def _run(
             line += f" ({outcome['error'].splitlines()[0][:200]})"
         print(line, flush=True)
 
+    died: list[str] = []
     try:
         units: list[_Unit] = []
         alone = [(params, checked[trial_key(params)][0]) for params in todo]
@@ -555,6 +601,17 @@ def _run(
             _Unit(f"{i}/{len(alone)}", param_text(p), (p, *checked[trial_key(p)])) for i, (p, _) in enumerate(alone, 1)
         ]
         check = (str(results_path), opts.retry_failed)
+
+        def lost(unit: _Unit, message: str) -> None:  # its worker died: its trials that are still to run fail
+            results.refresh()
+            trials = [(t.params, t.identity, t.args) for t in unit.trials] if isinstance(unit.trials, list) else [
+                (unit.trials[0], unit.trials[3], unit.trials[1])
+            ]
+            for params, identity, args in trials:
+                if _pending(results.get(params, identity), opts.retry_failed):
+                    outcome = {"status": "failed", "error": message, "metrics": {}, "run_dir": None, "wall_time_s": 0.0}
+                    record(params, identity, outcome, args, unit.label)
+
         if workers == 1 or len(units) <= 1:
             for unit in units:
                 label, outcomes = _run_unit(check, unit)
@@ -565,7 +622,7 @@ def _run(
             with contextlib.ExitStack() as scope:
                 if pool is None:
                     pool = scope.enter_context(_worker_pool(busy, opts.threads))
-                _run_in_workers(pool, busy, units, opts.threads, check, record)
+                died = _run_in_workers(pool, busy, units, opts.threads, check, record, lost)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it
         print(
             f"\nsweep interrupted ({type(err).__name__}) after {ran} of {len(todo)} trials; they are in "
@@ -579,4 +636,11 @@ def _run(
     counts = {s: sum(r["status"] == s for r in done) for s in ("finished", "diverged", "failed")}
     print(f"{counts['finished']} finished, {counts['diverged']} diverged, {counts['failed']} failed of {len(trials)} trials\n")
     print(summary_table(sweep, done))
+    if died:
+        print(
+            f"lit_slowcal sweep: error: {'; '.join(died)}; its trials are recorded as failed in {results_path}: "
+            "run the same command with --retry-failed to run them again",
+            file=sys.stderr,
+        )
+        return 1
     return 0
