@@ -721,3 +721,31 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
     assert sw.main([*args, "--retry-failed"]) == 0
     assert "4 trials, 3 already in" in capsys.readouterr().out
     assert sorted(r["status"] for r in read_records(results)) == ["finished"] * 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("method: grid\nparameters:\n  model.lr: {values: [0.1, 0.2}\n", "not valid YAML: expected ',' or ']', but got '}' at line 3, column 31"),
+        ("method: grid\n\tparameters: {}\n", "not valid YAML: found character '\\t' that cannot start any token at line 2, column 1"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", "not a text file"),
+    ],
+    ids=["syntax", "tab", "binary"],
+)
+def test_a_sweep_file_that_is_not_yaml_is_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lit_slowcal sweep: error: {path}: ") and message in err
+
+
+def test_a_results_path_that_is_a_link_is_followed_when_a_retried_trial_is_replaced(tmp_path):
+    real, link = tmp_path / "store" / "r.jsonl", tmp_path / "link.jsonl"
+    real.parent.mkdir()
+    link.symlink_to(real)
+    sw.ResultsFile(link).put({"params": {"a": 1}, "status": "failed"})
+    sw.ResultsFile(link).put({"params": {"a": 2}, "status": "finished"})
+    sw.ResultsFile(link).put({"params": {"a": 1}, "status": "finished"})  # --retry-failed: an atomic rewrite
+    assert link.is_symlink() and link.resolve() == real
+    assert [json.loads(line)["status"] for line in real.read_text().splitlines()] == ["finished", "finished"]
