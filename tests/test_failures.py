@@ -357,3 +357,26 @@ def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
     for name in names:
         with gzip.open(raw / f"{name}.gz") as f:
             assert (raw / name).read_bytes() == f.read(), name
+
+
+def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_run, tmp_path, capsys):
+    """A run of the same name with another learning rate, killed later, does not hide this run's checkpoint."""
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    ours = runs / RUN / "version_0" / "checkpoints" / "last.ckpt"
+    other = torch.load(ours, weights_only=True)
+    other["lit_slowcal_run"]["model.lr"] = 0.03
+    (runs / RUN / "version_1" / "checkpoints").mkdir(parents=True)
+    torch.save(other, runs / RUN / "version_1" / "checkpoints" / "last.ckpt")  # the newest
+    code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+    code, err = command(capsys, "--ckpt_path=last", "--model.lr=0.1", run_dir=runs)
+    line = error_line(err)
+    assert code == 1 and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
+    assert "version_1/checkpoints/last.ckpt (model.lr 0.03 in the checkpoint, 0.1 now)" in line
+    assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line

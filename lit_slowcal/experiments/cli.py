@@ -55,7 +55,7 @@ from lit_slowcal.checkpoint import read_checkpoint
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
-from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
+from lit_slowcal.experiments.identity import RunIdentity, allowed_on_resume, check_same_run, run_identity
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
@@ -249,13 +249,13 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         self._configure_threads()
-        if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
-            self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         # What defines this run (lit_slowcal.experiments.identity): stored in its checkpoints, and
         # compared with the checkpoint it loads, if any, before anything is built.
         parser = self._parser(self.subcommand)
         dumped = parser.dump(self.run_config(), format="json", skip_unset=False, skip_validation=True)
         self.identity = run_identity(json.loads(dumped))
+        if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
+            self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         self._resumed_step = 0
         if self.subcommand and self.setting("ckpt_path"):
             self._check_checkpoint(self.setting("ckpt_path"))
@@ -308,19 +308,34 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         configure_threads(self.setting("threads"), work, processes=processes, verbose=rank_zero)
 
     def last_checkpoint(self) -> Path:
-        """The newest ``last.ckpt`` of this run (same method, M, K, b and seed) under ``run_dir``.
+        """The newest ``last.ckpt`` of this run under ``run_dir``: of its name (method, M, K, b and seed) and
+        of its identity (``self.identity``: the learning rate and every other setting too).
 
         ``--ckpt_path last`` continues from it; the continuation logs into a new version folder, so the
-        interrupted run's logs stay as they were.
+        interrupted run's logs stay as they were. Runs of the same name with other settings (another
+        learning rate) share the name's folder: their checkpoints are passed over, and when none is this
+        run's, the error names each one considered and why it is not.
         """
         folder = Path(self.setting("run_dir")) / self.run_name()
-        found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
         if not found:
             raise FileNotFoundError(
                 f"--ckpt_path last: no checkpoint of run {self.run_name()} in {folder}/version_*/checkpoints/ "
                 f"(checkpoints are written every `checkpoint_every` rounds). Pass a checkpoint file instead."
             )
-        return found[-1]
+        reasons = []
+        for path in found:
+            try:
+                check_same_run(path, read_checkpoint(path), self.identity)
+                return path
+            except ValueError as err:  # another run of this name, or an unreadable file
+                why = str(err).split(": it is a different run: ", 1)[-1].split(" (only ", 1)[0]
+                reasons.append(f"{path.relative_to(folder)} ({why})")
+        raise ValueError(
+            f"--ckpt_path last: none of the {len(found)} checkpoints of run {self.run_name()} in {folder} is of this "
+            f"run: {'; '.join(reasons)} (only {allowed_on_resume()} may change on resume; pass the settings of the run "
+            "to continue, a checkpoint file, or start a new run without --ckpt_path)"
+        )
 
     def _checkpoint_callback(self) -> LastCheckpoint:
         # last.ckpt only, every `checkpoint_every` rounds and when training ends.
