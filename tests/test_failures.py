@@ -380,3 +380,27 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_r
     assert code == 1 and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
     assert "version_1/checkpoints/last.ckpt (model.lr 0.03 in the checkpoint, 0.1 now)" in line
     assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
+
+
+def _not_lightning(path: Path) -> None:
+    torch.save({"a": torch.zeros(1)}, path)
+
+
+MACHINE_OR_FILE = [
+    (["--ckpt_path={tmp}/plain.ckpt"], "Cannot resume {tmp}/plain.ckpt: it is not a Lightning checkpoint (it lacks "
+     "pytorch-lightning_version, state_dict, global_step; its keys: 'a')"),
+    (["test", "--ckpt_path={tmp}/plain.ckpt"], "Cannot test with {tmp}/plain.ckpt: it is not a Lightning checkpoint"),
+    (["--trainer.accelerator=mps"], "This machine cannot meet trainer.accelerator=mps, trainer.devices=1: `MPSAccelerator` can not run"),
+    (["--trainer.devices=0"], "This machine cannot meet trainer.accelerator=cpu, trainer.devices=0: `Trainer(devices='0')` value "
+     "is not a valid input using cpu accelerator. (use --trainer.devices=N, N >= 1)"),
+]  # fmt: skip
+if not torch.cuda.is_available():  # a machine without a GPU asked for one
+    MACHINE_OR_FILE.append((["--trainer.accelerator=gpu"], "This machine cannot meet trainer.accelerator=gpu, trainer.devices=1: "
+                            "No supported gpu backend found! (--trainer.accelerator=cpu runs on any machine)"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), MACHINE_OR_FILE, ids=[" ".join(a) for a, _ in MACHINE_OR_FILE])
+def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(tmp_path, capsys, no_training, args, message):
+    _not_lightning(tmp_path / "plain.ckpt")
+    code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
+    assert code == 1 and message.format(tmp=tmp_path) in error_line(err) and not no_training

@@ -47,6 +47,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_slowcal._lightning import KeepCommandLineModelArgs
@@ -266,6 +267,12 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             return
         checkpoint = read_checkpoint(path)
         verb = "resume" if self.subcommand == "fit" else f"{self.subcommand} with"
+        missing = [k for k in ("pytorch-lightning_version", "state_dict", "global_step") if k not in checkpoint]
+        if missing:
+            raise ValueError(
+                f"Cannot {verb} {path}: it is not a Lightning checkpoint (it lacks {', '.join(missing)}; its keys: "
+                f"{', '.join(repr(k) for k in list(checkpoint)[:5]) or 'none'}). Pass a last.ckpt written by `lit_slowcal fit`."
+            )
         check_same_run(path, checkpoint, self.identity, verb)
         self._resumed_step = step = int(checkpoint.get("global_step", 0))
         if self.subcommand != "fit":
@@ -433,7 +440,15 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if not any(isinstance(c, Diagnostics) for c in callbacks):
             extra.append(self._diagnostics())
         kwargs["callbacks"] = [*callbacks, *extra]
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ModuleNotFoundError) as err:  # Lightning's refusal of what this machine lacks
+            accelerator, devices = self.setting("trainer.accelerator"), self.setting("trainer.devices")
+            advice = "--trainer.accelerator=cpu runs on any machine" if accelerator != "cpu" else "use --trainer.devices=N, N >= 1"
+            raise ValueError(
+                f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: "
+                f"{' '.join(str(err).split())} ({advice})"
+            ) from err
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
             raise ValueError(
