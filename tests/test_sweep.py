@@ -749,3 +749,34 @@ def test_a_results_path_that_is_a_link_is_followed_when_a_retried_trial_is_repla
     sw.ResultsFile(link).put({"params": {"a": 1}, "status": "finished"})  # --retry-failed: an atomic rewrite
     assert link.is_symlink() and link.resolve() == real
     assert [json.loads(line)["status"] for line in real.read_text().splitlines()] == ["finished", "finished"]
+
+
+def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_once_a_trial_ran(tmp_path, monkeypatch, capsys):
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, "_MANY", 3)  # "large": more than 3 trials here
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"sweep {yaml_path}: 4 trials; checking every trial's arguments with the CLI first (about ")
+    assert first.endswith(" s; --workers N shares it)")
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--count", "2"]) == 0
+    assert "estimate:" not in capsys.readouterr().out  # 2 trials: not large
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    out = capsys.readouterr().out
+    assert "4 trials, 2 already in" in out
+    assert "estimate: the 1 trials left take about " not in out  # 2 to run: not large
+    results.unlink()
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (estimate,) = [i for i, line in enumerate(lines) if line.startswith("estimate: the 3 trials left take about ")]
+    assert lines[estimate - 1].startswith("[1/4] finished")
+
+
+def test_a_value_listed_twice_in_a_grid_is_one_trial():
+    sweep = sw.parse_sweep(config({"model.lr": {"values": [0.01, 0.01, 0.1, 1, 1.0]}, "local_steps": {"values": [2, 2]}}))
+    assert sw.expand_trials(sweep) == [
+        {"local_steps": 2, "model.lr": 0.01}, {"local_steps": 2, "model.lr": 0.1},
+        {"local_steps": 2, "model.lr": 1}, {"local_steps": 2, "model.lr": 1.0},
+    ]  # fmt: skip

@@ -236,6 +236,10 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     return {"status": status, "error": error, "metrics": metrics, "run_dir": run_dir, "wall_time_s": round(wall, 3)}
 
 
+#: Grids larger than this say their size and the time of their check before it starts, and an estimate of their
+#: running time once a trial has run.
+_MANY = 100
+
 # The sweep's parser, read by the workers forked to check trials (_parse): a forked worker has it already.
 _checker: Optional[CommandLine] = None
 
@@ -519,14 +523,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
         return 2
 
-    workers = 1 if opts.dry_run else min(opts.workers, len(trials))
+    workers = min(opts.workers, len(trials))  # a dry run too: the workers share the check
     with contextlib.ExitStack() as scope:
         if not opts.dry_run:
             scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))
         # Forked workers start at once and share the check (0.03 s a trial); spawned ones only when trials run.
         pool = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 and _forks() else None
         try:  # every trial, before the first runs
-            checked = _check([(p, trial_args(sweep, p, extra)) for p in trials], pool, workers)
+            arguments = [(p, trial_args(sweep, p, extra)) for p in trials]
+            if len(trials) > _MANY:  # say what takes the time before it does
+                start = time.perf_counter()
+                _parse(arguments[0][1])
+                each = time.perf_counter() - start
+                print(
+                    f"sweep {opts.sweep}: {len(trials)} trials; checking every trial's arguments with the CLI first "
+                    f"(about {each * len(trials) / max(1, workers if pool is not None else 1):.0f} s"
+                    f"{'' if pool is not None else '; --workers N shares it'})",
+                    flush=True,
+                )
+            checked = _check(arguments, pool, workers)
         except ValueError as err:
             print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
             return 2
@@ -581,6 +596,9 @@ def _run(
         if outcome["error"]:
             line += f" ({outcome['error'].splitlines()[0][:200]})"
         print(line, flush=True)
+        if ran == 1 and len(todo) > _MANY:
+            spent = time.perf_counter() - sweep_start
+            print(f"estimate: the {len(todo) - 1} trials left take about {spent * (len(todo) - 1) / 60:.0f} min more at this pace", flush=True)
 
     died: list[str] = []
     try:

@@ -28,7 +28,7 @@ __all__ = ["expand_trials", "identity_digest", "record_key", "setting_of", "tria
 def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> list[dict[str, Any]]:
     """The sweep's trials, each ``{name: value}`` with names sorted (W&B's order).
 
-    Grid: the product of every parameter's values, the first name varying slowest. Random: draws
+    Grid: the product of every parameter's distinct values, the first name varying slowest. Random: draws
     from ``random.Random(seed)``, one value per parameter in name order; identical draws are kept
     once. ``count`` (default: ``run_cap``) keeps the first ``count`` trials; random needs one.
     """
@@ -36,8 +36,8 @@ def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> l
         check_int("--count", count)
     limit = count if count is not None else sweep.run_cap
     names = sweep.param_names
-    if sweep.method == "grid":
-        grid = itertools.product(*(p.grid_values() for p in sweep.params))
+    if sweep.method == "grid":  # a value listed twice makes one trial, not two
+        grid = itertools.product(*(_distinct(p.grid_values()) for p in sweep.params))
         return [dict(zip(names, values)) for values in itertools.islice(grid, limit)]
     if limit is None:
         raise ValueError("method: random draws trials without end; give --count N or run_cap in the sweep file")
@@ -47,6 +47,14 @@ def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> l
         trial = {p.name: p.sample(rng) for p in sweep.params}
         trials.setdefault(trial_key(trial), trial)
     return list(trials.values())
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    """``values`` without repeats (as their JSON: 1 and 1.0 are two values, as they are two arguments), in order."""
+    seen: dict[str, Any] = {}
+    for v in values:
+        seen.setdefault(json.dumps(v, sort_keys=True, default=str) + type(v).__name__, v)
+    return list(seen.values())
 
 
 def trial_key(params: dict[str, Any]) -> str:
