@@ -780,3 +780,35 @@ def test_a_value_listed_twice_in_a_grid_is_one_trial():
         {"local_steps": 2, "model.lr": 0.01}, {"local_steps": 2, "model.lr": 0.1},
         {"local_steps": 2, "model.lr": 1}, {"local_steps": 2, "model.lr": 1.0},
     ]  # fmt: skip
+
+
+def test_the_results_file_is_checked_before_any_trial_and_a_failed_write_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    yaml_path = tiny_sweep(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (tmp_path / "a_file" / "r.jsonl", "cannot create its folder"),
+        (tmp_path / "torn.jsonl", "its last line is cut short"),
+        (tmp_path, "Is a directory"),
+    ]
+    (tmp_path / "torn.jsonl").write_text('{"params": {"a": 1}, "status": "failed"}\n{"params": {"a"')
+    for path, message in cases:
+        assert sw.main([str(yaml_path), "--results", str(path), "--wandb=false"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err and message in err
+    assert not (tmp_path / "runs").exists()  # no trial ran
+    assert sw.main([str(yaml_path), "--results", str(tmp_path / "r.jsonl"), "--threads", "-5"]) == 2
+    assert "Invalid --threads: -5 (must be an integer >= 0)" in capsys.readouterr().err
+
+    results = sw.ResultsFile(tmp_path / "full.jsonl")
+    results.put({"params": {"a": 1}, "status": "finished"})
+    before = results.path.read_bytes()
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as err:
+        results.put({"params": {"a": 2}, "status": "finished"})
+    assert str(err.value) == f"{results.path}: cannot add a record (No space left on device); the file is as it was"
+    assert results.path.read_bytes() == before

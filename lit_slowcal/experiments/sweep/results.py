@@ -98,6 +98,25 @@ class ResultsFile:
                     records[record_key(record["params"], self._identity(record))] = record
         self.records = records
 
+    def check_writable(self) -> None:
+        """Raise ``OSError`` naming the file when a record could not be added to it: its folder cannot be created
+        or written (a new file is created there, a retried record replaced through it), the file is not a
+        writable regular file, or its last line is cut short."""
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"results file {self.path}: cannot create its folder ({err.strerror or err}); pass --results elsewhere") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OSError(f"results file {self.path}: its folder {folder} is not writable; pass --results elsewhere")
+        if self.path.exists():
+            if not self.path.is_file() or not os.access(self.path, os.W_OK):
+                raise OSError(f"results file {self.path}: not a writable file; pass --results elsewhere")
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
+                    raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
+
     def get(self, params: dict[str, Any], identity: Optional[str] = None) -> Optional[dict[str, Any]]:
         """The record of the trial ``params`` whose run has this identity (``None``: records that store none)."""
         return self.records.get(record_key(params, identity))
@@ -111,19 +130,25 @@ class ResultsFile:
             replace = key in self.records
             self.records[key] = record
             if replace:
-                with atomic_write(self.path) as f:
-                    for r in self.records.values():
-                        f.write(json.dumps(r, allow_nan=False) + "\n")
+                try:
+                    with atomic_write(self.path) as f:
+                        for r in self.records.values():
+                            f.write(json.dumps(r, allow_nan=False) + "\n")
+                except OSError as err:
+                    raise OSError(f"{self.path}: cannot replace a record ({err.strerror or err}); the file is as it was") from None
                 return
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 data, size = line.encode(), os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # no append is under way: we hold the lock
                     raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
-                written = os.write(fd, data)
-                if written != len(data):  # a full disk: never leave half a record
+                try:
+                    written = os.write(fd, data)
+                    if written != len(data):  # a full disk: never leave half a record
+                        raise OSError(f"wrote {written} of {len(data)} bytes of a record (disk full?)")
+                    os.fsync(fd)
+                except OSError as err:
                     os.ftruncate(fd, size)
-                    raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes of a record (disk full?)")
-                os.fsync(fd)
+                    raise OSError(f"{self.path}: cannot add a record ({err.strerror or err}); the file is as it was") from None
             finally:
                 os.close(fd)

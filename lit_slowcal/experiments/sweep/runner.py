@@ -515,10 +515,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.stack_memory is not None:
             check_number("--stack-memory", opts.stack_memory)
         check_int("--workers", opts.workers)
+        check_int("--threads", opts.threads, minimum=0)
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
         _checker = CommandLine()  # built before the workers fork: they check trials with it too
         results = results_file(results_path)
+        if not opts.dry_run:
+            results.check_writable()  # before any trial: a trial's record is never lost for its file
     except (ValueError, OSError) as err:
         print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
         return 2
