@@ -404,3 +404,24 @@ def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(
     _not_lightning(tmp_path / "plain.ckpt")
     code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
     assert code == 1 and message.format(tmp=tmp_path) in error_line(err) and not no_training
+
+
+def test_ctrl_c_ends_fit_with_status_130_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    import signal
+
+    step = LogisticRegression.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LogisticRegression, "training_step", interrupted)
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    try:
+        code, err = command(capsys, "--checkpoint_every=1", run_dir=tmp_path / "runs")
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert code == 130
+    assert "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last" in err
+    assert (tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt").is_file()  # what it continues from

@@ -594,9 +594,19 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def run(args: Optional[list[str]] = None) -> None:
-    """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143."""
+    """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143 and
+    Ctrl-C as exit 130, each with how to continue."""
+    interrupted = "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last (from its last checkpoint)."
     try:
         SlowcalCLI(args=args)
+    except SystemExit as err:
+        if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits with status 1 after a Ctrl-C
+            print(interrupted, file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGINT) from None
+        raise
+    except KeyboardInterrupt:  # outside the trainer (while building it)
+        print(interrupted, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     except SIGTERMException:
         # Lightning stops at the end of the current round and raises SystemExit(None), i.e. status 0;
         # a terminated job must not look like a finished one.
