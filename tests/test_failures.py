@@ -425,3 +425,27 @@ def test_ctrl_c_ends_fit_with_status_130_and_how_to_continue(tmp_path, capsys, m
     assert code == 130
     assert "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last" in err
     assert (tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt").is_file()  # what it continues from
+
+
+ONE_LINE = [
+    (["--model.lr=nan"], 2, "model.lr: 'nan' is not a number or null"),
+    (["--data.problem=Foo"], 2, "data.problem: 'Foo' is not a problem (MNIST, Synthetic, Quadratic, or a Problem's import path) or null"),
+    (["--seed_everything=-1"], 2, "Invalid seed_everything: -1 (must be an integer from 0 to 4294967295"),
+    (["--config={tmp}/empty.yaml"], 2, "--config {tmp}/empty.yaml: the file is empty"),
+    (["--config={tmp}/binary.yaml"], 2, "--config {tmp}/binary.yaml: not a text file"),
+    (["--ckpt_path="], 1, "--ckpt_path is empty: pass a checkpoint file, or last"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "status", "message"), ONE_LINE, ids=[" ".join(a) for a, _, _ in ONE_LINE])
+def test_values_and_files_the_parser_meets_are_one_line_naming_them(tmp_path, capsys, no_training, args, status, message):
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\x90\x00\xff" * 10)
+    code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
+    assert code == status and message.format(tmp=tmp_path) in error_line(err) and not no_training
+    assert "Union subtypes" not in err and "numpy accepts" not in err
+
+
+def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_path, capsys):
+    code, err = command(capsys, "test", "--trainer.limit_test_batches=1", run_dir=tmp_path / "runs")
+    assert code == 0 and "note: test without --ckpt_path evaluates the untrained starting model" in err

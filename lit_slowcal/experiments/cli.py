@@ -105,6 +105,29 @@ def wandb_logged_in() -> bool:
 _LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
 
 
+_UNION = re.compile(r'^Parser key "(?P<key>[^"]+)":.*Does not validate against any of the Union subtypes Subtypes: \[(?P<types>.*?)\] Errors:.*Given value: (?P<value>.*)$')
+_TYPE_NAMES = {"<class 'float'>": "a number", "<class 'int'>": "an integer", "<class 'NoneType'>": "null", "<class 'bool'>": "true or false",
+               "<class 'str'>": "a string"}  # fmt: skip
+
+
+def _short_union_error(message: str) -> str:
+    """jsonargparse's refusal of a value none of a Union's types takes, as ``key: value is not <the types>``."""
+    match = _UNION.match(message)
+    if match is None:
+        return message
+    allowed = []
+    for part in re.findall(r"typing\.Literal\[[^\]]*\]|<class '[^']*'>", match["types"]):
+        if part.startswith("typing.Literal"):
+            allowed.append("one of " + part[len("typing.Literal[") : -1])
+        elif part == "<class 'lit_slowcal.experiments.problems.Problem'>":
+            from lit_slowcal.experiments.problems import PROBLEMS
+
+            allowed.append(f"a problem ({', '.join(PROBLEMS)}, or a Problem's import path)")
+        else:
+            allowed.append(_TYPE_NAMES.get(part, part.replace("<class '", "").replace("'>", "")))
+    return f"{match['key']}: {match['value']!r} is not {' or '.join(allowed)}"
+
+
 class _OneLineErrorParser(LightningArgumentParser):
     """LightningCLI's parser whose refusals are one line, ``lit_slowcal: error: <message>`` (exit status 2).
 
@@ -117,10 +140,27 @@ class _OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
-        message = " ".join(_LINK_PREFIX.sub("", str(message)).split())
+        message = _short_union_error(" ".join(_LINK_PREFIX.sub("", str(message)).split()))
         prog = self.prog.replace(" [options]", "")
         print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
         self.exit(2)
+
+
+class _ConfigFile(ActionConfigFile):
+    """``--config``: a file that is empty or not text is refused naming it (jsonargparse would say only
+    "Unexpected config:" or a decode error)."""
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Optional[str] = None) -> None:
+        path = Path(str(values))
+        if path.is_file():
+            data = path.read_bytes()
+            if not data.strip():
+                parser.error(f"--config {path}: the file is empty; a config file is YAML (key: value lines)")
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                parser.error(f"--config {path}: not a text file ({err}); a config file is YAML")
+        super().__call__(parser, cfg, values, option_string)
 
 
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
@@ -174,7 +214,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         """LightningCLI's parser (the root's and each subcommand's), refusing a value in one line."""
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
         parser = _OneLineErrorParser(**kwargs)
-        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format.")
+        parser.add_argument("-c", "--config", action=_ConfigFile, help="Path to a configuration file in json or yaml format.")
         return parser
 
     def setting(self, key: str, default: Any = None) -> Any:
@@ -255,6 +295,15 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         parser = self._parser(self.subcommand)
         dumped = parser.dump(self.run_config(), format="json", skip_unset=False, skip_validation=True)
         self.identity = run_identity(json.loads(dumped))
+        if self.subcommand and self.setting("ckpt_path") == "":
+            raise ValueError("--ckpt_path is empty: pass a checkpoint file, or last for this run's newest checkpoint")
+        if self.subcommand in ("validate", "test", "predict") and self.setting("ckpt_path") is None:
+            print(
+                f"note: {self.subcommand} without --ckpt_path evaluates the untrained starting model; pass "
+                "--ckpt_path <run folder>/checkpoints/last.ckpt to evaluate a trained one",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
             self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         self._resumed_step = 0
@@ -569,8 +618,10 @@ def _processes_per_node(devices: Any, accelerator: Any) -> int:
 
 
 def _seed(seed: Any) -> int:
-    if not is_int(seed):
-        raise ValueError(f"Invalid seed_everything: {seed!r} (must be an integer: it seeds the data split too)")
+    if not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(
+            f"Invalid seed_everything: {seed!r} (must be an integer from 0 to {2**32 - 1}: it seeds torch, numpy and the data split)"
+        )
     return seed
 
 
