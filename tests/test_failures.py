@@ -449,3 +449,12 @@ def test_values_and_files_the_parser_meets_are_one_line_naming_them(tmp_path, ca
 def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_path, capsys):
     code, err = command(capsys, "test", "--trainer.limit_test_batches=1", run_dir=tmp_path / "runs")
     assert code == 0 and "note: test without --ckpt_path evaluates the untrained starting model" in err
+
+
+def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    code, err = command(capsys, "test", "--ckpt_path=last", "--trainer.limit_test_batches=1", run_dir=runs)
+    assert code == 0 and "no last checkpoint available" not in err and "untrained" not in err
+    code, err = command(capsys, "test", "--ckpt_path=last", "--model.lr=0.5", run_dir=runs)
+    assert code == 1 and "--ckpt_path last: none of the 1 checkpoints of run" in error_line(err)

@@ -812,3 +812,13 @@ def test_the_results_file_is_checked_before_any_trial_and_a_failed_write_names_i
         results.put({"params": {"a": 2}, "status": "finished"})
     assert str(err.value) == f"{results.path}: cannot add a record (No space left on device); the file is as it was"
     assert results.path.read_bytes() == before
+
+
+def test_a_results_file_holding_bytes_that_are_not_text_is_one_line_naming_it(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"params": {"a": 1}, "status": "failed"}\n\xd6\x90\xff\x00binary\n')
+    with pytest.raises(ValueError, match=f"{path}, line 2: not (JSON|text)"):
+        sw.ResultsFile(path)
+    assert sw.main([str(tiny_sweep(tmp_path)), "--results", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}, line 2: not" in err

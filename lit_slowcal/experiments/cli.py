@@ -304,7 +304,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
                 file=sys.stderr,
                 flush=True,
             )
-        if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
+        if self.subcommand and self.setting("ckpt_path") == "last":  # Lightning's own "last" would not find ours
             self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         self._resumed_step = 0
         if self.subcommand and self.setting("ckpt_path"):

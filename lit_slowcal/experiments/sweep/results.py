@@ -80,9 +80,9 @@ class ResultsFile:
         """Read the file again: trials that other processes recorded since are seen as done."""
         records: dict[str, dict[str, Any]] = {}
         if self.path.exists():
-            with open(self.path) as f:
+            with open(self.path, "rb") as f:
                 for n, line in enumerate(f, 1):
-                    if not line.endswith("\n"):  # the last line, being appended now (see the module's docstring)
+                    if not line.endswith(b"\n"):  # the last line, being appended now (see the module's docstring)
                         break
                     if not line.strip():
                         continue
