@@ -822,3 +822,11 @@ def test_a_results_file_holding_bytes_that_are_not_text_is_one_line_naming_it(tm
     assert sw.main([str(tiny_sweep(tmp_path)), "--results", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path}, line 2: not" in err
+
+
+def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config({"model.lr": {"values": [0.1, "abc"]}})))
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trial model.lr=abc: the CLI refuses it: model.lr: 'abc' is not a number or null" in err

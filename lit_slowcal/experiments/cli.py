@@ -62,7 +62,7 @@ from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "per_step_batch", "run", "run_name", "steps_per_round"]
+__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "one_line_message", "per_step_batch", "run", "run_name", "steps_per_round"]
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
@@ -110,6 +110,12 @@ _TYPE_NAMES = {"<class 'float'>": "a number", "<class 'int'>": "an integer", "<c
                "<class 'str'>": "a string"}  # fmt: skip
 
 
+def one_line_message(message: Any) -> str:
+    """A refusal of the parser on one line: without the name of the link function that checked the value, and
+    a value none of a Union's types takes as ``key: value is not <the types>``."""
+    return _short_union_error(" ".join(_LINK_PREFIX.sub("", str(message)).split()))
+
+
 def _short_union_error(message: str) -> str:
     """jsonargparse's refusal of a value none of a Union's types takes, as ``key: value is not <the types>``."""
     match = _UNION.match(message)
@@ -140,7 +146,7 @@ class _OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
-        message = _short_union_error(" ".join(_LINK_PREFIX.sub("", str(message)).split()))
+        message = one_line_message(message)
         prog = self.prog.replace(" [options]", "")
         print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
         self.exit(2)

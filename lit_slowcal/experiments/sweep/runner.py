@@ -81,10 +81,12 @@ class CommandLine:
         Raises:
             ValueError: with the parser's message when the CLI refuses the arguments.
         """
+        from lit_slowcal.experiments.cli import one_line_message
+
         try:
             return self.parser.parse_args(list(args))
         except argparse.ArgumentError as err:
-            raise ValueError(str(err)) from None
+            raise ValueError(one_line_message(err)) from None
         except SystemExit as err:  # an option that prints and exits (--help, --print_config) among them
             raise ValueError(f"the CLI exits (status {err.code}) instead of running the trial") from None
 
