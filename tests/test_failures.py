@@ -393,6 +393,8 @@ MACHINE_OR_FILE = [
     (["--trainer.accelerator=mps"], "This machine cannot meet trainer.accelerator=mps, trainer.devices=1: `MPSAccelerator` can not run"),
     (["--trainer.devices=0"], "This machine cannot meet trainer.accelerator=cpu, trainer.devices=0: `Trainer(devices='0')` value "
      "is not a valid input using cpu accelerator. (use --trainer.devices=N, N >= 1)"),
+    (["--trainer.max_steps=-5"], "Invalid trainer setting: `max_steps` must be a non-negative integer or -1 (infinite steps). "
+     "You passed in -5."),
 ]  # fmt: skip
 if not torch.cuda.is_available():  # a machine without a GPU asked for one
     MACHINE_OR_FILE.append((["--trainer.accelerator=gpu"], "This machine cannot meet trainer.accelerator=gpu, trainer.devices=1: "

@@ -498,11 +498,13 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ModuleNotFoundError) as err:  # Lightning's refusal of what this machine lacks
+            message = " ".join(str(err).split())
+            if not re.search(r"accelerator|devices|gpu|GPU|MPS|TPU|xla|backend", message):
+                raise ValueError(f"Invalid trainer setting: {message}") from err
             accelerator, devices = self.setting("trainer.accelerator"), self.setting("trainer.devices")
             advice = "--trainer.accelerator=cpu runs on any machine" if accelerator != "cpu" else "use --trainer.devices=N, N >= 1"
             raise ValueError(
-                f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: "
-                f"{' '.join(str(err).split())} ({advice})"
+                f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: {message} ({advice})"
             ) from err
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
