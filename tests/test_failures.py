@@ -460,3 +460,15 @@ def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run
     assert code == 0 and "no last checkpoint available" not in err and "untrained" not in err
     code, err = command(capsys, "test", "--ckpt_path=last", "--model.lr=0.5", run_dir=runs)
     assert code == 1 and "--ckpt_path last: none of the 1 checkpoints of run" in error_line(err)
+
+
+def test_resume_takes_settings_that_do_not_change_training(half_run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    same = ["--objective=false", "--diagnostics=false", f"--cache_dir={tmp_path / 'cache'}", "--data.problem=MNIST"]
+    code, err = command(capsys, "--ckpt_path=last", *same, run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key

@@ -42,6 +42,10 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "wandb",
     "wandb_project",
     "cache_dir",
+    "objective",
+    "diagnostics",
+    "step_every",
+    "optimum_tol",
     "data.root",
     "data.eval_batch_size",
     "trainer.max_epochs",
@@ -68,6 +72,10 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
 #: Settings that may change on resume but that a finished run's results depend on (how long it trained,
 #: how much of the test set its evaluations read): part of a sweep trial's identity (``trial_identity``).
 RESULT_SETTINGS: tuple[str, ...] = (
+    "objective",
+    "diagnostics",
+    "step_every",
+    "optimum_tol",
     "trainer.max_epochs",
     "trainer.max_steps",
     "trainer.max_time",
@@ -112,7 +120,17 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             flat[key] = value
-    return {k: json.loads(json.dumps(v, default=str)) for k, v in sorted(flat.items())}
+    flat = {k: json.loads(json.dumps(v, default=str)) for k, v in sorted(flat.items())}
+    if flat.get("data.problem") in _DEFAULT_PROBLEM:  # the default problem named: the same run as left unset
+        flat["data.problem"] = None
+    return flat
+
+
+# ``data.problem`` given as the default problem (MNIST, no arguments), as the config dump writes it.
+_DEFAULT_PROBLEM = (
+    {"class_path": "lit_slowcal.experiments.problems.MNIST"},
+    {"class_path": "lit_slowcal.experiments.problems.MNIST", "init_args": {}},
+)
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
