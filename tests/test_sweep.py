@@ -758,9 +758,9 @@ def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_on
     monkeypatch.setattr(runner, "_MANY", 3)  # "large": more than 3 trials here
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith(f"sweep {yaml_path}: 4 trials; checking every trial's arguments with the CLI first (about ")
-    assert first.endswith(" s; --workers N shares it)")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"sweep {yaml_path}: 4 trials; checking their arguments with the CLI first ..."
+    assert lines[1].startswith("checked the arguments of 4 trials in ")
     assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--count", "2"]) == 0
     assert "estimate:" not in capsys.readouterr().out  # 2 trials: not large
     assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
@@ -830,3 +830,51 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
     assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trial model.lr=abc: the CLI refuses it: model.lr: 'abc' is not a number or null" in err
+
+
+def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
+    """Options that set one key of the configuration are parsed value by value, the others (sources of linked
+    settings: method, K, the seed) per combination: each trial's parse and identity are those of its own arguments."""
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, "_checker", command_line)
+    params = {
+        "method": {"values": ["slowcal", "minibatch_sgd"]}, "local_steps": {"values": [2, 8]},
+        "seed_everything": {"values": [1, 2]}, "model.lr": {"values": [0.01, 0.03, 0.1, 1]},
+        "model.weight_decay": {"values": [0.0, 0.001]}, "data.split": {"values": ["official", "balanced"]},
+        "checkpoint_every": {"values": [0, 5]},
+    }  # fmt: skip
+    sweep = sw.parse_sweep(config(params))
+    trials = [(p, sw.trial_args(sweep, p)) for p in sw.expand_trials(sweep)]
+    assert len(trials) == 256
+    parses = []
+    parse = command_line.parse
+    monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
+    by_parts = runner._check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
+    assert by_parts is not None and len(parses) == 1 + (4 + 2 + 2 + 2) + 8  # the first trial, the values, the combinations
+    monkeypatch.setattr(command_line, "parse", parse)
+    for p, args in trials:
+        own = parse(args)
+        got_args, got, identity = by_parts[sw.trial_key(p)]
+        assert got_args == args and got == own and dict(got.items()) == dict(own.items())
+        assert identity == runner.trial_identity_of(own)
+    assert len({identity for _, _, identity in by_parts.values()}) == 128  # checkpoint_every is not part of a run
+
+    bad = sw.parse_sweep(config({**params, "trainer.limit_train_batches": {"values": [3, "abc"]}}))
+    trials = [(p, sw.trial_args(bad, p)) for p in sw.expand_trials(bad)]
+    with pytest.raises(ValueError, match="trainer.limit_train_batches=abc: the CLI refuses it: trainer.limit_train_batches: 'abc' is not"):
+        runner._check_by_parts(trials, lambda p: sw.trial_args(bad, p))
+
+
+def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_trial(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    cfg = config({"model.lr": {"values": [round(0.001 * (i + 1), 4) for i in range(100)]}, "seed_everything": {"values": list(range(1, 101))}})
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump(cfg))
+    parses, parse = [], sw.CommandLine.parse
+    monkeypatch.setattr(sw.CommandLine, "parse", lambda self, args: parses.append(1) or parse(self, args))
+    assert sw.main([str(tmp_path / "big.yaml"), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"sweep {tmp_path / 'big.yaml'}: 10000 trials; checking their arguments with the CLI first ..."
+    assert "10000 trials, 0 already in" in lines[2] and len(lines) == 3 + 10000
+    assert len(parses) == 1 + 100 + 100  # the first trial, each learning rate, each seed

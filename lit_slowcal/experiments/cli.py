@@ -62,7 +62,7 @@ from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "one_line_message", "per_step_batch", "run", "run_name", "steps_per_round"]
+__all__ = ["PARSE_LINK_SOURCES", "RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "one_line_message", "per_step_batch", "run", "run_name", "steps_per_round"]
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
@@ -277,18 +277,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/threads.py; keeps "
             "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
         )
-        parser.link_arguments("method", "model.method")
-        parser.link_arguments("num_machines", "model.num_machines")
-        parser.link_arguments("num_machines", "data.num_machines")
-        parser.link_arguments(("method", "local_steps", "batch_size"), "data.batch_size", compute_fn=per_step_batch)
-        parser.link_arguments(("method", "local_steps"), "data.steps_per_round", compute_fn=steps_per_round)
-        parser.link_arguments(
-            ("num_machines", "local_steps", "batch_size", "eval_every"),
-            "trainer.val_check_interval",
-            compute_fn=_val_check_interval,
-        )
-        parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
-        parser.link_arguments("seed_everything", "model.seed", compute_fn=_seed)
+        for sources, target, compute_fn in _PARSE_LINKS:
+            parser.link_arguments(sources, target, compute_fn=compute_fn)
         # The model's shape and loss are the problem's.
         parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
         parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
@@ -631,6 +621,22 @@ def _seed(seed: Any) -> int:
             f"Invalid seed_everything: {seed!r} (must be an integer from 0 to {2**32 - 1}: it seeds torch, numpy and the data split)"
         )
     return seed
+
+
+#: The settings linked from others while the command line is parsed: (sources, target, compute_fn or None).
+_PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
+    ("method", "model.method", None),
+    ("num_machines", "model.num_machines", None),
+    ("num_machines", "data.num_machines", None),
+    (("method", "local_steps", "batch_size"), "data.batch_size", per_step_batch),
+    (("method", "local_steps"), "data.steps_per_round", steps_per_round),
+    (("num_machines", "local_steps", "batch_size", "eval_every"), "trainer.val_check_interval", _val_check_interval),
+    ("seed_everything", "data.seed", _seed),
+    ("seed_everything", "model.seed", _seed),
+)
+#: The options other settings are computed from while parsing (``_PARSE_LINKS``): a sweep checks every
+#: combination of their values (``lit_slowcal.experiments.sweep.runner``), any other option value by value.
+PARSE_LINK_SOURCES = frozenset(n for sources, _, _ in _PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources))
 
 
 def _flat_config(config: Any) -> dict[str, Any]:

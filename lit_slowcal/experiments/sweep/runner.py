@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import math
 import os
 import signal
@@ -248,8 +249,6 @@ _checker: Optional[CommandLine] = None
 def trial_identity_of(parsed: Any) -> str:
     """The identity digest of a trial's run from its parse (``CommandLine.parse``): everything that defines
     its results (``lit_slowcal.experiments.identity.trial_identity``), the command and config included."""
-    import json
-
     from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
 
     # As the CLI takes a run's identity: the dump leaves out the settings linked from others (data.batch_size, ...).
@@ -391,14 +390,97 @@ def _parse(args: list[str]) -> tuple[Any, Optional[str], Optional[str]]:
     return parsed, trial_identity_of(parsed), None
 
 
-def _check(trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1) -> dict[str, Any]:
+def _leaf_key(name: str) -> bool:
+    """Whether the option ``name`` is one key of the parsed ``fit`` section and of a run's identity (``model.lr``,
+    ``checkpoint_every``), not a source of a linked setting: a value of it changes that key only."""
+    from lit_slowcal.experiments.cli import PARSE_LINK_SOURCES
+
+    parts = name.split(".")
+    return name not in PARSE_LINK_SOURCES and (len(parts) == 1 or (len(parts) == 2 and parts[0] in ("model", "data", "trainer")))
+
+
+def _check_by_parts(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any) -> Optional[dict[str, Any]]:
+    """``_check``'s result with fewer parses, or ``None`` where it would not save any.
+
+    A swept option that is one key of the configuration (``_leaf_key``; the check confirms that a value of it
+    changes that key only) is parsed value by value; the trials are parsed once per combination of the other
+    options' values; each trial's parse is its combination's with its own values of the first options set in.
+    It is the parse of the trial's own arguments (``tests/test_sweep.py`` compares them).
+    """
+    from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
+
+    first = trials[0][0]
+    names = list(first)
+    candidates = [n for n in names if _leaf_key(n)]
+    distinct = {n: {trial_key({n: t[0][n]}) for t in trials} for n in names}
+    rest = {tuple(trial_key({n: t[0][n]}) for n in names if n not in candidates) for t in trials}
+    if not candidates or 1 + sum(len(distinct[n]) for n in candidates) + len(rest) > len(trials) // 2:
+        return None
+
+    def parse(params: dict[str, Any], what: str) -> Any:
+        config, _, error = _parse(make_args(params))
+        if error is not None:
+            raise ValueError(f"{what}: the CLI refuses it: {error}")
+        return config
+
+    base = dict(parse(first, f"trial {param_text(first)}").items())
+    leaves: dict[str, dict[str, tuple[Any, Any]]] = {}  # name -> value -> (its parsed value, its dumped value)
+    for n in candidates:
+        values = {trial_key({n: t[0][n]}): t[0][n] for t in trials}
+        leaves[n] = {}
+        for key, v in values.items():
+            config = parse({**first, n: v}, f"{n}={v}")
+            changed = {k for k, x in config.items() if k not in base or base[k] != x} | (base.keys() - dict(config.items()).keys())
+            if not changed <= {f"fit.{n}"}:
+                break
+            dumped = json.loads(_command_line().parser.dump(config, format="json", skip_unset=False, skip_validation=True))
+            leaves[n][key] = (config[f"fit.{n}"], json.loads(json.dumps(_get(dumped["fit"], n), default=str)))
+        else:
+            continue
+        del leaves[n]  # it changes other keys too: checked with the combinations
+    others = [n for n in names if n not in leaves]
+    combos: dict[tuple[str, ...], tuple[Any, dict[str, Any]]] = {}
+    checked: dict[str, Any] = {}
+    for params, args in trials:
+        combo = tuple(trial_key({n: params[n]}) for n in others)
+        if combo not in combos:
+            config = parse(params, f"trial {param_text(params)}")
+            dumped = json.loads(_command_line().parser.dump(config, format="json", skip_unset=False, skip_validation=True))
+            combos[combo] = (config, trial_identity(dumped["fit"]))
+        config, identity = combos[combo]
+        config, identity = config.clone(), dict(identity)
+        for n, values in leaves.items():
+            parsed_value, dumped_value = values[trial_key({n: params[n]})]
+            config[f"fit.{n}"] = parsed_value
+            if n in identity:  # the identity's keys are the configuration's, flattened one level (model.lr)
+                identity[n] = dumped_value
+        checked[trial_key(params)] = (args, config, identity_digest(identity, SEED_KEYS))
+    return checked
+
+
+def _get(d: dict[str, Any], name: str) -> Any:
+    for part in name.split("."):
+        d = d[part]
+    return d
+
+
+def _check(
+    trials: list[tuple[dict[str, Any], list[str]]], pool: Any = None, workers: int = 1, make_args: Any = None
+) -> dict[str, Any]:
     """Every trial's ``(params, args)`` as ``(args, parsed, identity)`` by trial key, ``parsed`` by the CLI's parser
     (``_checker``): in this process, or shared among the forked workers of ``pool`` (each has ``_checker`` from
     this process).
 
+    With ``make_args`` (a trial's arguments from its parameters), a large grid is checked by parts
+    (``_check_by_parts``) where that saves parses.
+
     Raises:
         ValueError: naming the first trial the CLI refuses, with its message.
     """
+    if make_args is not None and len(trials) > _MANY:
+        by_parts = _check_by_parts(trials, make_args)
+        if by_parts is not None:
+            return by_parts
     args = [a for _, a in trials]
     if pool is None:
         outcomes: Any = map(_parse, args)
@@ -536,17 +618,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pool = scope.enter_context(_worker_pool(workers, opts.threads)) if workers > 1 and _forks() else None
         try:  # every trial, before the first runs
             arguments = [(p, trial_args(sweep, p, extra)) for p in trials]
+            start = time.perf_counter()
             if len(trials) > _MANY:  # say what takes the time before it does
-                start = time.perf_counter()
-                _parse(arguments[0][1])
-                each = time.perf_counter() - start
-                print(
-                    f"sweep {opts.sweep}: {len(trials)} trials; checking every trial's arguments with the CLI first "
-                    f"(about {each * len(trials) / max(1, workers if pool is not None else 1):.0f} s"
-                    f"{'' if pool is not None else '; --workers N shares it'})",
-                    flush=True,
-                )
-            checked = _check(arguments, pool, workers)
+                print(f"sweep {opts.sweep}: {len(trials)} trials; checking their arguments with the CLI first ...", flush=True)
+            checked = _check(arguments, pool, workers, lambda p: trial_args(sweep, p, extra))
+            if len(trials) > _MANY:
+                print(f"checked the arguments of {len(trials)} trials in {time.perf_counter() - start:.1f} s", flush=True)
         except ValueError as err:
             print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
             return 2
