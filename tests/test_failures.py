@@ -448,12 +448,21 @@ def test_values_and_files_the_parser_meets_are_one_line_naming_them(tmp_path, ca
     assert "Union subtypes" not in err and "numpy accepts" not in err
 
 
-def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_path, capsys):
+def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_path, capsys, closes_the_process_group):
     code, err = command(capsys, "test", "--trainer.limit_test_batches=1", run_dir=tmp_path / "runs")
     assert code == 0 and "note: test without --ckpt_path evaluates the untrained starting model" in err
 
 
-def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys):
+@pytest.fixture()
+def closes_the_process_group():
+    """`test` in this process leaves its process group open (fit closes it; the command's own process exits):
+    closed afterwards, or a later test's forked sweep workers would inherit gloo's threads mid-lock and hang."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys, closes_the_process_group):
     runs = tmp_path / "runs"
     shutil.copytree(half_run / "runs", runs)
     code, err = command(capsys, "test", "--ckpt_path=last", "--trainer.limit_test_batches=1", run_dir=runs)
