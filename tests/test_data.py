@@ -508,3 +508,32 @@ def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mni
     setup("d", num_machines=4)
     assert len(drawn) == 3
     assert (tmp_path / "d" / "class_distribution.png").read_bytes() != fresh.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "offset", "value", "shape"),
+    [
+        ("train-labels-idx1-ubyte", 4, 50000, "the shape 50000, but its size holds 60000"),
+        ("t10k-images-idx3-ubyte", 4, 9000, "the shape 9000 x 28 x 28, but its size holds 10000 x 28 x 28"),
+        ("train-images-idx3-ubyte", 8, 784, "the shape 60000 x 784 x 28, but its size holds 60000 x 28 x 28"),
+    ],
+)
+def test_a_header_that_disagrees_with_the_files_size_is_refused_naming_the_file(raw_copy, name, offset, value, shape):
+    load_mnist(raw_copy.parents[1])  # decompresses the shipped files
+    data = bytearray((raw_copy / name).read_bytes())
+    data[offset : offset + 4] = value.to_bytes(4, "big")
+    (raw_copy / name).write_bytes(bytes(data))
+    with pytest.raises(ValueError) as err:
+        load_mnist(raw_copy.parents[1])
+    assert f"Corrupt MNIST file {raw_copy / name}: its header gives {shape}" in str(err.value)
+
+
+def test_a_label_outside_the_classes_is_refused_when_read_naming_the_file(raw_copy):
+    name = "t10k-labels-idx1-ubyte"
+    load_mnist(raw_copy.parents[1])  # decompresses the shipped files
+    data = bytearray((raw_copy / name).read_bytes())
+    data[8 + 1234] = 200
+    (raw_copy / name).write_bytes(bytes(data))
+    with pytest.raises(ValueError) as err:
+        load_mnist(raw_copy.parents[1])
+    assert str(err.value).startswith(f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)")

@@ -357,3 +357,127 @@ def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
     for name in names:
         with gzip.open(raw / f"{name}.gz") as f:
             assert (raw / name).read_bytes() == f.read(), name
+
+
+def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_run, tmp_path, capsys):
+    """A run of the same name with another learning rate, killed later, does not hide this run's checkpoint."""
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    ours = runs / RUN / "version_0" / "checkpoints" / "last.ckpt"
+    other = torch.load(ours, weights_only=True)
+    other["lit_slowcal_run"]["model.lr"] = 0.03
+    (runs / RUN / "version_1" / "checkpoints").mkdir(parents=True)
+    torch.save(other, runs / RUN / "version_1" / "checkpoints" / "last.ckpt")  # the newest
+    code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+    code, err = command(capsys, "--ckpt_path=last", "--model.lr=0.1", run_dir=runs)
+    line = error_line(err)
+    assert code == 1 and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
+    assert "version_1/checkpoints/last.ckpt (model.lr 0.03 in the checkpoint, 0.1 now)" in line
+    assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
+
+
+def _not_lightning(path: Path) -> None:
+    torch.save({"a": torch.zeros(1)}, path)
+
+
+MACHINE_OR_FILE = [
+    (["--ckpt_path={tmp}/plain.ckpt"], "Cannot resume {tmp}/plain.ckpt: it is not a Lightning checkpoint (it lacks "
+     "pytorch-lightning_version, state_dict, global_step; its keys: 'a')"),
+    (["test", "--ckpt_path={tmp}/plain.ckpt"], "Cannot test with {tmp}/plain.ckpt: it is not a Lightning checkpoint"),
+    (["--trainer.accelerator=mps"], "This machine cannot meet trainer.accelerator=mps, trainer.devices=1: `MPSAccelerator` can not run"),
+    (["--trainer.devices=0"], "This machine cannot meet trainer.accelerator=cpu, trainer.devices=0: `Trainer(devices='0')` value "
+     "is not a valid input using cpu accelerator. (use --trainer.devices=N, N >= 1)"),
+    (["--trainer.max_steps=-5"], "Invalid trainer setting: `max_steps` must be a non-negative integer or -1 (infinite steps). "
+     "You passed in -5."),
+]  # fmt: skip
+if not torch.cuda.is_available():  # a machine without a GPU asked for one
+    MACHINE_OR_FILE.append((["--trainer.accelerator=gpu"], "This machine cannot meet trainer.accelerator=gpu, trainer.devices=1: "
+                            "No supported gpu backend found! (--trainer.accelerator=cpu runs on any machine)"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), MACHINE_OR_FILE, ids=[" ".join(a) for a, _ in MACHINE_OR_FILE])
+def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(tmp_path, capsys, no_training, args, message):
+    _not_lightning(tmp_path / "plain.ckpt")
+    code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
+    assert code == 1 and message.format(tmp=tmp_path) in error_line(err) and not no_training
+
+
+def test_ctrl_c_ends_fit_with_status_130_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    import signal
+
+    step = LogisticRegression.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LogisticRegression, "training_step", interrupted)
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    try:
+        code, err = command(capsys, "--checkpoint_every=1", run_dir=tmp_path / "runs")
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert code == 130
+    assert "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last" in err
+    assert (tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt").is_file()  # what it continues from
+
+
+ONE_LINE = [
+    (["--model.lr=nan"], 2, "model.lr: 'nan' is not a number or null"),
+    (["--data.problem=Foo"], 2, "data.problem: 'Foo' is not a problem (MNIST, Synthetic, Quadratic, or a Problem's import path) or null"),
+    (["--seed_everything=-1"], 2, "Invalid seed_everything: -1 (must be an integer from 0 to 4294967295"),
+    (["--config={tmp}/empty.yaml"], 2, "--config {tmp}/empty.yaml: the file is empty"),
+    (["--config={tmp}/binary.yaml"], 2, "--config {tmp}/binary.yaml: not a text file"),
+    (["--ckpt_path="], 1, "--ckpt_path is empty: pass a checkpoint file, or last"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "status", "message"), ONE_LINE, ids=[" ".join(a) for a, _, _ in ONE_LINE])
+def test_values_and_files_the_parser_meets_are_one_line_naming_them(tmp_path, capsys, no_training, args, status, message):
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\x90\x00\xff" * 10)
+    code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
+    assert code == status and message.format(tmp=tmp_path) in error_line(err) and not no_training
+    assert "Union subtypes" not in err and "numpy accepts" not in err
+
+
+def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_path, capsys, closes_the_process_group):
+    code, err = command(capsys, "test", "--trainer.limit_test_batches=1", run_dir=tmp_path / "runs")
+    assert code == 0 and "note: test without --ckpt_path evaluates the untrained starting model" in err
+
+
+@pytest.fixture()
+def closes_the_process_group():
+    """`test` in this process leaves its process group open (fit closes it; the command's own process exits):
+    closed afterwards, or a later test's forked sweep workers would inherit gloo's threads mid-lock and hang."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys, closes_the_process_group):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    code, err = command(capsys, "test", "--ckpt_path=last", "--trainer.limit_test_batches=1", run_dir=runs)
+    assert code == 0 and "no last checkpoint available" not in err and "untrained" not in err
+    code, err = command(capsys, "test", "--ckpt_path=last", "--model.lr=0.5", run_dir=runs)
+    assert code == 1 and "--ckpt_path last: none of the 1 checkpoints of run" in error_line(err)
+
+
+def test_resume_takes_settings_that_do_not_change_training(half_run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    same = ["--objective=false", "--diagnostics=false", f"--cache_dir={tmp_path / 'cache'}", "--data.problem=MNIST"]
+    code, err = command(capsys, "--ckpt_path=last", *same, run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key

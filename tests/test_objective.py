@@ -251,3 +251,20 @@ def test_values_of_several_objectives_in_one_pass_equal_each_call_bit_for_bit(mo
     logits = objective_module.affine_rows(objectives[0].x, [p["weight"] for p in points], [p["bias"] for p in points], rows=100)
     for z, p in zip(logits, points):
         assert torch.equal(z, torch.addmm(p["bias"], objectives[0].x, p["weight"].T))
+
+
+def test_a_cache_folder_that_cannot_hold_the_optimum_is_refused_before_the_solve(tmp_path, monkeypatch):
+    data = Quadratic(dim=4, samples=30).build(3, seed=1)
+    obj = Objective(data, "squared", 1e-3)
+    identity = {"problem": "Quadratic(dim=4)", "num_machines": 3, "seed": 1}
+    solves, said = [], []
+    monkeypatch.setattr(objective_module, "solve", lambda *a, **k: solves.append(1))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError) as err:
+        optimum(obj, (1, 4), identity, tmp_path / "a_file", solving=said.append)
+    assert str(err.value).startswith(f"--cache_dir {tmp_path / 'a_file'}: cannot create {tmp_path / 'a_file' / 'optima'}")
+    assert solves == [] and said == []
+
+    monkeypatch.undo()
+    found, path, cached = optimum(obj, (1, 4), identity, tmp_path / "cache", solving=said.append)
+    assert said == [path] and not cached and path.exists()  # said before the solve, with where it goes

@@ -153,3 +153,58 @@ def test_report_adds_excess_loss_figures_and_g_star_per_split(tmp_path, capsys):
     assert curves["local_sgd"] == [(5.0, pytest.approx(0.5)), (10.0, pytest.approx(0.05))]
     assert report.main([str(results), "--out", str(tmp_path), "--curve", "64"]) == 2
     assert "Invalid --curve: '64' (must be M,K, two integers, e.g. 64,64)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- one setting per cell, whole records
+
+
+def test_trials_run_with_different_command_lines_are_never_averaged_into_one_cell(tmp_path, capsys):
+    base = ["fit", "--config", "configs/paper.yaml", "--method=slowcal", "--num_machines=16", "--local_steps=4"]
+    records = [
+        {**record("slowcal", 16, 4, 1, 0.90, 0.30), "args": [*base, "--seed_everything=1", "--model.lr=0.01"]},
+        {**record("slowcal", 16, 4, 2, 0.10, 9e5), "args": [*base, "--seed_everything=2", "--model.lr=3.0", "--wandb=false"]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "M=16, K=4, slowcal" in err and "--model.lr 0.01 in one, 3.0 in another" in err
+    assert "--wandb" not in err and "--seed_everything" not in err  # what may differ between the seeds of one setting is not named
+    assert not (tmp_path / "out").exists()
+
+    # The same arguments and identities that differ beyond the seed (a config file edited in between): refused too.
+    records[1]["args"] = [*base, "--seed_everything=2", "--model.lr=0.01"]
+    records[0]["identity"], records[1]["identity"] = "aaaaaaaaaaaaaaaa-11111111", "bbbbbbbbbbbbbbbb-22222222"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "different settings (the same arguments, 2 identities" in capsys.readouterr().err
+    records[1]["identity"] = "aaaaaaaaaaaaaaaa-22222222"  # seeds of one setting: averaged
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(path), "--out", str(tmp_path / "out")]) == 0
+    assert "| 16 | 4 | 0.5000 ± 0.5657 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"params": {"method": "slowcal"}}', "'status' is None, expected one of finished, diverged, failed"),
+        ('{"params": {"method": "slowcal"}, "status": "finished", "metrics": [1]}', "'metrics' is [1], expected an object"),
+        ('{"params": {"method": "slowcal"}, "status": "finished", "metrics": {"test_acc": "high"}}', "metric 'test_acc' is 'high'"),
+        ('{"params": 3, "status": "finished"}', "'params' is 3, expected an object"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"params": {}, "status": "finished", "args": "fit"}', "'args' is 'fit', expected a list of strings"),
+    ],
+)
+def test_a_line_that_is_json_but_not_a_whole_record_is_one_line_naming_file_and_line(tmp_path, capsys, line, message):
+    from lit_slowcal.experiments import sweep as sw
+
+    path = tmp_path / "r.jsonl"
+    write_results(path)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    n = len(path.read_text().splitlines())
+    assert report.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}, line {n}: not a trial record: {message}" in err
+    with pytest.raises(ValueError, match=f"line {n}: not a trial record"):  # the sweep reads it the same way
+        sw.ResultsFile(path)

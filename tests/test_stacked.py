@@ -305,3 +305,51 @@ def test_groups_are_halved_only_while_that_shortens_the_workers_time():
     groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16)]
     assert stacked.balance_groups(groups, 2) == groups
     assert stacked.group_cost(group(6)) == 3750 * (96 + 40)
+
+
+def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the_same_versions(tmp_path, monkeypatch, capsys):
+    """Two sweeps (or a sweep's workers) may both see version_0 as the next free folder of a run name: each trial
+    claims its folder by creating it, as a single run does, so no two trials share one."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(CSVLogger, "_get_next_version", lambda self: 0)  # what a concurrent lister saw
+    path = grid_file(tmp_path, lrs=(0.01, 0.03, 0.1), seeds=(1,), methods=("slowcal",))
+    results = tmp_path / "results.jsonl"
+    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["status"] for r in records] == ["finished"] * 3
+    folders = [Path(r["run_dir"]) for r in records]
+    assert sorted(f.name for f in folders) == ["version_0", "version_1", "version_2"]
+    for r, folder in zip(records, folders):
+        assert yaml.safe_load((folder / "config.yaml").read_text())["model"]["lr"] == r["params"]["model.lr"]
+        rows = list(csv.DictReader(open(folder / "metrics.csv")))
+        assert [row["round"] for row in rows if row.get("test_acc")] == ["3.0", "6.0", "7.0"]  # its own rows only
+        assert float(rows[-1]["test_acc"]) == r["metrics"]["test_acc"]
+
+
+def test_a_stacked_sweep_reads_the_results_again_before_each_group(tmp_path, monkeypatch, capsys):
+    """Another sweep on the same results file (stacked or not) may record a planned group's trials meanwhile:
+    those are not run again."""
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
+    results = tmp_path / "results.jsonl"
+    sweep, run_group, calls = sw.load_sweep(path), stacked.run_group, []
+
+    def with_another_sweep(group, *args):
+        calls.append([t.params["method"] for t in group])
+        run_group(group, *args)
+        if len(calls) == 1:  # meanwhile another sweep records one trial of the next group
+            params = {"local_steps": 4, "method": "local_sgd", "model.lr": 0.03, "num_machines": 4, "seed_everything": 1}
+            identity = runner.trial_identity_of(sw.CommandLine().parse(sw.trial_args(sweep, params)))
+            sw.ResultsFile(results).put({"params": params, "identity": identity, "status": "finished", "metrics": {"test_acc": 0.5}})
+
+    monkeypatch.setattr(stacked, "run_group", with_another_sweep)
+    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    assert calls == [["slowcal", "slowcal"], ["local_sgd"]]
+    assert "(1 already in" in capsys.readouterr().out
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(records) == 4 and records[0]["metrics"] == {"test_acc": 0.5}  # the other sweep's record stays
+    assert [r["params"]["method"] for r in records[1:]] == ["slowcal", "slowcal", "local_sgd"]

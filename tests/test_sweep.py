@@ -282,7 +282,7 @@ def test_results_file_appends_new_trials_and_replaces_a_retried_one_atomically(t
         {"params": {"a": 2}, "status": "finished"},
     ]
     assert sw.ResultsFile(path).get({"a": 2}) == {"params": {"a": 2}, "status": "finished"}
-    path.write_text('{"params": {"a": 1}}\n{"params"\n')
+    path.write_text('{"params": {"a": 1}, "status": "failed"}\n{"params"\n')
     with pytest.raises(ValueError, match="line 2"):
         sw.ResultsFile(path)
 
@@ -487,7 +487,9 @@ def test_dry_run_lists_the_trials_and_runs_nothing(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(REPO)
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     failed = {"local_steps": 2, "method": "slowcal", "model.lr": 0.1, "num_machines": 4}
-    sw.ResultsFile(results).put({"params": failed, "status": "failed"})
+    # A record as written before identities were stored: its arguments give its identity.
+    args = sw.trial_args(sw.load_sweep(yaml_path), failed, ["--wandb=false"])
+    sw.ResultsFile(results).put({"params": failed, "status": "failed", "args": args})
     assert sw.main([str(yaml_path), "--results", str(results), "--dry-run", "--wandb=false"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("4 trials, 1 already in " + str(results) + ", 3 to run")
@@ -628,3 +630,252 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
         assert saved.pop("run_dir") in (str(tmp_path / "trials"), str(tmp_path / "given"))
         assert expected.pop("run_dir") == str(tmp_path / "fresh")
         assert saved == expected
+
+
+# ----------------------------------------------------------------------------- a trial's identity
+
+
+def test_a_record_of_another_command_or_config_is_never_taken_for_a_trials(tmp_path, monkeypatch, capsys):
+    """A trial is its parameters and everything its command and config set: the same parameters with another
+    command run again, and each record stays with its own identity."""
+    monkeypatch.chdir(REPO)
+    yaml_path, results = tiny_sweep(tmp_path, methods=("slowcal",), lrs=(0.01,)), tmp_path / "results.jsonl"
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    (first,) = read_records(results)
+    assert first["status"] == "finished" and len(first["identity"]) == 25
+    cfg = yaml.safe_load(yaml_path.read_text())
+    cfg["command"].insert(-1, "--data.dirichlet_alpha=1.0")
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    capsys.readouterr()
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 0 already in" in capsys.readouterr().out
+    assert sw.main([str(other), "--results", str(results), "--wandb=false"]) == 0
+    out = capsys.readouterr().out
+    records = read_records(results)
+    assert len(records) == 2 and records[0] == first and records[1]["params"] == first["params"]
+    assert records[1]["identity"] != first["identity"] and records[1]["metrics"]["test_loss"] != first["metrics"]["test_loss"]
+    assert f"| {records[1]['metrics']['test_acc']:.4f} |" in out  # the table shows this command's trial
+    # A config file edited between two runs of the same command: another identity too.
+    config = tmp_path / "paper.yaml"
+    config.write_text((REPO / "configs" / "paper.yaml").read_text())
+    cfg["command"][cfg["command"].index("configs/paper.yaml")] = str(config)
+    other.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 1 already in" in capsys.readouterr().out  # same settings, another path: the same run
+    config.write_text(config.read_text().replace("init: official", "init: zeros"))
+    assert sw.main([str(other), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    assert "1 trials, 0 already in" in capsys.readouterr().out
+    # The first command still finds its own record; what may change on resume (run_dir, W&B) is not part of it.
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=true", "--dry-run"]) == 0
+    assert "1 trials, 1 already in" in capsys.readouterr().out
+
+
+def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_own(tmp_path, monkeypatch, capsys):
+    # The shipped results were written before identities were stored: their arguments give theirs.
+    monkeypatch.chdir(REPO)
+    cfg = yaml.safe_load((REPO / "sweeps" / "lr.yaml").read_text())
+    cfg["command"][-1:-1] = ["--data.split=balanced", "--model.weight_decay=0.01"]
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(cfg))
+    before = (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes()
+    assert sw.main([str(tmp_path / "lr.yaml"), "--dry-run", "--wandb=false"]) == 0
+    assert "30 trials, 0 already in sweeps/results/lr.jsonl, 30 to run" in capsys.readouterr().out
+    assert sw.main([str(REPO / "sweeps" / "lr.yaml"), "--dry-run", "--wandb=false"]) == 0
+    assert "30 trials, 30 already in sweeps/results/lr.jsonl, 0 to run" in capsys.readouterr().out
+    assert (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes() == before
+
+
+def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_ends_non_zero(tmp_path, monkeypatch, capsys):
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    sweep_pid, run_trial = os.getpid(), runner.run_trial
+
+    def killed(args, parsed=None):
+        if os.getpid() != sweep_pid and "--model.lr=0.1" in args and "--method=local_sgd" in args:
+            os.kill(os.getpid(), signal.SIGKILL)  # as `kill -9 <worker>` mid-trial
+        return run_trial(args, parsed)
+
+    def hung(signum, frame):
+        raise TimeoutError("the sweep waits for its lost worker forever")
+
+    monkeypatch.setattr(runner, "run_trial", killed)
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--workers", "2"]
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(90)
+    try:
+        assert sw.main(args) == 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lit_slowcal sweep: error: the worker process (pid " in err and "--retry-failed" in err
+    statuses = {(r["params"]["method"], r["params"]["model.lr"]): r["status"] for r in read_records(results)}
+    assert statuses == {
+        ("slowcal", 0.01): "finished", ("slowcal", 0.1): "finished", ("local_sgd", 0.01): "finished", ("local_sgd", 0.1): "failed",
+    }  # fmt: skip
+    (lost,) = [r for r in read_records(results) if r["status"] == "failed"]
+    assert "ended before it did" in lost["error"] and lost["identity"] and lost["args"][-1] == "--wandb=false"
+
+    monkeypatch.setattr(runner, "run_trial", run_trial)
+    assert sw.main([*args, "--retry-failed"]) == 0
+    assert "4 trials, 3 already in" in capsys.readouterr().out
+    assert sorted(r["status"] for r in read_records(results)) == ["finished"] * 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("method: grid\nparameters:\n  model.lr: {values: [0.1, 0.2}\n", "not valid YAML: expected ',' or ']', but got '}' at line 3, column 31"),
+        ("method: grid\n\tparameters: {}\n", "not valid YAML: found character '\\t' that cannot start any token at line 2, column 1"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", "not a text file"),
+    ],
+    ids=["syntax", "tab", "binary"],
+)
+def test_a_sweep_file_that_is_not_yaml_is_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lit_slowcal sweep: error: {path}: ") and message in err
+
+
+def test_a_results_path_that_is_a_link_is_followed_when_a_retried_trial_is_replaced(tmp_path):
+    real, link = tmp_path / "store" / "r.jsonl", tmp_path / "link.jsonl"
+    real.parent.mkdir()
+    link.symlink_to(real)
+    sw.ResultsFile(link).put({"params": {"a": 1}, "status": "failed"})
+    sw.ResultsFile(link).put({"params": {"a": 2}, "status": "finished"})
+    sw.ResultsFile(link).put({"params": {"a": 1}, "status": "finished"})  # --retry-failed: an atomic rewrite
+    assert link.is_symlink() and link.resolve() == real
+    assert [json.loads(line)["status"] for line in real.read_text().splitlines()] == ["finished", "finished"]
+
+
+def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_once_a_trial_ran(tmp_path, monkeypatch, capsys):
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, "_MANY", 3)  # "large": more than 3 trials here
+    yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"sweep {yaml_path}: 4 trials; checking their arguments with the CLI first ..."
+    assert lines[1].startswith("checked the arguments of 4 trials in ")
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--count", "2"]) == 0
+    assert "estimate:" not in capsys.readouterr().out  # 2 trials: not large
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    out = capsys.readouterr().out
+    assert "4 trials, 2 already in" in out
+    assert "estimate: the 1 trials left take about " not in out  # 2 to run: not large
+    results.unlink()
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (estimate,) = [i for i, line in enumerate(lines) if line.startswith("estimate: the 3 trials left take about ")]
+    assert lines[estimate - 1].startswith("[1/4] finished")
+
+
+def test_a_value_listed_twice_in_a_grid_is_one_trial():
+    sweep = sw.parse_sweep(config({"model.lr": {"values": [0.01, 0.01, 0.1, 1, 1.0]}, "local_steps": {"values": [2, 2]}}))
+    assert sw.expand_trials(sweep) == [
+        {"local_steps": 2, "model.lr": 0.01}, {"local_steps": 2, "model.lr": 0.1},
+        {"local_steps": 2, "model.lr": 1}, {"local_steps": 2, "model.lr": 1.0},
+    ]  # fmt: skip
+
+
+def test_the_results_file_is_checked_before_any_trial_and_a_failed_write_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    yaml_path = tiny_sweep(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (tmp_path / "a_file" / "r.jsonl", "cannot create its folder"),
+        (tmp_path / "torn.jsonl", "its last line is cut short"),
+        (tmp_path, "Is a directory"),
+    ]
+    (tmp_path / "torn.jsonl").write_text('{"params": {"a": 1}, "status": "failed"}\n{"params": {"a"')
+    for path, message in cases:
+        assert sw.main([str(yaml_path), "--results", str(path), "--wandb=false"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err and message in err
+    assert not (tmp_path / "runs").exists()  # no trial ran
+    assert sw.main([str(yaml_path), "--results", str(tmp_path / "r.jsonl"), "--threads", "-5"]) == 2
+    assert "Invalid --threads: -5 (must be an integer >= 0)" in capsys.readouterr().err
+
+    results = sw.ResultsFile(tmp_path / "full.jsonl")
+    results.put({"params": {"a": 1}, "status": "finished"})
+    before = results.path.read_bytes()
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as err:
+        results.put({"params": {"a": 2}, "status": "finished"})
+    assert str(err.value) == f"{results.path}: cannot add a record (No space left on device); the file is as it was"
+    assert results.path.read_bytes() == before
+
+
+def test_a_results_file_holding_bytes_that_are_not_text_is_one_line_naming_it(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"params": {"a": 1}, "status": "failed"}\n\xd6\x90\xff\x00binary\n')
+    with pytest.raises(ValueError, match=f"{path}, line 2: not (JSON|text)"):
+        sw.ResultsFile(path)
+    assert sw.main([str(tiny_sweep(tmp_path)), "--results", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}, line 2: not" in err
+
+
+def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config({"model.lr": {"values": [0.1, "abc"]}})))
+    assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trial model.lr=abc: the CLI refuses it: model.lr: 'abc' is not a number or null" in err
+
+
+def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
+    """Options that set one key of the configuration are parsed value by value, the others (sources of linked
+    settings: method, K, the seed) per combination: each trial's parse and identity are those of its own arguments."""
+    from lit_slowcal.experiments.sweep import runner
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, "_checker", command_line)
+    params = {
+        "method": {"values": ["slowcal", "minibatch_sgd"]}, "local_steps": {"values": [2, 8]},
+        "seed_everything": {"values": [1, 2]}, "model.lr": {"values": [0.01, 0.03, 0.1, 1]},
+        "model.weight_decay": {"values": [0.0, 0.001]}, "data.split": {"values": ["official", "balanced"]},
+        "checkpoint_every": {"values": [0, 5]},
+    }  # fmt: skip
+    sweep = sw.parse_sweep(config(params))
+    trials = [(p, sw.trial_args(sweep, p)) for p in sw.expand_trials(sweep)]
+    assert len(trials) == 256
+    parses = []
+    parse = command_line.parse
+    monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
+    by_parts = runner._check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
+    assert by_parts is not None and len(parses) == 1 + (4 + 2 + 2 + 2) + 8  # the first trial, the values, the combinations
+    monkeypatch.setattr(command_line, "parse", parse)
+    for p, args in trials:
+        own = parse(args)
+        got_args, got, identity = by_parts[sw.trial_key(p)]
+        assert got_args == args and got == own and dict(got.items()) == dict(own.items())
+        assert identity == runner.trial_identity_of(own)
+    assert len({identity for _, _, identity in by_parts.values()}) == 128  # checkpoint_every is not part of a run
+
+    bad = sw.parse_sweep(config({**params, "trainer.limit_train_batches": {"values": [3, "abc"]}}))
+    trials = [(p, sw.trial_args(bad, p)) for p in sw.expand_trials(bad)]
+    with pytest.raises(ValueError, match="trainer.limit_train_batches=abc: the CLI refuses it: trainer.limit_train_batches: 'abc' is not"):
+        runner._check_by_parts(trials, lambda p: sw.trial_args(bad, p))
+
+
+def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_trial(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    cfg = config({"model.lr": {"values": [round(0.001 * (i + 1), 4) for i in range(100)]}, "seed_everything": {"values": list(range(1, 101))}})
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump(cfg))
+    parses, parse = [], sw.CommandLine.parse
+    monkeypatch.setattr(sw.CommandLine, "parse", lambda self, args: parses.append(1) or parse(self, args))
+    assert sw.main([str(tmp_path / "big.yaml"), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"sweep {tmp_path / 'big.yaml'}: 10000 trials; checking their arguments with the CLI first ..."
+    assert "10000 trials, 0 already in" in lines[2] and len(lines) == 3 + 10000
+    assert len(parses) == 1 + 100 + 100  # the first trial, each learning rate, each seed

@@ -48,6 +48,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_slowcal._lightning import KeepCommandLineModelArgs
@@ -56,15 +57,15 @@ from lit_slowcal.checkpoint import read_checkpoint
 from lit_slowcal.experiments.checkpointing import LastCheckpoint
 from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, MNISTDataModule, num_rounds
 from lit_slowcal.experiments.diagnostics import Diagnostics
-from lit_slowcal.experiments.identity import RunIdentity, check_same_run, run_identity
 from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments.architectures import get_architecture
+from lit_slowcal.experiments.identity import RunIdentity, allowed_on_resume, check_same_run, run_identity
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import LogisticRegression
 from lit_slowcal.experiments.threads import THREADS_TYPE, WorkSize, configure_threads
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-__all__ = ["RUN_VERSION_ENV", "SlowcalCLI", "diagnostics_callback", "per_step_batch", "run", "run_name", "steps_per_round"]
+__all__ = ["PARSE_LINK_SOURCES", "RUN_VERSION_ENV", "SlowcalCLI", "claim_version", "diagnostics_callback", "one_line_message", "per_step_batch", "run", "run_name", "steps_per_round"]
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
 RUN_VERSION_ENV = "LIT_SLOWCAL_RUN_VERSION"
@@ -107,6 +108,35 @@ def wandb_logged_in() -> bool:
 _LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
 
 
+_UNION = re.compile(r'^Parser key "(?P<key>[^"]+)":.*Does not validate against any of the Union subtypes Subtypes: \[(?P<types>.*?)\] Errors:.*Given value: (?P<value>.*)$')
+_TYPE_NAMES = {"<class 'float'>": "a number", "<class 'int'>": "an integer", "<class 'NoneType'>": "null", "<class 'bool'>": "true or false",
+               "<class 'str'>": "a string"}  # fmt: skip
+
+
+def one_line_message(message: Any) -> str:
+    """A refusal of the parser on one line: without the name of the link function that checked the value, and
+    a value none of a Union's types takes as ``key: value is not <the types>``."""
+    return _short_union_error(" ".join(_LINK_PREFIX.sub("", str(message)).split()))
+
+
+def _short_union_error(message: str) -> str:
+    """jsonargparse's refusal of a value none of a Union's types takes, as ``key: value is not <the types>``."""
+    match = _UNION.match(message)
+    if match is None:
+        return message
+    allowed = []
+    for part in re.findall(r"typing\.Literal\[[^\]]*\]|<class '[^']*'>", match["types"]):
+        if part.startswith("typing.Literal"):
+            allowed.append("one of " + part[len("typing.Literal[") : -1])
+        elif part == "<class 'lit_slowcal.experiments.problems.Problem'>":
+            from lit_slowcal.experiments.problems import PROBLEMS
+
+            allowed.append(f"a problem ({', '.join(PROBLEMS)}, or a Problem's import path)")
+        else:
+            allowed.append(_TYPE_NAMES.get(part, part.replace("<class '", "").replace("'>", "")))
+    return f"{match['key']}: {match['value']!r} is not {' or '.join(allowed)}"
+
+
 class _OneLineErrorParser(LightningArgumentParser):
     """LightningCLI's parser whose refusals are one line, ``lit_slowcal: error: <message>`` (exit status 2).
 
@@ -119,10 +149,27 @@ class _OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
-        message = " ".join(_LINK_PREFIX.sub("", str(message)).split())
+        message = one_line_message(message)
         prog = self.prog.replace(" [options]", "")
         print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
         self.exit(2)
+
+
+class _ConfigFile(ActionConfigFile):
+    """``--config``: a file that is empty or not text is refused naming it (jsonargparse would say only
+    "Unexpected config:" or a decode error)."""
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Optional[str] = None) -> None:
+        path = Path(str(values))
+        if path.is_file():
+            data = path.read_bytes()
+            if not data.strip():
+                parser.error(f"--config {path}: the file is empty; a config file is YAML (key: value lines)")
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                parser.error(f"--config {path}: not a text file ({err}); a config file is YAML")
+        super().__call__(parser, cfg, values, option_string)
 
 
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
@@ -176,7 +223,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         """LightningCLI's parser (the root's and each subcommand's), refusing a value in one line."""
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
         parser = _OneLineErrorParser(**kwargs)
-        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format.")
+        parser.add_argument("-c", "--config", action=_ConfigFile, help="Path to a configuration file in json or yaml format.")
         return parser
 
     def setting(self, key: str, default: Any = None) -> Any:
@@ -240,18 +287,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/threads.py; keeps "
             "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
         )
-        parser.link_arguments("method", "model.method")
-        parser.link_arguments("num_machines", "model.num_machines")
-        parser.link_arguments("num_machines", "data.num_machines")
-        parser.link_arguments(("method", "local_steps", "batch_size"), "data.batch_size", compute_fn=per_step_batch)
-        parser.link_arguments(("method", "local_steps"), "data.steps_per_round", compute_fn=steps_per_round)
-        parser.link_arguments(
-            ("num_machines", "local_steps", "batch_size", "eval_every"),
-            "trainer.val_check_interval",
-            compute_fn=_val_check_interval,
-        )
-        parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed)
-        parser.link_arguments("seed_everything", "model.seed", compute_fn=_seed)
+        for sources, target, compute_fn in _PARSE_LINKS:
+            parser.link_arguments(sources, target, compute_fn=compute_fn)
         # The model's shape and loss are the problem's.
         parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
         parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
@@ -259,13 +296,22 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         self._configure_threads()
-        if self.subcommand == "fit" and self.setting("ckpt_path") == "last":
-            self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         # What defines this run (lit_slowcal.experiments.identity): stored in its checkpoints, and
         # compared with the checkpoint it loads, if any, before anything is built.
         parser = self._parser(self.subcommand)
         dumped = parser.dump(self.run_config(), format="json", skip_unset=False, skip_validation=True)
         self.identity = run_identity(json.loads(dumped))
+        if self.subcommand and self.setting("ckpt_path") == "":
+            raise ValueError("--ckpt_path is empty: pass a checkpoint file, or last for this run's newest checkpoint")
+        if self.subcommand in ("validate", "test", "predict") and self.setting("ckpt_path") is None:
+            print(
+                f"note: {self.subcommand} without --ckpt_path evaluates the untrained starting model; pass "
+                "--ckpt_path <run folder>/checkpoints/last.ckpt to evaluate a trained one",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.subcommand and self.setting("ckpt_path") == "last":  # Lightning's own "last" would not find ours
+            self.config[self.subcommand]["ckpt_path"] = str(self.last_checkpoint())
         self._resumed_step = 0
         if self.subcommand and self.setting("ckpt_path"):
             self._check_checkpoint(self.setting("ckpt_path"))
@@ -276,6 +322,12 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             return
         checkpoint = read_checkpoint(path)
         verb = "resume" if self.subcommand == "fit" else f"{self.subcommand} with"
+        missing = [k for k in ("pytorch-lightning_version", "state_dict", "global_step") if k not in checkpoint]
+        if missing:
+            raise ValueError(
+                f"Cannot {verb} {path}: it is not a Lightning checkpoint (it lacks {', '.join(missing)}; its keys: "
+                f"{', '.join(repr(k) for k in list(checkpoint)[:5]) or 'none'}). Pass a last.ckpt written by `lit_slowcal fit`."
+            )
         check_same_run(path, checkpoint, self.identity, verb)
         self._resumed_step = step = int(checkpoint.get("global_step", 0))
         if self.subcommand != "fit":
@@ -318,19 +370,34 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         configure_threads(self.setting("threads"), work, processes=processes, verbose=rank_zero)
 
     def last_checkpoint(self) -> Path:
-        """The newest ``last.ckpt`` of this run (same method, M, K, b and seed) under ``run_dir``.
+        """The newest ``last.ckpt`` of this run under ``run_dir``: of its name (method, M, K, b and seed) and
+        of its identity (``self.identity``: the learning rate and every other setting too).
 
         ``--ckpt_path last`` continues from it; the continuation logs into a new version folder, so the
-        interrupted run's logs stay as they were.
+        interrupted run's logs stay as they were. Runs of the same name with other settings (another
+        learning rate) share the name's folder: their checkpoints are passed over, and when none is this
+        run's, the error names each one considered and why it is not.
         """
         folder = Path(self.setting("run_dir")) / self.run_name()
-        found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = sorted(folder.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
         if not found:
             raise FileNotFoundError(
                 f"--ckpt_path last: no checkpoint of run {self.run_name()} in {folder}/version_*/checkpoints/ "
                 f"(checkpoints are written every `checkpoint_every` rounds). Pass a checkpoint file instead."
             )
-        return found[-1]
+        reasons = []
+        for path in found:
+            try:
+                check_same_run(path, read_checkpoint(path), self.identity)
+                return path
+            except ValueError as err:  # another run of this name, or an unreadable file
+                why = str(err).split(": it is a different run: ", 1)[-1].split(" (only ", 1)[0]
+                reasons.append(f"{path.relative_to(folder)} ({why})")
+        raise ValueError(
+            f"--ckpt_path last: none of the {len(found)} checkpoints of run {self.run_name()} in {folder} is of this "
+            f"run: {'; '.join(reasons)} (only {allowed_on_resume()} may change on resume; pass the settings of the run "
+            "to continue, a checkpoint file, or start a new run without --ckpt_path)"
+        )
 
     def _checkpoint_callback(self) -> LastCheckpoint:
         # last.ckpt only, every `checkpoint_every` rounds and when training ends.
@@ -355,14 +422,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         """
         version = os.environ.get(RUN_VERSION_ENV)
         if version is None:
-            number = CSVLogger(save_dir=self.setting("run_dir"), name=self.run_name()).version
-            while True:
-                try:
-                    (Path(self.setting("run_dir")) / self.run_name() / f"version_{number}").mkdir(parents=True)
-                    break
-                except FileExistsError:
-                    number += 1
-            version = str(number)
+            version = str(claim_version(self.setting("run_dir"), self.run_name()))
             os.environ[RUN_VERSION_ENV] = version
             self._owns_version_env = True
         return int(version)
@@ -435,7 +495,17 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if not any(isinstance(c, Diagnostics) for c in callbacks):
             extra.append(self._diagnostics())
         kwargs["callbacks"] = [*callbacks, *extra]
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ModuleNotFoundError) as err:  # Lightning's refusal of what this machine lacks
+            message = " ".join(str(err).split())
+            if not re.search(r"accelerator|devices|gpu|GPU|MPS|TPU|xla|backend", message):
+                raise ValueError(f"Invalid trainer setting: {message}") from err
+            accelerator, devices = self.setting("trainer.accelerator"), self.setting("trainer.devices")
+            advice = "--trainer.accelerator=cpu runs on any machine" if accelerator != "cpu" else "use --trainer.devices=N, N >= 1"
+            raise ValueError(
+                f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: {message} ({advice})"
+            ) from err
         strategy = trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):
             raise ValueError(
@@ -501,6 +571,18 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         print("\n".join(lines), flush=True)
 
 
+def claim_version(run_dir: str | Path, name: str) -> int:
+    """The next free version folder ``run_dir/<name>/version_<n>``, claimed by creating it: runs of one name
+    started at the same time (two sweeps, a sweep's workers) never share one."""
+    number = CSVLogger(save_dir=str(run_dir), name=name).version
+    while True:
+        try:
+            (Path(run_dir) / name / f"version_{number}").mkdir(parents=True)
+            return number
+        except FileExistsError:
+            number += 1
+
+
 def run_name(get: Callable[..., Any]) -> str:
     """``<method>_M<M>_K<K>_b<b>_seed<seed>``: a run's folder under ``run_dir``, from ``get(key)``, its
     configuration's values (``SlowcalCLI.setting``, or ``dict.get`` of the parsed ``fit`` section)."""
@@ -555,9 +637,27 @@ def _processes_per_node(devices: Any, accelerator: Any) -> int:
 
 
 def _seed(seed: Any) -> int:
-    if not is_int(seed):
-        raise ValueError(f"Invalid seed_everything: {seed!r} (must be an integer: it seeds the data split too)")
+    if not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(
+            f"Invalid seed_everything: {seed!r} (must be an integer from 0 to {2**32 - 1}: it seeds torch, numpy and the data split)"
+        )
     return seed
+
+
+#: The settings linked from others while the command line is parsed: (sources, target, compute_fn or None).
+_PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
+    ("method", "model.method", None),
+    ("num_machines", "model.num_machines", None),
+    ("num_machines", "data.num_machines", None),
+    (("method", "local_steps", "batch_size"), "data.batch_size", per_step_batch),
+    (("method", "local_steps"), "data.steps_per_round", steps_per_round),
+    (("num_machines", "local_steps", "batch_size", "eval_every"), "trainer.val_check_interval", _val_check_interval),
+    ("seed_everything", "data.seed", _seed),
+    ("seed_everything", "model.seed", _seed),
+)
+#: The options other settings are computed from while parsing (``_PARSE_LINKS``): a sweep checks every
+#: combination of their values (``lit_slowcal.experiments.sweep.runner``), any other option value by value.
+PARSE_LINK_SOURCES = frozenset(n for sources, _, _ in _PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources))
 
 
 def _flat_config(config: Any) -> dict[str, Any]:
@@ -580,9 +680,19 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def run(args: Optional[list[str]] = None) -> None:
-    """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143."""
+    """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143 and
+    Ctrl-C as exit 130, each with how to continue."""
+    interrupted = "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last (from its last checkpoint)."
     try:
         SlowcalCLI(args=args)
+    except SystemExit as err:
+        if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits with status 1 after a Ctrl-C
+            print(interrupted, file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGINT) from None
+        raise
+    except KeyboardInterrupt:  # outside the trainer (while building it)
+        print(interrupted, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     except SIGTERMException:
         # Lightning stops at the end of the current round and raises SystemExit(None), i.e. status 0;
         # a terminated job must not look like a finished one.

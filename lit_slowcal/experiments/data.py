@@ -45,16 +45,38 @@ _MNIST_FILES = {
     "t10k-images-idx3-ubyte": (2051, 16 + 10000 * 28 * 28),
     "t10k-labels-idx1-ubyte": (2049, 8 + 10000),
 }
+MNIST_CLASSES = 10
 
 
 def _check_idx_file(path: Path, magic: int, size: int) -> None:
+    """The file's size, its IDX magic number and its header's dimensions (count, and 28 x 28 for images)."""
     actual = path.stat().st_size
     if actual != size:
         raise ValueError(f"Corrupt MNIST file {path}: {actual} bytes, expected {size}. Replace it with the original file.")
+    dims = 3 if magic == 2051 else 1
     with open(path, "rb") as f:
-        found = int.from_bytes(f.read(4), "big")
+        header = f.read(4 + 4 * dims)
+    found = int.from_bytes(header[:4], "big")
     if found != magic:
         raise ValueError(f"Corrupt MNIST file {path}: magic number {found}, expected {magic}. Replace it with the original file.")
+    shape = [int.from_bytes(header[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
+    expected = [(size - 4 - 4 * dims) // (28 * 28 if dims == 3 else 1), *([28, 28] if dims == 3 else [])]
+    if shape != expected:
+        raise ValueError(
+            f"Corrupt MNIST file {path}: its header gives the shape {' x '.join(map(str, shape))}, but its size holds "
+            f"{' x '.join(map(str, expected))}. Replace it with the original file."
+        )
+
+
+def _check_labels(labels: Tensor, path: Path) -> None:
+    """Every label is a class 0..9; else name the file, the first label outside and where it is."""
+    bad = ((labels < 0) | (labels >= MNIST_CLASSES)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"Corrupt MNIST file {path}: label {int(labels[i])} at index {i} ({len(bad)} labels outside 0..{MNIST_CLASSES - 1}). "
+            "Replace it with the original file."
+        )
 
 
 def _prepare_raw_files(root: Path) -> None:
@@ -126,6 +148,7 @@ def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tenso
     out = []
     for train in (True, False):
         ds = MNIST(str(root), train=train, download=False)
+        _check_labels(ds.targets, raw / ("train-labels-idx1-ubyte" if train else "t10k-labels-idx1-ubyte"))
         x = ds.data.reshape(len(ds.data), -1).to(torch.float32).div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)
         out += [x, ds.targets.to(torch.int64)]
     _CACHE.clear()

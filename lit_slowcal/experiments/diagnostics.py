@@ -28,6 +28,7 @@ Per round, with ``--diagnostics`` (averaged over the rounds or steps since the p
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -120,7 +121,14 @@ class Diagnostics(Callback):
                 shown[0] = time.perf_counter()
                 self._say(trainer, f"optimum: solving, {iterations} Newton steps, f = {value:.10g}, ||grad f|| = {grad_norm:.1e}")
 
-        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress)
+        def solving(path: Path) -> None:  # said at once: on MNIST the solve takes minutes before its first progress line
+            self._say(
+                trainer,
+                f"optimum: solving for x* of {problem.describe()} split over M={data.num_machines} with seed {data.seed} "
+                f"(once: it is cached in {path}) ...",
+            )
+
+        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress, solving=solving)
         self.cached, self.solve_seconds = cached, time.perf_counter() - start
         if not found.converged:
             self.note = (

@@ -22,7 +22,10 @@ from typing import Any, Mapping
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RunIdentity", "allowed_on_resume", "check_same_run", "run_identity"]
+__all__ = [
+    "CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RESULT_SETTINGS", "SEED_KEYS", "RunIdentity", "allowed_on_resume",
+    "check_same_run", "may_change_on_resume", "run_identity", "trial_identity",
+]  # fmt: skip
 
 #: Where the identity is stored in a checkpoint.
 CHECKPOINT_KEY = "lit_slowcal_run"
@@ -38,6 +41,11 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "threads",
     "wandb",
     "wandb_project",
+    "cache_dir",
+    "objective",
+    "diagnostics",
+    "step_every",
+    "optimum_tol",
     "data.root",
     "data.eval_batch_size",
     "trainer.max_epochs",
@@ -61,7 +69,27 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
 )
 
 
-def _may_change(key: str) -> bool:
+#: Settings that may change on resume but that a finished run's results depend on (how long it trained,
+#: how much of the test set its evaluations read): part of a sweep trial's identity (``trial_identity``).
+RESULT_SETTINGS: tuple[str, ...] = (
+    "objective",
+    "diagnostics",
+    "step_every",
+    "optimum_tol",
+    "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.max_time",
+    "trainer.min_epochs",
+    "trainer.min_steps",
+    "trainer.limit_val_batches",
+    "trainer.limit_test_batches",
+)
+#: The keys that hold a run's seed (the data's and the model's are linked from ``seed_everything``).
+SEED_KEYS: tuple[str, ...] = ("seed_everything", "data.seed", "model.seed")
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether the configuration key ``key`` (``model.lr``) may differ from the checkpoint's run on resume."""
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME)
 
 
@@ -71,13 +99,38 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
     ``config`` is the subcommand's configuration as plain data (settings linked from others, such as
     ``data.batch_size``, left out: they follow from the keys they are linked from).
     """
+    flat = _flat(config)
+    return {k: v for k, v in flat.items() if not may_change_on_resume(k)}
+
+
+def trial_identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a sweep trial's results: ``run_identity`` and the ``RESULT_SETTINGS`` (how long it trains).
+
+    Two trials of one identity give the same results, whatever command line or config file said it;
+    a sweep reuses a trial's record only for a trial of the same identity.
+    """
+    flat = _flat(config)
+    return {k: v for k, v in flat.items() if not may_change_on_resume(k) or k in RESULT_SETTINGS}
+
+
+def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, Mapping) and key in ("model", "data", "trainer"):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             flat[key] = value
-    return {k: json.loads(json.dumps(v, default=str)) for k, v in sorted(flat.items()) if not _may_change(k)}
+    flat = {k: json.loads(json.dumps(v, default=str)) for k, v in sorted(flat.items())}
+    if flat.get("data.problem") in _DEFAULT_PROBLEM:  # the default problem named: the same run as left unset
+        flat["data.problem"] = None
+    return flat
+
+
+# ``data.problem`` given as the default problem (MNIST, no arguments), as the config dump writes it.
+_DEFAULT_PROBLEM = (
+    {"class_path": "lit_slowcal.experiments.problems.MNIST"},
+    {"class_path": "lit_slowcal.experiments.problems.MNIST", "init_args": {}},
+)
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -86,7 +139,7 @@ def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     return [
         f"{key} {json.dumps(saved[key])} in the checkpoint, {json.dumps(now[key])} now"
         for key in sorted(saved.keys() & now.keys())
-        if not _may_change(key) and json.dumps(saved[key], sort_keys=True) != json.dumps(now[key], sort_keys=True)
+        if not may_change_on_resume(key) and json.dumps(saved[key], sort_keys=True) != json.dumps(now[key], sort_keys=True)
     ]
 
 

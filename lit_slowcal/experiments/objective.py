@@ -462,12 +462,15 @@ def optimum(
     tol: float = 1e-8,
     max_iter: int = 100,
     progress: Optional[Callable[[int, float, float], None]] = None,
+    solving: Optional[Callable[[Path], None]] = None,
 ) -> tuple[Optimum, Path, bool]:
     """``solve``'s result from the cache, or solved and cached: ``(optimum, cache file, whether it was cached)``.
 
     ``identity`` names the problem and its settings (part of the key, and stored in the file). A
     cached optimum serves every request with a tolerance it meets; one that does not meet ``tol``
     is the solver's starting point (its time and iterations add up), and the better result replaces it.
+    Before a solve, the cache folder is checked (``OSError`` naming it when the result could not be
+    stored there) and ``solving(cache file)`` is called.
     """
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(objective, identity)
@@ -482,6 +485,15 @@ def optimum(
             pass
     if start is not None and start.grad_norm <= tol:
         return replace(start, tol=tol), path, True
+    try:  # before the solve, not after it: its result is stored there
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path.parent, os.W_OK | os.X_OK)
+    except OSError as err:
+        raise OSError(f"--cache_dir {folder}: cannot create {path.parent} ({err.strerror or err}); pass --cache_dir <a writable folder>") from None
+    if not writable:
+        raise OSError(f"--cache_dir {folder}: {path.parent} is not writable; pass --cache_dir <a writable folder>")
+    if solving is not None:
+        solving(path)
     found = solve(objective, shape, tol=tol, max_iter=max_iter, progress=progress, start=start)
     if start is not None:
         found = replace(

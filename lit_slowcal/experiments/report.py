@@ -57,16 +57,68 @@ class Cell:
 
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a results file (one JSON object a line)."""
+    """The records of a results file (one JSON object a line), each checked to be a whole trial record.
+
+    Raises:
+        ValueError: naming the file and the line that is not JSON or not a trial record.
+    """
+    from lit_slowcal.experiments.sweep.results import check_record
+
     records = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
                 try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {n}: not JSON ({err})") from None
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    raise ValueError(f"{path}, line {n}: not JSON ({err}); remove or repair that line") from None
+                wrong = check_record(record)
+                if wrong is not None:
+                    raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
+                records.append(record)
     return records
+
+
+def _flags(args: Sequence[str]) -> dict[str, str]:
+    """A record's command-line settings that define its run but its seed: ``{option: value}``, as given."""
+    from lit_slowcal.experiments.identity import SEED_KEYS, may_change_on_resume
+
+    flags: dict[str, str] = {}
+    tokens = list(args)
+    for i, token in enumerate(tokens):
+        if not token.startswith("--"):
+            continue
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else ""
+        if key not in SEED_KEYS and (key == "config" or not may_change_on_resume(key)):
+            flags[key] = flags[key] + " " + value if key == "config" and key in flags else value
+    return flags
+
+
+def _check_one_setting(key: tuple[int, int, str], records: list[dict[str, Any]]) -> None:
+    """Refuse a point whose records were run with different settings (not only another seed): by their stored
+    identities (``sweep.trials.setting_of``), and by their arguments."""
+    from lit_slowcal.experiments.sweep.trials import setting_of
+
+    where = f"M={key[0]}, K={key[1]}, {key[2]}"
+    advice = "the report averages over seeds only; give each setting its own results file (sweep --results) or remove the old records"
+    by_args: dict[str, dict[str, str]] = {}
+    for r in records:
+        flags = _flags(r.get("args") or [])
+        by_args.setdefault(json.dumps(flags, sort_keys=True), flags)
+    if len(by_args) > 1:
+        first, *others = by_args.values()
+        other = others[0]
+        diff = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+        shown = "; ".join(f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4])
+        raise ValueError(f"the trials at {where} were run with different command lines ({shown}): {advice}")
+    settings = {setting_of(r["identity"]) for r in records if r.get("identity")}
+    if len(settings) > 1:
+        raise ValueError(
+            f"the trials at {where} were run with different settings (the same arguments, {len(settings)} identities: "
+            f"a config file changed in between?): {advice}"
+        )
 
 
 def _methods(found: Sequence[str]) -> list[str]:
@@ -101,6 +153,7 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
                     f"{name} takes several values ({', '.join(sorted(values))}) at M={key[0]}, K={key[1]}, "
                     f"{key[2]}: the report averages over seeds only; keep one value of {name}"
                 )
+        _check_one_setting(key, rs)
         values = [r["metrics"].get(metric) for r in rs if r.get("status") == "finished"]
         values = [float(v) for v in values if v is not None and math.isfinite(v)]
         if values:

@@ -8,8 +8,12 @@ so the records other processes appended meanwhile stay. Reading takes no lock: a
 its newline is a record being appended at that moment (the kernel makes an append visible a page at
 a time), read once it is whole. Nothing is lost or duplicated, a sweep
 killed at any moment leaves a readable file, and running the same command again skips the trials
-it holds (a trial is its parameter dict, see ``trial_key``). The file itself is only ever appended
-to, except for those replacements (which keep its permission bits).
+it holds. A trial is its parameter dict and the identity of the run it made (``record_key``: the
+digest of everything that defines the run, the sweep's fixed command and config included): a record
+of another identity (the same parameters with another command) is kept, and never taken for this
+trial's. A record written before identities were stored gets one from its ``args`` (``identify``).
+The file itself is only ever appended to, except for those replacements (which keep its permission
+bits). A results path that is a symbolic link is followed: the file it points to is the one updated.
 """
 
 from __future__ import annotations
@@ -17,69 +21,134 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from lit_slowcal.experiments.sweep.trials import trial_key
+from lit_slowcal.experiments.sweep.trials import record_key
 from lit_slowcal.files import atomic_write, locked
 
 __all__ = ["ResultsFile"]
 
 
+#: The statuses a record may have.
+STATUSES = ("finished", "diverged", "failed")
+
+
+def check_record(record: Any) -> Optional[str]:
+    """``None`` when ``record`` is a whole trial record as a sweep writes it, else what is wrong with it."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    if not isinstance(record.get("params"), dict):
+        return f"'params' is {record.get('params')!r}, expected an object of the swept parameters"
+    if record.get("status") not in STATUSES:
+        return f"'status' is {record.get('status')!r}, expected one of {', '.join(STATUSES)}"
+    metrics = record.get("metrics", {})
+    if not isinstance(metrics, dict):
+        return f"'metrics' is {metrics!r}, expected an object of numbers"
+    for name, value in metrics.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"metric {name!r} is {value!r}, expected a number or null"
+    for name in ("identity", "error", "run_dir"):
+        if record.get(name) is not None and not isinstance(record[name], str):
+            return f"{name!r} is {record[name]!r}, expected a string or null"
+    if "args" in record and not (isinstance(record["args"], list) and all(isinstance(a, str) for a in record["args"])):
+        return f"'args' is {record['args']!r}, expected a list of strings"
+    return None
+
+
 class ResultsFile:
-    """Finished trials, one JSON object a line, keyed by ``trial_key(record["params"])``.
+    """Finished trials, one JSON object a line, keyed by ``record_key(record["params"], identity)``.
 
     ``records`` is what the file held when last read (``refresh``, and every ``put``), the last
-    record of a trial winning.
+    record of a trial winning. ``identify(record)`` gives the identity of a record that stores none
+    (written before identities were stored; ``None``: unknown, it matches no trial that has one).
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, identify: Optional[Callable[[dict[str, Any]], Optional[str]]] = None) -> None:
+        path = Path(path)
+        # A symbolic link is followed, so that a rewrite (atomic_write) replaces the file it points to.
+        self.path = path.resolve() if path.is_symlink() else path
+        self.identify = identify
         self.records: dict[str, dict[str, Any]] = {}
         self.refresh()
+
+    def _identity(self, record: dict[str, Any]) -> Optional[str]:
+        if "identity" in record or self.identify is None:
+            return record.get("identity")
+        return self.identify(record)
 
     def refresh(self) -> None:
         """Read the file again: trials that other processes recorded since are seen as done."""
         records: dict[str, dict[str, Any]] = {}
         if self.path.exists():
-            with open(self.path) as f:
+            with open(self.path, "rb") as f:
                 for n, line in enumerate(f, 1):
-                    if not line.endswith("\n"):  # the last line, being appended now (see the module's docstring)
+                    if not line.endswith(b"\n"):  # the last line, being appended now (see the module's docstring)
                         break
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
-                        key = trial_key(record["params"])
-                    except (json.JSONDecodeError, KeyError, TypeError) as err:
-                        raise ValueError(f"{self.path}, line {n}: not a trial record ({err})") from None
-                    records[key] = record
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{self.path}, line {n}: not JSON ({err}); remove or repair that line") from None
+                    except UnicodeDecodeError as err:
+                        raise ValueError(f"{self.path}, line {n}: not text ({err}); remove or repair that line") from None
+                    wrong = check_record(record)
+                    if wrong is not None:
+                        raise ValueError(f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line")
+                    records[record_key(record["params"], self._identity(record))] = record
         self.records = records
 
-    def get(self, params: dict[str, Any]) -> Optional[dict[str, Any]]:
-        return self.records.get(trial_key(params))
+    def check_writable(self) -> None:
+        """Raise ``OSError`` naming the file when a record could not be added to it: its folder cannot be created
+        or written (a new file is created there, a retried record replaced through it), the file is not a
+        writable regular file, or its last line is cut short."""
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"results file {self.path}: cannot create its folder ({err.strerror or err}); pass --results elsewhere") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OSError(f"results file {self.path}: its folder {folder} is not writable; pass --results elsewhere")
+        if self.path.exists():
+            if not self.path.is_file() or not os.access(self.path, os.W_OK):
+                raise OSError(f"results file {self.path}: not a writable file; pass --results elsewhere")
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
+                    raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
+
+    def get(self, params: dict[str, Any], identity: Optional[str] = None) -> Optional[dict[str, Any]]:
+        """The record of the trial ``params`` whose run has this identity (``None``: records that store none)."""
+        return self.records.get(record_key(params, identity))
 
     def put(self, record: dict[str, Any]) -> None:
         """Add a trial's record (append), or replace the one the file holds (atomic rewrite), under the lock."""
-        key = trial_key(record["params"])
+        key = record_key(record["params"], self._identity(record))
         line = json.dumps(record, allow_nan=False) + "\n"
         with locked(self.path):
             self.refresh()
             replace = key in self.records
             self.records[key] = record
             if replace:
-                with atomic_write(self.path) as f:
-                    for r in self.records.values():
-                        f.write(json.dumps(r, allow_nan=False) + "\n")
+                try:
+                    with atomic_write(self.path) as f:
+                        for r in self.records.values():
+                            f.write(json.dumps(r, allow_nan=False) + "\n")
+                except OSError as err:
+                    raise OSError(f"{self.path}: cannot replace a record ({err.strerror or err}); the file is as it was") from None
                 return
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 data, size = line.encode(), os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # no append is under way: we hold the lock
                     raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
-                written = os.write(fd, data)
-                if written != len(data):  # a full disk: never leave half a record
+                try:
+                    written = os.write(fd, data)
+                    if written != len(data):  # a full disk: never leave half a record
+                        raise OSError(f"wrote {written} of {len(data)} bytes of a record (disk full?)")
+                    os.fsync(fd)
+                except OSError as err:
                     os.ftruncate(fd, size)
-                    raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes of a record (disk full?)")
-                os.fsync(fd)
+                    raise OSError(f"{self.path}: cannot add a record ({err.strerror or err}); the file is as it was") from None
             finally:
                 os.close(fd)

@@ -306,8 +306,16 @@ def parse_sweep(config: Any) -> Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a W&B sweep YAML file."""
-    with open(path) as f:
-        config = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML: {problem}{where}; fix the sweep file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a text file ({err}); a sweep file is YAML") from None
     try:
         return parse_sweep(config)
     except ValueError as err:

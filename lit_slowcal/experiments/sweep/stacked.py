@@ -83,6 +83,7 @@ class StackedTrial:
     params: dict[str, Any]
     args: list[str]
     config: dict[str, Any]
+    identity: Optional[str] = None  # the identity digest of its run (runner.trial_identity_of)
     outcome: dict[str, Any] = field(default_factory=dict)  # as run_trial returns it, once the group ran
     final_state: dict[str, Any] = field(default_factory=dict)  # {"params": the trial's (M, ...) tensors}
 
@@ -306,7 +307,7 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     from torchmetrics.functional.classification import multiclass_accuracy
 
     from lit_slowcal.averaging import PeriodicAverager
-    from lit_slowcal.experiments.cli import run_name
+    from lit_slowcal.experiments.cli import claim_version, run_name
     from lit_slowcal.experiments.data import MNISTDataModule
     from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
@@ -394,8 +395,9 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
 
     loggers = []
     for i, t in enumerate(trials):
-        logger = CSVLogger(save_dir=t.config["run_dir"], name=run_name(t.config.get))
-        logger.experiment  # creates the version folder: the next trial of the same name takes the next one
+        name = run_name(t.config.get)  # each trial claims its own version folder, as a single run does
+        logger = CSVLogger(save_dir=t.config["run_dir"], name=name, version=claim_version(t.config["run_dir"], name))
+        logger.experiment
         write_class_counts(streams[i].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
         if config_text is not None:
             with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
@@ -648,21 +650,21 @@ def config_yaml(trial: StackedTrial) -> str:
 
 
 def plan_stacked(
-    trials: list[tuple[dict[str, Any], list[str], Any]], budget: Optional[int]
+    trials: list[tuple[dict[str, Any], list[str], Any, Optional[str]]], budget: Optional[int]
 ) -> tuple[list[list[StackedTrial]], list[tuple[dict[str, Any], list[str]]]]:
     """The stackable trials in groups (printed: how many, the memory budget, why the others are not
     stacked), and the others (``(params, args)``) to run one at a time.
 
     Args:
-        trials: ``(params, args, parsed)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
+        trials: ``(params, args, parsed, identity)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
         budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
     """
     stacked, alone, reasons = [], [], {}
-    for params, args, parsed in trials:
+    for params, args, parsed, identity in trials:
         config = parsed.get("fit").as_dict()
         why = stackable(config)
         if why is None:
-            stacked.append(StackedTrial(params, list(args), config))
+            stacked.append(StackedTrial(params, list(args), config, identity))
         else:
             alone.append((params, list(args)))
             reasons[why] = reasons.get(why, 0) + 1
