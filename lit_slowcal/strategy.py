@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -165,7 +166,16 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             reset_seed()
             self.set_world_ranks()
             return
+        # A one-process validate/test still gets a group (DDPStrategy syncs the module states through
+        # it); it is destroyed at teardown, so that no group outlives the call in the user's process.
+        self._own_group = self.num_nodes * self.num_processes == 1 and not (dist.is_available() and dist.is_initialized())
         super().setup_distributed()
+
+    def teardown(self) -> None:
+        super().teardown()
+        if getattr(self, "_own_group", False) and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
 
     def _fitting(self) -> bool:
         module = self.lightning_module

@@ -178,3 +178,22 @@ def test_lightning_cli_sets_k_by_the_registered_name_and_by_class_path(tmp_path,
     assert type(spawn).__name__ == "periodic_averaging_spawn" and spawn.sync_every == 4
     alone = strategy_of("--trainer.strategy=periodic_averaging")  # the registry's name: K = 1 unless set
     assert isinstance(alone, PeriodicAveragingStrategy) and alone.sync_every == 1
+
+
+def test_a_one_process_validate_leaves_no_process_group_behind():
+    """validate/test in one process set up a gloo group (Lightning syncs the module states through it);
+    the strategy destroys it at teardown, so a process forked later inherits no live group."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_slowcal import PeriodicAveragingStrategy
+
+    assert not dist.is_initialized()
+    trainer = pl.Trainer(
+        strategy=PeriodicAveragingStrategy(sync_every=2, process_group_backend="gloo"), accelerator="cpu", devices=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, limit_test_batches=2,
+    )  # fmt: skip
+    for run in (trainer.validate, trainer.test):
+        run(BoringModel())
+        assert not dist.is_initialized()
