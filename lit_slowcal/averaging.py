@@ -430,7 +430,7 @@ class PeriodicAverager:
         with torch.no_grad():
             self._average(tensors, self.participant_weights())
             if self.outer is not None:
-                self._outer_step()
+                self._outer_step(tensors)
         post = getattr(self.optimizer, "post_sync", None)
         if callable(post):
             post()
@@ -470,9 +470,10 @@ class PeriodicAverager:
 
     # -- the server's optimizer --------------------------------------------------------------
 
-    def _outer_pairs(self) -> list[tuple[Tensor, bool]]:
-        """The optimizer's parameters, each with whether it is stacked (one slice per machine)."""
-        stacked = {id(t) for t, s in self._tensors() if s}
+    def _outer_pairs(self, tensors: Optional[list[tuple[Tensor, bool]]] = None) -> list[tuple[Tensor, bool]]:
+        """The optimizer's parameters, each with whether it is stacked (one slice per machine);
+        ``tensors``: ``_tensors()`` where the caller has it already."""
+        stacked = {id(t) for t, s in (self._tensors() if tensors is None else tensors) if s}
         return [(p, id(p) in stacked) for group in self.optimizer.param_groups for p in group["params"]]
 
     def _start_outer(self) -> None:
@@ -482,9 +483,9 @@ class PeriodicAverager:
         if not isinstance(self.outer, Optimizer):
             raise TypeError(f"Invalid outer_optimizer: it returned {self.outer!r} (must return a torch.optim.Optimizer)")
 
-    def _outer_step(self) -> None:
+    def _outer_step(self, tensors: list[tuple[Tensor, bool]]) -> None:
         """The pseudo-gradient x_s - x_bar into the outer optimizer; its step is everyone's next start."""
-        pairs = self._outer_pairs()
+        pairs = self._outer_pairs(tensors)
         for g, (p, stacked) in zip(self.global_params, pairs):
             g.grad = g - (p[0] if stacked else p)
         self.outer.step()

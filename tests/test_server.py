@@ -11,7 +11,7 @@ import torch
 from helpers import REPO, Quadratics, subprocess_env
 from torch import nn
 
-from lit_slowcal import PeriodicAverager, Scaffold, SimulatedMachines, SlowcalSGD
+from lit_slowcal import PeriodicAverager, Scaffold, SimulatedMachines
 
 F64 = torch.float64
 M, DIM, K, ROUNDS = 4, 3, 5, 6

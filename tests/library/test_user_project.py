@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, subprocess_env
+from helpers import subprocess_env
 
 SCRIPT = Path(__file__).with_name("user_project.py")
 K, STEPS, EPOCH = 7, 30, 12  # K, max_steps, batches per epoch (384 images, 2 shards, batch 16)

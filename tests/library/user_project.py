@@ -11,7 +11,6 @@ the model and optimizer state it ends with, and the strategy's schedules.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
