@@ -10,7 +10,11 @@ The core, importable with torch and lightning alone:
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
 * ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy, a thin adapter over
   ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` the same for Fabric;
-* ``AtomicCheckpointIO`` and ``atomic_write`` / ``atomic_path`` -- files that are whole or absent.
+* ``AtomicCheckpointIO`` -- a Lightning ``CheckpointIO`` whose checkpoints are whole or absent
+  (the strategies' default; pass it to any ``Trainer`` or Fabric strategy).
+
+``__all__`` is the library's API, each name documented in docs/api.md. The file helpers behind
+``AtomicCheckpointIO`` (``atomic_path``, ``atomic_write``, ``locked``) live in ``lit_slowcal.files``.
 
 ``import lit_slowcal`` needs torch only: the Lightning pieces load on first use, and the names
 ``strategy="periodic_averaging"`` (and ``"periodic_averaging_spawn"``) are registered with the
@@ -23,7 +27,6 @@ core, ``lit_slowcal.experiments``, with extra dependencies: ``pip install "lit_s
 from lit_slowcal import _registration
 from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.averaging import PeriodicAverager
-from lit_slowcal.files import atomic_path, atomic_write
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 from lit_slowcal.simulated import SimulatedMachines
@@ -37,8 +40,6 @@ __all__ = [
     "Scaffold",
     "SimulatedMachines",
     "SlowcalSGD",
-    "atomic_path",
-    "atomic_write",
 ]
 __version__ = "0.2.0"
 
