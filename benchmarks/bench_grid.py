@@ -194,14 +194,17 @@ VARIANTS = {"default": [], "bare": ["--objective=false", "--diagnostics=false"]}
 
 
 def check_stored(records: list[dict]) -> tuple[int, list[str]]:
-    """Every metric of sweeps/results/paper.jsonl's record of the same trial, compared exactly with ``records``'."""
+    """Every metric that both ``records`` and sweeps/results/paper.jsonl's record of the same trial hold, compared exactly."""
     stored = {_key(r["params"]): r for r in map(json.loads, STORED.read_text().splitlines()) if r["status"] == "finished"}
     same, differ = 0, []
     for record in records:
         old = stored.get(_key(record["params"]))
         if old is None:
             continue
-        diff = {k: (v, record["metrics"].get(k)) for k, v in old["metrics"].items() if record["metrics"].get(k) != v}
+        # The metrics both hold: the stored records are the runs as configured (objective and diagnostics on),
+        # so a bare run lacks those and is compared on the rest.
+        common = [k for k in old["metrics"] if k in record["metrics"]]
+        diff = {k: (old["metrics"][k], record["metrics"][k]) for k in common if record["metrics"][k] != old["metrics"][k]}
         if diff:
             differ.append(f"{_key(record['params'])}: {diff}")
         else:
