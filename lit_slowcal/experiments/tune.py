@@ -339,9 +339,10 @@ def communication_table(choices: Sequence[Choice]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: str) -> None:
+def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: str, zoom: float = 0.1) -> None:
     """Test accuracy against the floats a machine sent (log axis), one line per method through its cells
-    (its values of K) in the order of the floats, error bars: the sample std over the seeds."""
+    (its values of K) in the order of the floats, error bars: the sample std over the seeds. Left: every
+    point; right: the top ``zoom`` of accuracy below the best mean, where the methods are told apart."""
     from matplotlib.figure import Figure
 
     from lit_slowcal.experiments.report import _save
@@ -353,25 +354,30 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
             by_method.setdefault(c.method, []).append((floats, acc, c.std("test_acc") or 0.0, c.K))
     if not by_method:
         raise ValueError(f"no chosen cell has test_acc and floats_communicated in its records; nothing to draw in {path}")
-    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
-    ax = fig.subplots()
+    fig = Figure(figsize=(10.0, 4.0), layout="constrained")
+    axes = fig.subplots(1, 2)
     order = {name: i for i, name in enumerate(METHODS)}
     for method in sorted(by_method, key=lambda m: (order.get(m, len(order)), m)):
         points = sorted(by_method[method])
         color = METHODS[method].color if method in METHODS else None
-        ax.errorbar(
-            [f for f, *_ in points], [a for _, a, *_ in points], yerr=[s for _, _, s, _ in points], marker="o",
-            capsize=3, color=color, label=_label(method),
-        )  # fmt: skip
+        for ax in axes:
+            ax.errorbar(
+                [f for f, *_ in points], [a for _, a, *_ in points], yerr=[s for _, _, s, _ in points], marker="o",
+                capsize=3, color=color, label=_label(method),
+            )  # fmt: skip
         for f, a, _, k in points:
-            ax.annotate(f"K={k}", (f, a), textcoords="offset points", xytext=(4, -10), fontsize=6, color=color)
-    ax.set_xscale("log")
-    ax.set_xlabel("floats sent per machine over the run")
-    ax.set_ylabel("final test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+            axes[1].annotate(f"K={k}", (f, a), textcoords="offset points", xytext=(4, -10), fontsize=6, color=color)
+    best = max(a for points in by_method.values() for _, a, _, _ in points)
+    axes[1].set_ylim(best - zoom, best + zoom / 5)
+    axes[1].set_title(f"zoom: within {zoom:g} of the best mean", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("floats sent per machine over the run")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final test accuracy")
+    axes[0].legend(fontsize="small")
     n = max(len(c.records) for c in choices)
-    ax.set_title(f"{title}\n(each method at its tuned rate per K; mean over {n} seeds, bars: std)", fontsize=9)
+    fig.suptitle(f"{title} (each method at its tuned rate per K; mean over {n} seeds, bars: std)", fontsize=10)
     _save(fig, path)
 
 
@@ -410,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for path in write_docs(choices, opts.criterion, opts.docs, opts.results.stem):
                 print(f"wrote {path}")
         if opts.floats is not None:
-            plot_accuracy_vs_floats(choices, opts.floats, f"{opts.results.stem}: test accuracy against communication")
+            plot_accuracy_vs_floats(choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication")
             print(communication_table(choices))
             print(f"wrote {opts.floats}")
     except (OSError, ValueError) as err:

@@ -5,7 +5,7 @@
 set -e
 PY=${1:-python}
 export OMP_NUM_THREADS=1
-for f in local minibatch diloco; do
+for f in local minibatch diloco scaffold_low; do
   "$PY" -m lit_slowcal sweep sweeps/nonconvex/$f.yaml --results sweeps/results/nonconvex.jsonl --workers 1 --threads 1 --wandb=false
 done
 for f in participation_local participation_minibatch participation_diloco; do
