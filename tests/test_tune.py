@@ -256,3 +256,43 @@ def test_communication_table_and_the_accuracy_against_floats_figure(tmp_path, ca
     bare = [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "floats_communicated"}} for r in CNN_RECORDS]
     with pytest.raises(ValueError, match="no chosen cell has test_acc and floats_communicated"):
         tune.plot_accuracy_vs_floats(tune.tune(bare, "train_loss"), tmp_path / "none.png", "t")
+
+
+def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
+    """sweeps/nonconvex/: the CNN runs of docs/nonconvex.md. Every file trains with the same arguments before
+    the swept ones; the fraction 0.137 of an epoch keeps 512 samples per machine at K = 4, 16 and 64
+    (Lightning keeps int(fraction x rounds) rounds); the committed results hold every trial, at that budget."""
+    from lit_slowcal.experiments import sweep as sw
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.report import load_results
+
+    repo = Path(__file__).resolve().parents[1]
+    files = sorted((repo / "sweeps" / "nonconvex").glob("*.yaml"))
+    sweeps = {f.stem: sw.load_sweep(f) for f in files}
+    assert sorted(sweeps) == [
+        "diloco", "local", "minibatch", "participation_diloco", "participation_local", "participation_minibatch",
+        "scaffold_low",
+    ]  # fmt: skip
+    args = {tuple(s.args_before) for s in sweeps.values()}
+    assert len(args) == 1
+    (common,) = args
+    assert {"--model.arch=cnn", "--model.init=default", "--trainer.limit_train_batches=0.137"} <= set(common)
+    for k in (4, 16, 64):
+        assert int(num_rounds(MNIST_TRAIN_SIZE, 16, k, 1) * 0.137) * k == 512
+    for name, s in sweeps.items():
+        rates = next(p.spec["values"] for p in s.params if p.name == "model.lr")
+        assert all(abs(b / a / 10 ** (1 / 3) - 1) < 0.01 for a, b in zip(rates, rates[1:])), (name, rates)
+    trials = {name: sw.expand_trials(s) for name, s in sweeps.items()}
+    main = [t for name, ts in trials.items() if not name.startswith("participation") for t in ts]
+    part = [t for name, ts in trials.items() if name.startswith("participation") for t in ts]
+    assert (len(main), len(part)) == (5 * 3 * 5 * 3 + 6, 4 * 5 * 3)
+    assert {t["method"] for t in main} == {"slowcal", "local_sgd", "minibatch_sgd", "scaffold", "diloco"}
+    assert {t["method"] for t in part} == {"slowcal", "local_sgd", "minibatch_sgd", "diloco"}  # SCAFFOLD refuses
+    assert {(t["local_steps"], t["participation"]) for t in part} == {(16, 0.25)}
+    for stem, expected in (("nonconvex", main), ("nonconvex_participation", part)):
+        records = load_results(repo / "sweeps" / "results" / f"{stem}.jsonl")
+        assert sorted(sw.trial_key(r["params"]) for r in records) == sorted(sw.trial_key(t) for t in expected)
+        for r in records:
+            if r["status"] == "finished":
+                k = r["params"]["local_steps"]
+                assert (r["metrics"]["samples_seen"], r["metrics"]["round"]) == (512 * 16, 512 / k), r["params"]
