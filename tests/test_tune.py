@@ -130,7 +130,7 @@ def test_the_test_set_is_never_a_criterion(tmp_path, capsys, criterion):
     err = capsys.readouterr().err.strip()
     assert err == (
         f"lit_slowcal tune: error: Invalid --criterion: '{criterion}' (the test set is never a tuning criterion; "
-        "allowed: train_objective, excess_loss, val_<metric>)"
+        "allowed: train_objective, excess_loss, train_loss, val_<metric>)"
     )
     assert not (tmp_path / "x.csv").exists()
     with pytest.raises(ValueError, match="Invalid --criterion: 'loss' \\(allowed: train_objective"):
@@ -193,3 +193,106 @@ def test_winners_and_docs_by_hand(tmp_path):
     text = (tmp_path / "table1_tuned.md").read_text()
     assert "**SLowcal-SGD** over Local-SGD: 1.35e-01 (1.35 σ)" in text and "**Minibatch-SGD** (alone)" in text
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def cnn_record(method, k, seed, lr, train_loss, acc, floats, participation=None):
+    """A non-linear model's trial: train_loss and the test figures, no training objective."""
+    params = {"local_steps": k, "method": method, "model.lr": lr, "num_machines": 16, "seed_everything": seed}
+    if participation is not None:
+        params["participation"] = participation
+    metrics = {"train_loss": train_loss, "round": 8.0, "floats_communicated": floats, "test_acc": acc, "test_loss": 0.3}
+    return {"params": params, "status": "finished", "error": None, "metrics": metrics}
+
+
+CNN_RECORDS = [
+    # local_sgd K=4: train_loss means 0.45, 0.33 (chosen, interior), 0.35; the best test accuracy is at 0.0464.
+    cnn_record("local_sgd", 4, 1, 0.01, 0.50, 0.80, 16 * 1000.0),
+    cnn_record("local_sgd", 4, 2, 0.01, 0.40, 0.82, 16 * 1000.0),
+    cnn_record("local_sgd", 4, 1, 0.0215, 0.30, 0.90, 16 * 1000.0),
+    cnn_record("local_sgd", 4, 2, 0.0215, 0.36, 0.92, 16 * 1000.0),
+    cnn_record("local_sgd", 4, 1, 0.0464, 0.20, 0.99, 16 * 1000.0),
+    cnn_record("local_sgd", 4, 2, 0.0464, 0.50, 0.99, 16 * 1000.0),
+    # local_sgd K=16: a quarter of the rounds, a quarter of the floats; the larger rate wins (edge: high).
+    cnn_record("local_sgd", 16, 1, 0.01, 0.60, 0.70, 16 * 250.0),
+    cnn_record("local_sgd", 16, 2, 0.01, 0.62, 0.74, 16 * 250.0),
+    cnn_record("local_sgd", 16, 1, 0.0215, 0.41, 0.84, 16 * 250.0),
+    cnn_record("local_sgd", 16, 2, 0.0215, 0.43, 0.88, 16 * 250.0),
+    # diloco K=16 with 25% participation: S/M of the floats; one seed (std 0).
+    cnn_record("diloco", 16, 1, 0.001, 0.70, 0.60, 16 * 62.5, participation=0.25),
+    cnn_record("diloco", 16, 1, 0.00215, 0.80, 0.65, 16 * 62.5, participation=0.25),
+]
+
+
+def test_train_loss_criterion_chooses_by_the_seeds_mean_train_loss(tmp_path, capsys):
+    choices = tune.tune(CNN_RECORDS, "train_loss")
+    assert [(c.method, c.K, c.lr, c.lr_at_edge) for c in choices] == [
+        ("local_sgd", 4, 0.0215, "no"), ("local_sgd", 16, 0.0215, "high"), ("diloco", 16, 0.001, "low"),
+    ]  # fmt: skip
+    assert [c.criterion_mean for c in choices] == [pytest.approx(0.33, abs=1e-15), pytest.approx(0.42, abs=1e-15), 0.70]
+    assert choices[0].mean("test_acc") == pytest.approx(0.91, abs=1e-15)  # not 0.99: the test set never chooses
+    assert choices[0].std("train_loss") == pytest.approx(0.06 / math.sqrt(2), abs=1e-15)
+    # The records of a non-linear model hold no train_objective: the default criterion finds no rate.
+    with pytest.raises(ValueError, match=r"no rate at local_sgd M=16 K=4 has every seed finished with train_objective .* runs log train_loss"):
+        tune.tune(CNN_RECORDS, "train_objective")
+    results = write(tmp_path / "cnn.jsonl", CNN_RECORDS)
+    assert app_main_exit(["tune", str(results), "--criterion", "train_loss"]) == 0
+    assert "| local_sgd | 16 | 4 | 0.0215 | no | 2 | 0.33 |" in capsys.readouterr().out
+
+
+def test_communication_table_and_the_accuracy_against_floats_figure(tmp_path, capsys):
+    choices = tune.tune(CNN_RECORDS, "train_loss")
+    assert [tune.floats_per_machine(c) for c in choices] == [1000.0, 250.0, 62.5]
+    lines = tune.communication_table(choices).splitlines()
+    assert lines[2] == "| Local-SGD | 16 | 4 | 0.0215 | no | 2 | 0.3300 ± 0.0424 | 0.9100 ± 0.0141 | 1e+03 |"
+    assert lines[3] == "| Local-SGD | 16 | 16 | 0.0215 | high | 2 | 0.4200 ± 0.0141 | 0.8600 ± 0.0283 | 250 |"
+    assert lines[4] == "| DiLoCo | 16 | 16 | 0.001 | low | 1 | 0.7000 ± 0.0000 | 0.6000 ± 0.0000 | 62.5 |"
+    figure = tmp_path / "acc_vs_floats.png"
+    results = write(tmp_path / "cnn.jsonl", CNN_RECORDS)
+    assert app_main_exit(["tune", str(results), "--criterion", "train_loss", "--floats", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5000
+    out = capsys.readouterr().out
+    assert lines[2] in out and f"wrote {figure}" in out
+    # Records without the floats (or the accuracy): nothing to draw, one line naming the file.
+    bare = [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "floats_communicated"}} for r in CNN_RECORDS]
+    with pytest.raises(ValueError, match="no chosen cell has test_acc and floats_communicated"):
+        tune.plot_accuracy_vs_floats(tune.tune(bare, "train_loss"), tmp_path / "none.png", "t")
+
+
+def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
+    """sweeps/nonconvex/: the CNN runs of docs/nonconvex.md. Every file trains with the same arguments before
+    the swept ones; the fraction 0.137 of an epoch keeps 512 samples per machine at K = 4, 16 and 64
+    (Lightning keeps int(fraction x rounds) rounds); the committed results hold every trial, at that budget."""
+    from lit_slowcal.experiments import sweep as sw
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.report import load_results
+
+    repo = Path(__file__).resolve().parents[1]
+    files = sorted((repo / "sweeps" / "nonconvex").glob("*.yaml"))
+    sweeps = {f.stem: sw.load_sweep(f) for f in files}
+    assert sorted(sweeps) == [
+        "diloco", "local", "minibatch", "participation_diloco", "participation_local", "participation_minibatch",
+        "scaffold_low",
+    ]  # fmt: skip
+    args = {tuple(s.args_before) for s in sweeps.values()}
+    assert len(args) == 1
+    (common,) = args
+    assert {"--model.arch=cnn", "--model.init=default", "--trainer.limit_train_batches=0.137"} <= set(common)
+    for k in (4, 16, 64):
+        assert int(num_rounds(MNIST_TRAIN_SIZE, 16, k, 1) * 0.137) * k == 512
+    for name, s in sweeps.items():
+        rates = next(p.spec["values"] for p in s.params if p.name == "model.lr")
+        assert all(abs(b / a / 10 ** (1 / 3) - 1) < 0.01 for a, b in zip(rates, rates[1:])), (name, rates)
+    trials = {name: sw.expand_trials(s) for name, s in sweeps.items()}
+    main = [t for name, ts in trials.items() if not name.startswith("participation") for t in ts]
+    part = [t for name, ts in trials.items() if name.startswith("participation") for t in ts]
+    assert (len(main), len(part)) == (5 * 3 * 5 * 3 + 6, 4 * 5 * 3)
+    assert {t["method"] for t in main} == {"slowcal", "local_sgd", "minibatch_sgd", "scaffold", "diloco"}
+    assert {t["method"] for t in part} == {"slowcal", "local_sgd", "minibatch_sgd", "diloco"}  # SCAFFOLD refuses
+    assert {(t["local_steps"], t["participation"]) for t in part} == {(16, 0.25)}
+    for stem, expected in (("nonconvex", main), ("nonconvex_participation", part)):
+        records = load_results(repo / "sweeps" / "results" / f"{stem}.jsonl")
+        assert sorted(sw.trial_key(r["params"]) for r in records) == sorted(sw.trial_key(t) for t in expected)
+        for r in records:
+            if r["status"] == "finished":
+                k = r["params"]["local_steps"]
+                assert (r["metrics"]["samples_seen"], r["metrics"]["round"]) == (512 * 16, 512 / k), r["params"]

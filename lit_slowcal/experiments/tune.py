@@ -9,6 +9,10 @@ Criteria (``--criterion``), each a final metric of the trials' records:
 * ``train_objective`` (default): f(x_R), the training objective at the end of the run (the paper's
   global objective, weight decay included; ``lit_slowcal.experiments.diagnostics``);
 * ``excess_loss``: f(x_R) - f*, which the paper's guarantees bound (runs with weight decay);
+* ``train_loss``: the last logged training loss, the mean loss of the machines' own steps over the
+  rounds since the previous log (every ``trainer.log_every_n_steps`` rounds, and after the last). The
+  criterion of the non-linear models (``--model.arch=mlp|cnn``), whose runs have no training objective;
+  it is measured on each machine's local model, before the round's average;
 * ``val_<metric>``: a held-out validation metric, where the records have one (maximised when its name
   ends in ``acc``, minimised otherwise).
 
@@ -36,7 +40,10 @@ from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.report import load_results
 from lit_slowcal.files import atomic_write
 
-__all__ = ["CSV_HEADER", "Choice", "check_criterion", "main", "tune", "winners", "write_csv", "write_docs"]
+__all__ = [
+    "CSV_HEADER", "Choice", "check_criterion", "communication_table", "floats_per_machine", "main",
+    "plot_accuracy_vs_floats", "tune", "winners", "write_csv", "write_docs",
+]  # fmt: skip
 
 #: The columns of the tuned table, in order.
 CSV_HEADER = (
@@ -78,9 +85,9 @@ class Choice:
 
 def check_criterion(criterion: str) -> str:
     """``criterion`` if it may choose a rate; else one line naming it and what is allowed."""
-    if not isinstance(criterion, str) or not (criterion in ("train_objective", "excess_loss") or criterion.startswith("val_")):
+    if not isinstance(criterion, str) or not (criterion in ("train_objective", "excess_loss", "train_loss") or criterion.startswith("val_")):
         reason = "the test set is never a tuning criterion; " if str(criterion).startswith("test") else ""
-        raise ValueError(f"Invalid --criterion: {criterion!r} ({reason}allowed: train_objective, excess_loss, val_<metric>)")
+        raise ValueError(f"Invalid --criterion: {criterion!r} ({reason}allowed: train_objective, excess_loss, train_loss, val_<metric>)")
     return criterion
 
 
@@ -130,8 +137,8 @@ def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> l
         if not scores:
             raise ValueError(
                 f"no rate at {where} has every seed finished with {criterion} in its metrics (rates: "
-                f"{', '.join(f'{lr:g}' for lr in sorted(by_lr))}); runs log train_objective unless --objective=false, "
-                "excess_loss with --model.weight_decay > 0"
+                f"{', '.join(f'{lr:g}' for lr in sorted(by_lr))}); runs log train_loss, train_objective unless "
+                "--objective=false or the model is not linear, excess_loss with --model.weight_decay > 0"
             )
         lr = min(scores, key=lambda v: (sign * scores[v], v))  # ties: the smaller rate
         searched = sorted(by_lr)
@@ -165,12 +172,13 @@ def write_csv(choices: Sequence[Choice], path: str | Path) -> None:
         writer.writerows(rows(choices))
 
 
+def _pm(c: Choice, metric: str, fmt: str) -> str:
+    mean, std = c.mean(metric), c.std(metric)
+    return "n/a" if mean is None else f"{mean:{fmt}} ± {std:{fmt}}"
+
+
 def markdown(choices: Sequence[Choice], criterion: str) -> str:
     """The tuned table for the terminal: per cell the rate, its edge flag and the figures at it."""
-    def pm(c: Choice, metric: str, fmt: str) -> str:
-        mean, std = c.mean(metric), c.std(metric)
-        return "n/a" if mean is None else f"{mean:{fmt}} ± {std:{fmt}}"
-
     lines = [
         f"| method | M | K | lr | at edge | seeds | {criterion} (chose) | excess loss | test accuracy | test loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -178,7 +186,7 @@ def markdown(choices: Sequence[Choice], criterion: str) -> str:
     for c in choices:
         lines.append(
             f"| {c.method} | {c.M} | {c.K} | {c.lr:g} | {c.lr_at_edge} | {len(c.records)} | {c.criterion_mean:.6g} | "
-            f"{pm(c, 'excess_loss', '.3e')} | {pm(c, 'test_acc', '.4f')} | {pm(c, 'test_loss', '.4f')} |"
+            f"{_pm(c, 'excess_loss', '.3e')} | {_pm(c, 'test_acc', '.4f')} | {_pm(c, 'test_loss', '.4f')} |"
         )
     edges = [f"{c.method} M={c.M} K={c.K} ({c.lr_at_edge})" for c in choices if c.lr_at_edge != "no"]
     note = f"Chosen by the seeds' mean {criterion}; the test figures are read at the chosen rate only."
@@ -308,8 +316,73 @@ def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: st
     return [path, *written]
 
 
+def floats_per_machine(choice: Choice) -> Optional[float]:
+    """The floats a machine sent over the run at the chosen rate: the records' ``floats_communicated`` (the
+    machines' total) over M, averaged over the seeds (with partial participation: per machine on average)."""
+    total = choice.mean("floats_communicated")
+    return None if total is None else total / choice.M
+
+
+def communication_table(choices: Sequence[Choice]) -> str:
+    """Markdown, one row per cell: the tuned rate, the final train loss and test accuracy (mean ± sample std
+    over the seeds at that rate) and the floats a machine sent; the test figures are read after choosing."""
+    lines = [
+        "| method | M | K | tuned lr | at edge | seeds | final train loss | final test accuracy | floats sent per machine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in choices:
+        floats = floats_per_machine(c)
+        lines.append(
+            f"| {_label(c.method)} | {c.M} | {c.K} | {c.lr:g} | {c.lr_at_edge} | {len(c.records)} | "
+            f"{_pm(c, 'train_loss', '.4f')} | {_pm(c, 'test_acc', '.4f')} | {'n/a' if floats is None else f'{floats:.3g}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: str, zoom: float = 0.1) -> None:
+    """Test accuracy against the floats a machine sent (log axis), one line per method through its cells
+    (its values of K) in the order of the floats, error bars: the sample std over the seeds. Left: every
+    point; right: the top ``zoom`` of accuracy below the best mean, where the methods are told apart."""
+    from matplotlib.figure import Figure
+
+    from lit_slowcal.experiments.report import _save
+
+    by_method: dict[str, list[tuple[float, float, float, int]]] = {}
+    for c in choices:
+        floats, acc = floats_per_machine(c), c.mean("test_acc")
+        if floats is not None and acc is not None:
+            by_method.setdefault(c.method, []).append((floats, acc, c.std("test_acc") or 0.0, c.K))
+    if not by_method:
+        raise ValueError(f"no chosen cell has test_acc and floats_communicated in its records; nothing to draw in {path}")
+    fig = Figure(figsize=(10.0, 4.0), layout="constrained")
+    axes = fig.subplots(1, 2)
+    order = {name: i for i, name in enumerate(METHODS)}
+    for method in sorted(by_method, key=lambda m: (order.get(m, len(order)), m)):
+        points = sorted(by_method[method])
+        color = METHODS[method].color if method in METHODS else None
+        for ax in axes:
+            ax.errorbar(
+                [f for f, *_ in points], [a for _, a, *_ in points], yerr=[s for _, _, s, _ in points], marker="o",
+                capsize=3, color=color, label=_label(method),
+            )  # fmt: skip
+        for f, a, _, k in points:
+            axes[1].annotate(f"K={k}", (f, a), textcoords="offset points", xytext=(4, -10), fontsize=6, color=color)
+    best = max(a for points in by_method.values() for _, a, _, _ in points)
+    axes[1].set_ylim(best - zoom, best + zoom / 5)
+    axes[1].set_title(f"zoom: within {zoom:g} of the best mean", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("floats sent per machine over the run")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final test accuracy")
+    axes[0].legend(fontsize="small")
+    n = max(len(c.records) for c in choices)
+    fig.suptitle(f"{title} (each method at its tuned rate per K; mean over {n} seeds, bars: std)", fontsize=10)
+    _save(fig, path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lit_slowcal tune RESULTS.jsonl [--criterion C] [--out FILE.csv] [--docs DIR]``."""
+    """``python -m lit_slowcal tune RESULTS.jsonl [--criterion C] [--out FILE.csv] [--docs DIR] [--floats FIGURE.png]``."""
     parser = argparse.ArgumentParser(
         prog="python -m lit_slowcal tune",
         description="Choose the learning rate of every (method, M, K) by a training criterion averaged over seeds "
@@ -318,12 +391,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("results", type=Path, help="JSON-lines file written by `lit_slowcal sweep`")
     parser.add_argument(
         "--criterion", default="train_objective",
-        help="train_objective (f(x_R), default), excess_loss (f(x_R) - f*) or val_<metric>; test_* is refused",
+        help="train_objective (f(x_R), default), excess_loss (f(x_R) - f*), train_loss (the last logged loss of the "
+        "machines' steps; non-linear models) or val_<metric>; test_* is refused",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the table as CSV there (columns: " + ",".join(CSV_HEADER) + ")")
     parser.add_argument(
         "--docs", type=Path,
         help="write <results stem>.md (the table, the map of which method wins each cell) and its figures there",
+    )  # fmt: skip
+    parser.add_argument(
+        "--floats", type=Path, metavar="FIGURE.png",
+        help="draw the final test accuracy against the floats sent per machine there (one line per method through "
+        "its K) and print the table of tuned rate, train loss, test accuracy and floats per machine",
     )  # fmt: skip
     opts = parser.parse_args(argv)
     try:
@@ -336,6 +415,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.docs is not None:
             for path in write_docs(choices, opts.criterion, opts.docs, opts.results.stem):
                 print(f"wrote {path}")
+        if opts.floats is not None:
+            plot_accuracy_vs_floats(choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication")
+            print(communication_table(choices))
+            print(f"wrote {opts.floats}")
     except (OSError, ValueError) as err:
         print(f"lit_slowcal tune: error: {err}", file=sys.stderr)
         return 2
