@@ -93,7 +93,6 @@ class ConfigFile(ActionConfigFile):
         super().__call__(parser, cfg, values, option_string)
 
 
-
 # The link functions below check the settings while the command line is parsed: before anything is built.
 
 
