@@ -207,15 +207,22 @@ def _defined_names(tree: ast.AST, *, members_only: bool) -> set[str]:
 @functools.lru_cache(maxsize=1)
 def lightning_internals() -> frozenset[str]:
     """The names no module but lit_slowcal/_lightning.py may use: every underscored name the installed Lightning
-    defines (read from its source), and the Trainer's loop objects (``fit_loop``, ...: no stability promise)."""
+    defines (read from its source), and the Trainer's loop objects and their progress trackers (``fit_loop``,
+    ``epoch_loop``, ``batch_progress``, ...: public names without a stability promise), found by walking them."""
     from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.progress import _BaseProgress
 
     names: set[str] = set()
     for path in LIGHTNING.rglob("*.py"):
         names |= {n for n in _defined_names(ast.parse(path.read_text()), members_only=False) if _private(n)}
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    loops = {name for name, value in vars(trainer).items() if isinstance(value, _Loop)}
-    assert {"fit_loop", "validate_loop"} <= loops, f"Lightning {lightning.__version__}: the Trainer's loops are {loops}"
+    loops, owners = set(), [trainer]
+    while owners:
+        for name, value in vars(owners.pop()).items():
+            if isinstance(value, (_Loop, _BaseProgress)) and name not in loops:
+                loops.add(name)
+                owners += [value] if isinstance(value, _Loop) else []
+    assert {"fit_loop", "epoch_loop", "batch_progress"} <= loops, f"Lightning {lightning.__version__}: the loops are {loops}"
     return frozenset(names | loops)
 
 
@@ -273,8 +280,9 @@ class SlowcalCLI(LightningCLI):
         return self._version(), self.run_config()
 """
     found = lightning_accesses(source)
-    assert [line for line, _ in found] == [3, 4, 9, 10, 11, 12], found
-    assert (9, "._parser") in found and (10, ".fit_loop") in found and (11, "._last_global_step_saved") in found
+    assert [line for line, _ in found] == [3, 4, 9, 10, 10, 11, 12], found
+    assert (9, "._parser") in found and (10, ".fit_loop") in found and (10, ".epoch_loop") in found
+    assert (11, "._last_global_step_saved") in found
     assert (12, "getattr(..., '_monitor_candidates')") in found
     assert "_version" in own_members() and not any("_version" in what for _, what in found)
 
