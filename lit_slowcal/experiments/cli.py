@@ -69,6 +69,10 @@ __all__ = ["SlowcalCLI", "claim_version", "diagnostics_callback", "run", "run_na
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     """LightningCLI with the paper's experiment settings and their derived values linked in.
 
+    When the trainer is built, ``self.shape`` is the run's ``RunShape`` (``run_shape``): the strategy's
+    ``sync_every``, the data module's rounds and batches, the evaluation interval and the checkpoint
+    interval all come from it.
+
     A command that loads a checkpoint (``fit --ckpt_path``, ``validate``, ``test``) must describe the
     checkpoint's run: its configuration is compared with the identity stored in the checkpoint
     before anything is built (``lit_slowcal.experiments.identity``).
