@@ -104,6 +104,8 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
         shape, data = cli.shape, cli.datamodule
         assert shape == RunShape.of(method, M, K, b, train_size=30 * M, world_size=devices, eval_every=100)
         assert cli.trainer.strategy.sync_every == shape.sync_every
+        # The values linked while parsing (what a stacked trial reads from its parsed configuration) agree.
+        assert (cli.config.data.steps_per_round, cli.config.data.batch_size) == (shape.steps_per_round, shape.per_step_batch)
         assert cli.trainer.val_check_interval == shape.rounds == math.ceil(30 / (K * b))
         data.trainer = cli.trainer
         data.setup("fit")
