@@ -128,6 +128,8 @@ BAD_INPUT = [
     (["--model.weight_power=-1"], ["weight_power: -1"]),
     (["--model.gamma=1.5"], ["gamma: 1.5", "(0, 1]"]),
     (["--num_machines=3", "--trainer.devices=2"], ["num_machines = 3", "not divisible", "processes (2"]),
+    (["--trainer.strategy=periodic_averaging", "--trainer.strategy.sync_every=8"],
+     ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"]),
     (["--data.derived=1"], ["unrecognized arguments: --data.derived=1"]),
     (["--data.root={empty}"], ["missing from", "MNIST/raw", "train-images-idx3-ubyte.gz", "data.root"]),
     (["--data.root={size}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "100 bytes, expected 60008"]),

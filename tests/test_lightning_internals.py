@@ -1,12 +1,14 @@
 """The Lightning internals behind lit_slowcal._lightning still exist and still mean what it assumes.
 
 A Lightning release that renames or removes one fails here, naming the attribute and the version,
-instead of deep inside a training run. The last test keeps every other module off these names.
+instead of deep inside a training run. The last tests keep every other module off Lightning's internals:
+they scan the syntax tree of every module for the underscored names the installed Lightning defines.
 """
 
 from __future__ import annotations
 
-import re
+import ast
+import functools
 from pathlib import Path
 
 import lightning
@@ -20,17 +22,6 @@ from torch.utils.data import DataLoader
 from lit_slowcal import _lightning
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lit_slowcal"
-INTERNALS = (
-    "_parse_ckpt_path",
-    "_trainer",
-    "_save_last_checkpoint",
-    "_last_global_step_saved",
-    "_monitor_candidates",
-    "fit_loop",
-    "epoch_loop",
-    "batch_progress",
-    "total_batch_idx",
-)
 
 
 def require(obj: object, path: str) -> object:
@@ -176,16 +167,133 @@ def test_unattached_module_trainer_raises_runtime_error():
 
 # --------------------------------------------------------------------------------- the rule
 
+LIGHTNING = Path(lightning.__file__).resolve().parent
+TOOLS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_names(tree: ast.AST, *, members_only: bool) -> set[str]:
+    """Names a module defines: every def, class and assigned name and attribute, or with ``members_only``
+    only what can be reached as ``something.<name>``: class members and assigned attributes."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not members_only:
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute):
+                        names.add(t.attr)
+                    elif isinstance(t, ast.Name) and not members_only:
+                        names.add(t.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                names.add(node.args[1].value)
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def lightning_internals() -> frozenset[str]:
+    """The names no module but lit_slowcal/_lightning.py may use: every underscored name the installed Lightning
+    defines (read from its source), and the Trainer's loop objects and their progress trackers (``fit_loop``,
+    ``epoch_loop``, ``batch_progress``, ...: public names without a stability promise), found by walking them."""
+    from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.progress import _BaseProgress
+
+    names: set[str] = set()
+    for path in LIGHTNING.rglob("*.py"):
+        names |= {n for n in _defined_names(ast.parse(path.read_text()), members_only=False) if _private(n)}
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loops, owners = set(), [trainer]
+    while owners:
+        for name, value in vars(owners.pop()).items():
+            if isinstance(value, (_Loop, _BaseProgress)) and name not in loops:
+                loops.add(name)
+                owners += [value] if isinstance(value, _Loop) else []
+    assert {"fit_loop", "epoch_loop", "batch_progress"} <= loops, f"Lightning {lightning.__version__}: the loops are {loops}"
+    return frozenset(names | loops)
+
+
+@functools.lru_cache(maxsize=1)
+def own_members() -> frozenset[str]:
+    """The names lit_slowcal itself defines as class members or attributes (outside _lightning.py): ``x._version()``
+    of its own is not Lightning's."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path != PACKAGE / "_lightning.py":
+            names |= _defined_names(ast.parse(path.read_text()), members_only=True)
+    return frozenset(names)
+
+
+def lightning_accesses(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every use of a Lightning internal in ``source``: an attribute access
+    (``x._parser``, ``trainer.fit_loop``) or a ``getattr``-style string naming one that lit_slowcal does not
+    define itself, and an import of an underscored name or module from Lightning."""
+    internals, own = lightning_internals(), own_members()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in internals and node.attr not in own:
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in TOOLS and len(node.args) > 1:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and name.value in internals and name.value not in own:
+                found.append((node.lineno, f"{node.func.id}(..., {name.value!r})"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for module in modules:
+                if module.split(".")[0] not in ("lightning", "pytorch_lightning", "lightning_fabric"):
+                    continue
+                names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+                private = [p for p in [*module.split("."), *names] if _private(p)]
+                if private:
+                    found.append((node.lineno, f"import {module}: {', '.join(private)}"))
+    return sorted(found)
+
+
+def test_the_scan_finds_each_kind_of_lightning_internal():
+    """The old cli.py's ``self._parser(...)`` (a LightningCLI method), the loop objects, a private callback attribute,
+    one named in a string, and imports of private names and modules; not lit_slowcal's own underscored members."""
+    source = """
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+import lightning.fabric.utilities._hooks
+
+
+class SlowcalCLI(LightningCLI):
+    def before_instantiate_classes(self):
+        parser = self._parser(self.subcommand)
+        step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+        saved = self.callback._last_global_step_saved
+        candidates = getattr(self.callback, "_monitor_candidates")
+        return self._version(), self.run_config()
+"""
+    found = lightning_accesses(source)
+    assert [line for line, _ in found] == [3, 4, 9, 10, 10, 11, 12], found
+    assert (9, "._parser") in found and (10, ".fit_loop") in found and (10, ".epoch_loop") in found
+    assert (11, "._last_global_step_saved") in found
+    assert (12, "getattr(..., '_monitor_candidates')") in found
+    assert "_version" in own_members() and not any("_version" in what for _, what in found)
+
 
 def test_no_module_outside_lightning_py_uses_lightning_internals():
-    """Attribute access (``x.fit_loop``) or a string naming one (``getattr(x, "fit_loop")``)."""
-    names = "|".join(INTERNALS)
-    pattern = re.compile(rf"\.\s*(?:{names})\b|[\"'](?:{names})[\"']")
+    """Every module of the package, scanned (``lightning_accesses``): the internals stay in _lightning.py."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "_lightning.py":
             continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if pattern.search(line):
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
+        lines = path.read_text().splitlines()
+        for number, what in lightning_accesses(path.read_text()):
+            offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {what}: {lines[number - 1].strip()}")
     assert not offenders, "Lightning internals outside lit_slowcal/_lightning.py:\n" + "\n".join(offenders)

@@ -31,12 +31,13 @@ from lit_slowcal.experiments.partition import (
     write_class_counts,
 )
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
+from lit_slowcal.experiments.shape import RunShape
 from lit_slowcal.files import atomic_path, locked
 
 __all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-MNIST_TRAIN_SIZE = 60_000
+MNIST_TRAIN_SIZE = MNIST.TRAIN_SIZE  # the problem registry's
 
 # name -> (IDX magic number, decompressed size in bytes)
 _MNIST_FILES = {
@@ -192,8 +193,8 @@ def partition_shards(
 
 
 def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
-    """R = ceil(N / (M * steps_per_round * batch_size)): rounds for all machines to see N samples."""
-    return math.ceil(num_samples / (num_machines * steps_per_round * batch_size))
+    """R = ceil(N / (M * steps_per_round * batch_size)): rounds for all machines to see N samples (``RunShape.rounds``)."""
+    return RunShape(num_machines, steps_per_round, batch_size, train_size=num_samples).rounds
 
 
 class MachineStreams:
@@ -290,10 +291,12 @@ class MNISTDataModule(pl.LightningDataModule):
     split settings below apply to MNIST only, the other problems generate their machines' data.
 
     One epoch is R = ceil(N / (M * steps_per_round * batch_size)) rounds of ``steps_per_round``
-    steps, so that all machines together see about N = 60,000 samples per epoch. Each training batch
-    is one round (see ``MachineStreams``). Each rank hosts the
-    m = M / world_size consecutive machines ``rank * m ... rank * m + m - 1``. Validation and test
-    use the 10,000 MNIST test images.
+    steps, so that all machines together see about N samples per epoch (N = 60,000 for MNIST; the
+    problem's ``train_size``). Each training batch is one round (see ``MachineStreams``). Each rank
+    hosts the m = M / world_size consecutive machines ``rank * m ... rank * m + m - 1``. These numbers
+    are the data module's ``shape()`` (a ``RunShape``); the CLI hands it the run's own with
+    ``use_shape``, the one the strategy's ``sync_every`` comes from. Validation and test use the
+    problem's test set (the 10,000 MNIST test images).
 
     Args:
         root: folder holding ``MNIST/raw/`` (the repository ships the files in ``data/``).
@@ -354,13 +357,34 @@ class MNISTDataModule(pl.LightningDataModule):
         self.shards: list[Tensor] = []
         self.partition_png: Optional[Path] = None
         self._train: Optional[MachineStreams] = None
+        self._shape: Optional[RunShape] = None
 
     @property
     def num_train_samples(self) -> int:
-        """N, the samples one epoch's rounds cover: 60,000 for MNIST, else the shards' total."""
-        if isinstance(self.problem, MNIST):
-            return MNIST_TRAIN_SIZE
-        return sum(len(s) for s in self._build().shards)
+        """N, the samples one epoch's rounds cover: the problem's ``train_size`` (60,000 for MNIST)."""
+        return self.problem.train_size(self.num_machines, self.seed, self)
+
+    def use_shape(self, shape: RunShape) -> None:
+        """Serve the rounds of ``shape``: its machines, steps per round and per-step batch replace the
+        constructor's (the CLI's one shape of the run, whose ``sync_every`` the strategy has)."""
+        if not isinstance(shape, RunShape):
+            raise ValueError(f"Invalid shape: {shape!r} (a RunShape)")
+        if self._train is not None and (shape.num_machines, shape.steps_per_round, shape.per_step_batch) != (
+            self.num_machines, self.steps_per_round, self.batch_size
+        ):
+            raise ValueError(
+                f"Invalid shape: {shape} (the streams are set up for num_machines={self.num_machines}, "
+                f"steps_per_round={self.steps_per_round}, batch_size={self.batch_size}; give the shape before setup)"
+            )
+        self.num_machines, self.steps_per_round, self.batch_size = shape.num_machines, shape.steps_per_round, shape.per_step_batch
+        self._shape = shape
+
+    def shape(self) -> RunShape:
+        """The run's shape: the one given by ``use_shape``, else the constructor's over the trainer's processes."""
+        if self._shape is not None:
+            return self._shape
+        world = self.trainer.world_size if self.trainer is not None else 1
+        return RunShape(self.num_machines, self.steps_per_round, self.batch_size, self.num_train_samples, world)
 
     def _build(self) -> ProblemData:
         if self.problem_data is None:
@@ -375,18 +399,20 @@ class MNISTDataModule(pl.LightningDataModule):
 
     @property
     def num_rounds(self) -> int:
-        """R = ceil(N / (M * steps_per_round * batch_size))."""
-        return num_rounds(self.num_train_samples, self.num_machines, self.steps_per_round, self.batch_size)
+        """R = ceil(N / (M * steps_per_round * batch_size)) (``RunShape.rounds``)."""
+        return self.shape().rounds
 
-    def _layout(self) -> tuple[int, int]:
-        trainer = self.trainer
-        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        if self.num_machines % world:
+    def _layout(self) -> tuple[RunShape, int]:
+        """The run's shape (checked: M a multiple of the processes) and this process's rank."""
+        shape = self.shape()
+        if self.trainer is None:
+            return shape, 0
+        if shape.world_size != self.trainer.world_size:
             raise ValueError(
-                f"data.num_machines = {self.num_machines} is not divisible by the number of processes "
-                f"({world}); use a multiple of {world}"
+                f"Invalid shape: world_size {shape.world_size} (the trainer runs {self.trainer.world_size} processes; "
+                "give the data module the run's shape over them)"
             )
-        return world, rank
+        return shape, self.trainer.global_rank
 
     def prepare_data(self) -> None:
         """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on
@@ -396,17 +422,17 @@ class MNISTDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self._train is not None:
             return
-        world, rank = self._layout()
-        m = self.num_machines // world
+        shape, rank = self._layout()
+        m = shape.machines_per_process
         processes = getattr(self.trainer, "num_devices", 1)  # this node's processes share its memory
-        check_round_fits(m * processes, self.steps_per_round, self.batch_size, features=self.problem.input_dim)
+        check_round_fits(m * processes, shape.steps_per_round, shape.per_step_batch, features=self.problem.input_dim)
         data = self._build()
         x, y, self.test_x, self.test_y = data.train_x, data.train_y, data.test_x, data.test_y
         self.shards = list(data.shards)
         check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
-            x, y, self.shards, machines, self.batch_size, self.steps_per_round, self.num_rounds, self.seed
+            x, y, self.shards, machines, shape.per_step_batch, shape.steps_per_round, shape.rounds, self.seed
         )
         self._train_labels = y
         if stage == "fit" and self.trainer is not None and self.problem.loss == "cross_entropy":

@@ -93,6 +93,11 @@ class Problem:
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
         raise NotImplementedError
 
+    def train_size(self, num_machines: int, seed: int, data: Any = None) -> int:
+        """N, the training samples one epoch covers for ``num_machines`` machines and ``seed``: the
+        machines' shards together (the run's rounds per epoch follow from it, ``RunShape.rounds``)."""
+        return sum(len(s) for s in self.build(num_machines, seed, data).shards)
+
     def __repr__(self) -> str:
         return self.describe()
 
@@ -102,6 +107,11 @@ class MNIST(Problem):
 
     input_dim = 784
     num_outputs = 10
+    #: The MNIST training set. An epoch covers all of it, whichever split leaves samples out of the shards.
+    TRAIN_SIZE: ClassVar[int] = 60_000
+
+    def train_size(self, num_machines: int, seed: int, data: Any = None) -> int:
+        return self.TRAIN_SIZE
 
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
         # The files and the split settings are the data module's (lit_slowcal.experiments.data).
@@ -216,6 +226,9 @@ class Quadratic(Problem):
     @property
     def input_dim(self) -> int:  # type: ignore[override]
         return self.dim
+
+    def train_size(self, num_machines: int, seed: int, data: Any = None) -> int:
+        return check_int("num_machines", num_machines) * self.samples
 
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
         return _quadratic(self.dim, self.heterogeneity, self.noise, self.samples, self.test_samples, num_machines, seed)

@@ -63,7 +63,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
+
+from lit_slowcal._validation import is_int
 
 __all__ = [
     "AUTO_MAX_THREADS",
@@ -73,8 +75,11 @@ __all__ = [
     "ThreadsError",
     "WorkSize",
     "choose_threads",
+    "configure_run_threads",
     "configure_threads",
     "parse_threads",
+    "processes_per_node",
+    "world_size_of",
 ]
 
 #: Samples x features per step (of one process) from which ``auto`` uses more than one thread.
@@ -258,3 +263,48 @@ def configure_threads(setting: Setting, work: WorkSize, *, processes: int = 1, v
         print(f"threads: {threads} ({choice.reason})", flush=True)
         _State.printed = threads
     return threads
+
+
+def processes_per_node(devices: Any, accelerator: Any) -> int:
+    """The processes a Trainer with these settings starts on this node (1 where it cannot tell)."""
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    if isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            return max(1, len([d for d in text.split(",") if d.strip()]))
+        devices = int(text) if text.lstrip("-").isdigit() else text
+    if is_int(devices) and devices > 0:
+        return devices
+    if devices in (-1, "auto") and str(accelerator) in ("gpu", "cuda", "auto"):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def world_size_of(trainer: Mapping[str, Any]) -> int:
+    """The processes of all nodes a Trainer with these settings (``trainer.*`` of the config) starts."""
+    nodes = trainer.get("num_nodes")
+    return processes_per_node(trainer.get("devices"), trainer.get("accelerator")) * (nodes if is_int(nodes) and nodes > 0 else 1)
+
+
+def configure_run_threads(get: Callable[..., Any], subcommand: Optional[str], samples_per_step: int) -> int:
+    """``configure_threads`` for a CLI run: ``get(key)`` its settings, ``samples_per_step`` a machine's per-step
+    batch (a fit; validate, test and predict size one evaluation batch). Set before the trainer exists."""
+    trainer = get("trainer") or {}
+    processes = processes_per_node(trainer.get("devices"), trainer.get("accelerator"))
+    world = world_size_of(trainer)
+    features = get("model.input_dim") or 784
+    if subcommand in (None, "fit"):
+        machines = get("num_machines")
+        work = WorkSize(
+            machines=max(1, machines // world) if is_int(machines) else 1,
+            samples=samples_per_step,
+            features=features,
+            per_process=world > 1,
+        )
+    else:  # validate, test, predict: one forward of the averaged model per evaluation batch
+        work = WorkSize(1, get("data.eval_batch_size") or 1, features, what="evaluation batch")
+    rank_zero = all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    return configure_threads(get("threads"), work, processes=processes, verbose=rank_zero)

@@ -82,7 +82,7 @@ class CommandLine:
         Raises:
             ValueError: with the parser's message when the CLI refuses the arguments.
         """
-        from lit_slowcal.experiments.cli import one_line_message
+        from lit_slowcal.experiments.options import one_line_message
 
         try:
             return self.parser.parse_args(list(args))
@@ -96,7 +96,7 @@ class CommandLine:
 def _trial_environment() -> Iterator[None]:
     # LightningCLI warns when given args while sys.argv has some (ours: the sweep's); and the CLI
     # remembers its run folder version in the environment for its DDP children: each trial needs a fresh one.
-    from lit_slowcal.experiments.cli import RUN_VERSION_ENV
+    from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV
 
     argv = sys.argv
     sys.argv = argv[:1]
@@ -393,7 +393,7 @@ def _parse(args: list[str]) -> tuple[Any, Optional[str], Optional[str]]:
 def _leaf_key(name: str) -> bool:
     """Whether the option ``name`` is one key of the parsed ``fit`` section and of a run's identity (``model.lr``,
     ``checkpoint_every``), not a source of a linked setting: a value of it changes that key only."""
-    from lit_slowcal.experiments.cli import PARSE_LINK_SOURCES
+    from lit_slowcal.experiments.options import PARSE_LINK_SOURCES
 
     parts = name.split(".")
     return name not in PARSE_LINK_SOURCES and (len(parts) == 1 or (len(parts) == 2 and parts[0] in ("model", "data", "trainer")))

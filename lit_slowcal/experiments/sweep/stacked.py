@@ -246,10 +246,10 @@ def _diagnostics(config: dict[str, Any], data: Any, model: nn.Module, logger: An
 
 
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
-    limit = config["trainer"].get("limit_train_batches")
-    if limit is None or (isinstance(limit, float) and limit == 1.0):
-        return rounds
-    return min(rounds, int(limit))
+    """The rounds of its epoch a trial trains: ``rounds`` under its ``trainer.limit_train_batches``."""
+    from lit_slowcal.experiments.shape import limited_rounds
+
+    return limited_rounds(rounds, config["trainer"].get("limit_train_batches"))
 
 
 def _epoch_mean(value: Tensor, n: int) -> Tensor:
@@ -621,21 +621,16 @@ def _objective_to(objective: Any, device: torch.device, shared: dict[tuple, tupl
 
 def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
     """The trial's own W&B run, written when its group ends: its config, every logged row at its
-    step, in the sweep's W&B group; online when logged in and reachable, else offline (as the CLI)."""
+    step, in the sweep's W&B group; online or offline as a single run's (``run_folder.start_wandb``)."""
     import wandb
 
-    from lit_slowcal.experiments.cli import _flat_config, wandb_logged_in
+    from lit_slowcal.experiments.run_folder import flat_config, start_wandb
 
     kwargs = dict(
         project=config.get("wandb_project"), name=name, dir=folder, group=os.environ.get("WANDB_RUN_GROUP"),
-        config=_flat_config(config), reinit="finish_previous",
+        config=flat_config(config), reinit="finish_previous",
     )  # fmt: skip
-    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_logged_in()
-    try:
-        run = wandb.init(mode="offline" if offline else "online", **kwargs)
-    except Exception as err:  # no network, server down: never lose the trial's log for it
-        print(f"W&B: cannot reach W&B ({type(err).__name__}); logging {name} offline", flush=True)
-        run = wandb.init(mode="offline", **kwargs)
+    run, _ = start_wandb(lambda offline: wandb.init(mode="offline" if offline else "online", **kwargs), folder)
     for step, row in history:
         run.log(row, step=step)
     run.finish(exit_code=1 if failed else 0)
