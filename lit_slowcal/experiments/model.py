@@ -22,6 +22,7 @@ from lit_slowcal._lightning import batches_started
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
+from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = ["LogisticRegression", "official_init"]
@@ -138,16 +139,12 @@ class LogisticRegression(pl.LightningModule):
             world = self.trainer.world_size
         except RuntimeError:  # not attached to a Trainer (built and configured by hand)
             world = 1
-        if self.hparams.num_machines % world:
-            raise ValueError(
-                f"num_machines = {self.hparams.num_machines} is not divisible by the number of processes ({world})"
-            )
         # Random init is seeded by seed_everything; rank 0's weights are broadcast at setup anyway.
         template = get_architecture(self.hparams.get("arch", "linear")).build(self.hparams.input_dim, self.hparams.num_classes)
         if self.hparams.init == "zeros":
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)
-        self.machines = SimulatedMachines(template, self.hparams.num_machines // world)
+        self.machines = SimulatedMachines(template, hosted_machines(self.hparams.num_machines, world))
         if self.hparams.init == "official":
             self._official_init()
 

@@ -32,7 +32,7 @@ from typing import Optional, Union
 from lit_slowcal._validation import check_int, is_int, is_number
 from lit_slowcal.experiments.methods import get_method
 
-__all__ = ["RunShape", "limited_rounds", "per_step_batch", "steps_per_round"]
+__all__ = ["RunShape", "hosted_machines", "limited_rounds", "per_step_batch", "steps_per_round"]
 
 
 def steps_per_round(method: str, local_steps: int) -> int:
@@ -55,6 +55,17 @@ def limited_rounds(rounds: int, limit: Optional[Union[int, float]]) -> int:
     if isinstance(limit, float) and limit < 1.0:
         return int(rounds * limit)
     return min(rounds, int(limit))
+
+
+def hosted_machines(num_machines: int, world_size: int) -> int:
+    """m = M / P, the machines each of P processes hosts; the one check that P divides M."""
+    if num_machines % world_size:
+        raise ValueError(
+            f"num_machines = {num_machines} is not divisible by the number of processes ({world_size} = "
+            f"trainer.devices x trainer.num_nodes); every process hosts num_machines / processes machines. "
+            f"Use a multiple of {world_size}."
+        )
+    return num_machines // world_size
 
 
 @dataclass(frozen=True)
@@ -95,12 +106,7 @@ class RunShape:
                 f"Invalid sync_every: {self.sync_every!r} (a round of {self.steps_per_round} steps ends with one "
                 f"synchronisation: it must equal steps_per_round, {self.steps_per_round})"
             )
-        if self.num_machines % self.world_size:
-            raise ValueError(
-                f"num_machines = {self.num_machines} is not divisible by the number of processes ({self.world_size} = "
-                f"trainer.devices x trainer.num_nodes); every process hosts num_machines / processes machines. "
-                f"Use a multiple of {self.world_size}."
-            )
+        hosted_machines(self.num_machines, self.world_size)
         limited_rounds(self.rounds, self.limit_train_batches)  # refuses a bad limit now
 
     @classmethod
@@ -138,7 +144,7 @@ class RunShape:
     @property
     def machines_per_process(self) -> int:
         """m = M / P, the machines each process hosts."""
-        return self.num_machines // self.world_size
+        return hosted_machines(self.num_machines, self.world_size)
 
     @property
     def samples_per_round(self) -> int:
