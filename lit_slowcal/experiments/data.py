@@ -362,6 +362,17 @@ class MNISTDataModule(pl.LightningDataModule):
             return MNIST_TRAIN_SIZE
         return sum(len(s) for s in self._build().shards)
 
+    @property
+    def train_streams(self) -> MachineStreams:
+        """This process's machines' training streams (``setup`` builds them): what ``train_dataloader`` gives."""
+        if self._train is None:
+            raise RuntimeError("the data module has no training streams before setup('fit')")
+        return self._train
+
+    def problem_samples(self) -> ProblemData:
+        """The problem's training and test samples and the M machines' shards (built once)."""
+        return self._build()
+
     def _build(self) -> ProblemData:
         if self.problem_data is None:
             self.problem_data = self.problem.build(self.num_machines, self.seed, self)
