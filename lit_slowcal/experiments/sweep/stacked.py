@@ -7,7 +7,7 @@ without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
-  larger batch of machines (``LogisticRegression._losses_of``; the loss is the sum over the
+  larger batch of machines (``LogisticRegression.losses_of``; the loss is the sum over the
   T * M machines, so every slice gets its own gradient). Autograd gives the gradient of the loss with
   respect to the outputs; the linear layer's gradients are formed from it into buffers kept from step
   to step (``_linear_grads``: autograd's values; allocating them afresh every step cost more than
@@ -23,14 +23,17 @@ without a Trainer:
 * each trial's steps draw the samples its single run draws (its data module's own split and
   ``MachineStreams.indices``, its rounds' steps in order), gathered a few steps at a time into
   preallocated buffers;
-* a block ends its round after its K-th step: the model's finiteness check, the train-loss log,
-  and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a step
-  are evaluated together: their trials' averaged models on the test set and, for the training
+* a block ends its round after its K-th step with the single run's own pieces of a round
+  (``lit_slowcal.experiments.rounds``, written over the trials: the finiteness check, the train-loss
+  log), and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a
+  step are evaluated together: their trials' averaged models on the test set and, for the training
   objective, on the training set, each set read once for all of them (``objective.affine_rows``,
-  ``objective.values``), with ``swap_output`` around it as the model does;
-* each trial runs its single run's ``Diagnostics`` callback (training objective, optimum, per-round
-  diagnostics) on its own data module, model and logger, with its block's averager (the sync
-  pre-hook) and optimizer (its hooks see the trial's own slices): the same rows and values.
+  ``objective.values``), with the outputs swapped around it (``rounds.swap_outputs``) and the
+  metrics formed (``rounds.evaluation_row``) as the model does;
+* each trial has its single run's ``Diagnostics`` (training objective, optimum, per-round
+  diagnostics), driven through its trainer-free methods (``prepare``, ``attach``, ``start_round``,
+  ``evaluate``) on its own data module and model, with its block's averager (the sync pre-hook)
+  and optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
 alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
