@@ -47,6 +47,12 @@ __all__ = ["Diagnostics"]
 class Diagnostics(Callback):
     """Logs ``train_objective``, ``excess_loss`` (with ``f_star``, ``G_star``) and the per-round diagnostics.
 
+    A Lightning callback whose hooks call its trainer-free methods, which a loop without a Trainer (the
+    stacked trials, ``sweep.stacked``) calls itself: ``prepare`` (the objective and its optimum, before
+    training: the metrics of step 0), ``attach`` / ``detach`` (the hooks on a model's machines, its
+    averager and its optimizer), ``start_round`` / ``end_round``, and ``evaluate`` (the values to log
+    at an evaluation).
+
     Args:
         objective: log the training objective, and compute x* (or read it from the cache) for the
             excess loss and G_*.
@@ -127,11 +133,12 @@ class Diagnostics(Callback):
 
     # -- the objective and its optimum ----------------------------------------------------------
 
-    def prepare(self, data: Any, weight_decay: float = 0.0, say: Callable[[str], None] = print) -> dict[str, float]:
+    def prepare(self, data: Any, weight_decay: float = 0.0, say: Optional[Callable[[str], None]] = None) -> dict[str, float]:
         """Before training: the training objective of ``data`` (a ``MNISTDataModule``; its problem's samples
         and shards), its optimum x* (solved or read from the cache) and G_*. Returns the metrics logged
         at step 0 (``f_star``, ``G_star``, ``optimum_grad_norm``; none without an optimum); ``say``
-        prints the lines on it."""
+        prints the lines on it (``None``: ``print``)."""
+        say = say or _print
         problem = getattr(data, "problem", None)
         samples = getattr(data, "problem_samples", None)
         if not self.measure_objective or problem is None or samples is None:  # (not a lit_slowcal data module)
@@ -295,6 +302,10 @@ class Diagnostics(Callback):
         step = torch.stack(norms)
         self._steps = self._steps.to(step.device) + step
         self._step_count += 1
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

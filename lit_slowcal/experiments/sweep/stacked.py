@@ -315,10 +315,6 @@ def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
     return blocks
 
 
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
 class _Group:
     """The trials of one group, trained as one stack of T x M machines (``run_group``): built from the
     trials' own data modules and models, then ``run``: every step of the epoch, each block's rounds
@@ -423,7 +419,7 @@ class _Group:
         self.diagnostics = [diagnostics_callback(t.config.get) for t in self.trials]
         on_device: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]] = {}  # one copy of each split's rows
         for i, diagnostics in enumerate(self.diagnostics):
-            found = diagnostics.prepare(self.streams[i], float(self.models[i].hparams.get("weight_decay", 0.0)), _say)
+            found = diagnostics.prepare(self.streams[i], float(self.models[i].hparams.get("weight_decay", 0.0)))
             if found:  # f_star, G_star, optimum_grad_norm: logged at step 0
                 self.loggers[i].log_metrics(found, step=0)
                 row = {k: float(v) for k, v in found.items()}
@@ -460,11 +456,10 @@ class _Group:
             n = len(idx) // (T * M * b)
             torch.index_select(self.x_all, 0, idx, out=self.xs_buf[:n].view(-1, self.x_all.shape[1]))
             torch.index_select(self.y_all, 0, idx, out=self.ys_buf[:n].view(-1))
-        for s in self.blocks:  # a block starting a round: its trials' per-round diagnostics arm
-            if step % s.k == 0 and step < s.steps:
-                for i in s.members:
-                    if self.active[i] and self.diagnostics[i].per_round:
-                        self.diagnostics[i].start_round(step // s.k)
+        starting = [(i, step // s.k) for s in self.blocks if step % s.k == 0 and step < s.steps for i in s.members]
+        for i, r in starting:  # a block starting a round: its trials' per-round diagnostics arm
+            if self.active[i] and self.diagnostics[i].per_round:
+                self.diagnostics[i].start_round(r)
         xs_step = self.xs_buf[step % chunk].view(T * M, b, -1)
         with torch.no_grad():
             logits = self.stack.machines(xs_step)
