@@ -48,7 +48,7 @@ def main() -> None:
         cache = args.cache_dir or tmp
         for seed in args.seeds:
             data = MNISTDataModule(root=args.root, num_machines=args.num_machines, split="official", seed=seed)
-            objective = Objective(data._build(), "cross_entropy", args.weight_decay)
+            objective = Objective(data.problem_samples(), "cross_entropy", args.weight_decay)
             identity = {"problem": data.problem.describe(), "num_machines": args.num_machines, "seed": seed}  # as the CLI's
             began = time.perf_counter()
 

@@ -268,3 +268,23 @@ def test_a_cache_folder_that_cannot_hold_the_optimum_is_refused_before_the_solve
     monkeypatch.undo()
     found, path, cached = optimum(obj, (1, 4), identity, tmp_path / "cache", solving=said.append)
     assert said == [path] and not cached and path.exists()  # said before the solve, with where it goes
+
+
+def test_objectives_of_one_split_share_their_samples_on_the_device():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, generator=g), torch.randint(0, 2, (12,), generator=g)
+
+    def split(order):
+        return ProblemData(x, y, (order[:5], order[5:]), x[:2], y[:2])
+
+    a, b = Objective(split(torch.arange(12)), "cross_entropy"), Objective(split(torch.arange(12)), "cross_entropy")
+    c = Objective(split(torch.arange(12).flip(0)), "cross_entropy")  # another split: its own weights
+    point = {"weight": torch.randn(2, 3, generator=g), "bias": torch.randn(2, generator=g)}
+    before = [o(point) for o in (a, b, c)]
+    assert before[0] != before[2]
+    shared = {}
+    for o in (a, b, c):
+        o.share_to(torch.device("cpu"), shared)
+    assert len(shared) == 2
+    assert a.x is b.x and a.y is b.y and a.weights is b.weights and c.weights is not a.weights
+    assert [o(point) for o in (a, b, c)] == before

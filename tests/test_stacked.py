@@ -253,7 +253,7 @@ def test_linear_gradients_equal_autograds(b):
     with torch.no_grad():
         logits = machines(x)
     logits.requires_grad_()
-    (grad_logits,) = torch.autograd.grad(model._losses_of(logits, y).sum(), logits)
+    (grad_logits,) = torch.autograd.grad(model.losses_of(logits, y).sum(), logits)
     weight, bias = torch.full_like(machines.weight, float("nan")), torch.full_like(machines.bias, float("nan"))
     stacked._linear_grads(x, grad_logits, weight, bias)
     assert torch.equal(weight, machines.weight.grad) and torch.equal(bias, machines.bias.grad)

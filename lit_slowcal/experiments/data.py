@@ -386,6 +386,17 @@ class MNISTDataModule(pl.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         return RunShape(self.num_machines, self.steps_per_round, self.batch_size, self.num_train_samples, world)
 
+    @property
+    def train_streams(self) -> MachineStreams:
+        """This process's machines' training streams (``setup`` builds them): what ``train_dataloader`` gives."""
+        if self._train is None:
+            raise RuntimeError("the data module has no training streams before setup('fit')")
+        return self._train
+
+    def problem_samples(self) -> ProblemData:
+        """The problem's training and test samples and the M machines' shards (built once)."""
+        return self._build()
+
     def _build(self) -> ProblemData:
         if self.problem_data is None:
             self.problem_data = self.problem.build(self.num_machines, self.seed, self)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.objective import Objective, Optimum, heterogeneity, optimum
@@ -46,6 +46,12 @@ __all__ = ["Diagnostics"]
 
 class Diagnostics(Callback):
     """Logs ``train_objective``, ``excess_loss`` (with ``f_star``, ``G_star``) and the per-round diagnostics.
+
+    A Lightning callback whose hooks call its trainer-free methods, which a loop without a Trainer (the
+    stacked trials, ``sweep.stacked``) calls itself: ``prepare`` (the objective and its optimum, before
+    training: the metrics of step 0), ``attach`` / ``detach`` (the hooks on a model's machines, its
+    averager and its optimizer), ``start_round`` / ``end_round``, and ``evaluate`` (the values to log
+    at an evaluation).
 
     Args:
         objective: log the training objective, and compute x* (or read it from the cache) for the
@@ -93,24 +99,82 @@ class Diagnostics(Callback):
         self._step_count = 0
         self._local_means: Optional[list[Tensor]] = None
 
-    # -- the objective and its optimum ----------------------------------------------------------
+    # -- the Lightning hooks: each calls the trainer-free method below ------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        data = trainer.datamodule
-        problem = getattr(data, "problem", None)
-        build = getattr(data, "_build", None)
-        if not self.measure_objective or problem is None or build is None:  # (not a lit_slowcal data module)
+        def say(line: str) -> None:
+            if trainer.is_global_zero:
+                print(line, flush=True)
+
+        metrics = self.prepare(trainer.datamodule, float(pl_module.hparams.get("weight_decay", 0.0)), say)
+        if not metrics:
             return
-        decay = float(pl_module.hparams.get("weight_decay", 0.0))
-        self.objective = Objective(build(), problem.loss, decay)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+        trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        for name, value in self.evaluate(pl_module).items():
+            pl_module.log(name, value)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.attach(pl_module, trainer.strategy, trainer.optimizers[0] if trainer.optimizers else None)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.detach()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.start_round(batch_idx)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.end_round()
+
+    # -- the objective and its optimum ----------------------------------------------------------
+
+    def prepare(self, data: Any, weight_decay: float = 0.0, say: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+        """Before training: the training objective of ``data`` (a ``MNISTDataModule``; its problem's samples
+        and shards), its optimum x* (solved or read from the cache) and G_*. Returns the metrics logged
+        at step 0 (``f_star``, ``G_star``, ``optimum_grad_norm``; none without an optimum); ``say``
+        prints the lines on it (``None``: ``print``)."""
+        say = say or _print
+        problem = getattr(data, "problem", None)
+        samples = getattr(data, "problem_samples", None)
+        if not self.measure_objective or problem is None or samples is None:  # (not a lit_slowcal data module)
+            return {}
+        decay = float(weight_decay)
+        self.objective = Objective(samples(), problem.loss, decay)
         if decay == 0 and not problem.attained_without_weight_decay:
             self.note = (
                 f"excess_loss: not logged: {problem.name} {'softmax regression' if problem.loss == 'cross_entropy' else ''} "
                 "without weight decay has no attained minimiser (f keeps falling as ||x|| grows), so there is no f*; "
                 "set --model.weight_decay=1e-4 (recommended: f is then strongly convex) to measure it"
             ).replace("  ", " ")
-            self._say(trainer, self.note)
-            return
+            say(self.note)
+            return {}
+        found, path = self._solve(data, problem, say)
+        if not found.converged:
+            self.note = (
+                f"excess_loss: not logged: the solver stopped at ||grad f|| = {found.grad_norm:.2e} > tol {self.tol:g} "
+                f"after {found.iterations} Newton steps ({path}); f is not minimised there to that tolerance "
+                "(a looser --optimum_tol accepts it; a rerun goes on from it)"
+            )
+            say(self.note)
+            return {}
+        self.optimum = found
+        self.g_star = heterogeneity(self.objective, found.params)
+        how_exact = f"; f* exact to {found.grad_norm ** 2 / (2 * decay):.1e}" if decay > 0 else ""
+        how = f"read in {self.solve_seconds:.2f} s from {path}" if self.cached else f"solved in {found.seconds:.1f} s, cached in {path}"
+        say(
+            f"optimum of {problem.describe()} split over M={data.num_machines} with seed {data.seed} (x* depends on the "
+            f"split), weight decay {decay:g}: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
+            f"Newton steps, {found.cg_iterations} CG iterations ({how}){how_exact}; G_* = {self.g_star:.6g}"
+        )
+        return {"f_star": found.value, "G_star": self.g_star, "optimum_grad_norm": found.grad_norm}
+
+    def _solve(self, data: Any, problem: Any, say: Callable[[str], None]) -> tuple[Optimum, Path]:
+        """x* of the objective (cached on disk), with progress lines on a long solve."""
         identity = {"problem": problem.describe(), "num_machines": data.num_machines, "seed": data.seed}
         shape = (problem.num_outputs, problem.input_dim)
         start = time.perf_counter()
@@ -119,82 +183,61 @@ class Diagnostics(Callback):
         def progress(iterations: int, value: float, grad_norm: float) -> None:
             if time.perf_counter() - shown[0] >= 30:  # a long solve (MNIST: minutes) says how far it is
                 shown[0] = time.perf_counter()
-                self._say(trainer, f"optimum: solving, {iterations} Newton steps, f = {value:.10g}, ||grad f|| = {grad_norm:.1e}")
+                say(f"optimum: solving, {iterations} Newton steps, f = {value:.10g}, ||grad f|| = {grad_norm:.1e}")
 
         def solving(path: Path) -> None:  # said at once: on MNIST the solve takes minutes before its first progress line
-            self._say(
-                trainer,
+            say(
                 f"optimum: solving for x* of {problem.describe()} split over M={data.num_machines} with seed {data.seed} "
-                f"(once: it is cached in {path}) ...",
+                f"(once: it is cached in {path}) ..."
             )
 
         found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress, solving=solving)
         self.cached, self.solve_seconds = cached, time.perf_counter() - start
-        if not found.converged:
-            self.note = (
-                f"excess_loss: not logged: the solver stopped at ||grad f|| = {found.grad_norm:.2e} > tol {self.tol:g} "
-                f"after {found.iterations} Newton steps ({path}); f is not minimised there to that tolerance "
-                "(a looser --optimum_tol accepts it; a rerun goes on from it)"
-            )
-            self._say(trainer, self.note)
-            return
-        self.optimum = found
-        self.g_star = heterogeneity(self.objective, found.params)
-        if decay > 0:
-            how_exact = f"; f* exact to {found.grad_norm ** 2 / (2 * decay):.1e}"
-        else:
-            how_exact = ""
-        how = f"read in {self.solve_seconds:.2f} s from {path}" if cached else f"solved in {found.seconds:.1f} s, cached in {path}"
-        self._say(
-            trainer,
-            f"optimum of {problem.describe()} split over M={data.num_machines} with seed {data.seed} (x* depends on the "
-            f"split), weight decay {decay:g}: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
-            f"Newton steps, {found.cg_iterations} CG iterations ({how}){how_exact}; G_* = {self.g_star:.6g}",
-        )
-        metrics = {"f_star": found.value, "G_star": self.g_star, "optimum_grad_norm": found.grad_norm}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=0)
-        trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
+        return found, path
 
-    @staticmethod
-    def _say(trainer: pl.Trainer, line: str) -> None:
-        if trainer.is_global_zero:
-            print(line, flush=True)
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.objective is None or trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        value = self.objective(pl_module.machines.averaged_state())
-        # float64 tensors: a Python float would be logged as float32 (excess losses are small differences).
-        pl_module.log("train_objective", torch.tensor(value, dtype=torch.float64))
+    def evaluate(self, model: nn.Module, value: Optional[float] = None) -> dict[str, Any]:
+        """At an evaluation of ``model``'s synchronised point: the values to log, ``train_objective`` and
+        ``excess_loss`` (float64 tensors: a Python float would be logged as float32, and excess losses are
+        small differences), and the per-round means since the previous evaluation (``dispersion``,
+        ``query_step``, ``iterate_step``: floats), which then start over. ``value``: f there, when
+        already known (the stacked trials compute it for several trials at once). Nothing without the
+        objective."""
+        if self.objective is None:
+            return {}
+        if value is None:
+            value = self.objective(model.machines.averaged_state())
+        out: dict[str, Any] = {"train_objective": torch.tensor(value, dtype=torch.float64)}
         if self.optimum is not None:
-            pl_module.log("excess_loss", torch.tensor(value - self.optimum.value, dtype=torch.float64))
+            out["excess_loss"] = torch.tensor(value - self.optimum.value, dtype=torch.float64)
         if self._syncs:
             total = self._dispersion.clone()
             if _world() > 1:
                 dist.all_reduce(total)
             machines = len(self._stacked[0]) * _world()
-            pl_module.log("dispersion", float(total) / (machines * self._syncs))
+            out["dispersion"] = float(total) / (machines * self._syncs)
         if self._step_count:
             steps = self._steps / self._step_count
-            pl_module.log("query_step", float(steps[0]))
+            out["query_step"] = float(steps[0])
             if self._has_iterate:
-                pl_module.log("iterate_step", float(steps[1]))
+                out["iterate_step"] = float(steps[1])
         self._reset()
+        return out
 
     # -- per-round diagnostics ------------------------------------------------------------------
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def attach(self, model: nn.Module, averager: Any, optimizer: Any) -> None:
+        """Before training: measure ``model``'s machines (its ``SimulatedMachines``) before every
+        synchronisation of ``averager`` (its ``register_sync_pre_hook``; none: no per-round diagnostics)
+        and around the steps of ``optimizer`` (its step pre- and post-hooks)."""
         self._reset()
         self._has_iterate = False
-        register = getattr(trainer.strategy, "register_sync_pre_hook", None)
+        register = getattr(averager, "register_sync_pre_hook", None)
         if not self.per_round or register is None:
             return
-        self._stacked = [p for m in pl_module.modules() if isinstance(m, SimulatedMachines) for p in m.parameters()]
+        self._stacked = [p for m in model.modules() if isinstance(m, SimulatedMachines) for p in m.parameters()]
         if not self._stacked:
             return
         self._handles.append(register(self._before_sync))
-        optimizer = trainer.optimizers[0]
         # An iterate w besides the query point x: SLowcal-SGD declares it as averaged state.
         self._has_iterate = "w" in getattr(optimizer, "averaged_state", ())
         self._before = [torch.empty_like(p) for p in self._stacked]
@@ -203,10 +246,25 @@ class Diagnostics(Callback):
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def detach(self) -> None:
+        """After training: the hooks ``attach`` set are removed."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def start_round(self, index: int) -> None:
+        """Before round ``index`` (counted from 0): its steps' movement is measured every ``step_every`` rounds."""
+        self._armed = self.step_every > 0 and index % self.step_every == 0
+
+    @torch.no_grad()
+    def end_round(self) -> None:
+        """After a round's synchronisation: with several processes, the dispersion's part between them
+        (every machine now holds x_bar)."""
+        if self._local_means is not None:
+            m = len(self._stacked[0])
+            gap = sum((mean - p[0]).double().square().sum() for mean, p in zip(self._local_means, self._stacked))
+            self._dispersion = self._dispersion + m * gap
+            self._local_means = None
 
     @torch.no_grad()
     def _before_sync(self, averager: Any) -> None:
@@ -219,17 +277,6 @@ class Diagnostics(Callback):
         self._dispersion = self._dispersion.to(total.device) + total
         self._local_means = means if _world() > 1 else None
         self._syncs += 1
-
-    @torch.no_grad()
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._local_means is not None:  # the round's sync is done: every machine holds x_bar
-            m = len(self._stacked[0])
-            gap = sum((mean - p[0]).double().square().sum() for mean, p in zip(self._local_means, self._stacked))
-            self._dispersion = self._dispersion + m * gap
-            self._local_means = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._armed = self.step_every > 0 and batch_idx % self.step_every == 0
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, *args: Any) -> None:
@@ -255,6 +302,10 @@ class Diagnostics(Callback):
         step = torch.stack(norms)
         self._steps = self._steps.to(step.device) + step
         self._step_count += 1
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

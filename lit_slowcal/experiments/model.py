@@ -22,6 +22,9 @@ from lit_slowcal._lightning import batches_started
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
+from lit_slowcal.experiments.rounds import (
+    add_round_loss, divergence, diverged_trials, mean_train_loss, round_losses, swap_outputs, test_loss, train_row,
+)  # fmt: skip
 from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -201,41 +204,32 @@ class LogisticRegression(pl.LightningModule):
             self.manual_backward(per_machine.sum())
             optimizer.step()  # the strategy averages the machines after every K-th step
             losses.append(per_machine.detach())
-        round_loss = torch.stack(losses).mean()
+        round_loss = round_losses(torch.stack(losses).unsqueeze(1))  # (1,): this run is one trial
         strategy = self.trainer.strategy
         rounds_done = batches_started(self.trainer)  # over all epochs, this one included
         # One check per round (a single host sync): a non-finite loss, or parameters that became
-        # non-finite in the round's last step, stop the run instead of training on NaNs. A tensor is
-        # finite when its min and max are (aminmax propagates NaN): one pass without a boolean copy,
-        # several times faster than isfinite().all() on the stacked weights.
-        extremes = [v for p in self.machines.parameters() for v in torch.aminmax(p.detach())]
-        finite = torch.isfinite(round_loss) & torch.isfinite(torch.stack(extremes)).all()
-        if not finite:
-            what = f"train loss {round_loss.item()}" if not torch.isfinite(round_loss) else "non-finite parameters"
-            raise FloatingPointError(
-                f"Training diverged: {what} in round {rounds_done} "
-                f"(method={self.hparams.method}, lr={self.hparams.lr}). Try a smaller lr."
-            )
+        # non-finite in the round's last step, stop the run instead of training on NaNs.
+        if diverged_trials(round_loss, self.machines.parameters(), trials=1):
+            raise divergence(round_loss.item(), rounds_done, self.hparams.method, self.hparams.lr)
         # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds, when
         # Lightning writes logs, and after the run's last round (on_train_batch_end makes Lightning
         # write that one too), with the train loss averaged over the rounds since the last log.
-        one_round = torch.stack([round_loss.detach().double(), round_loss.new_ones((), dtype=torch.float64)])
-        self._loss_since_log = self._loss_since_log.to(one_round.device) + one_round  # on the loss's device
+        self._loss_since_log = add_round_loss(self._loss_since_log, round_loss[0])
         if rounds_done % self.trainer.log_every_n_steps and not self._last_round(batch_idx):
             return
-        loss_sum, rounds = self._loss_since_log
+        train_loss = mean_train_loss(self._loss_since_log)
         self._loss_since_log = torch.zeros(2, dtype=torch.float64)
         machines = getattr(strategy, "num_machines", self.trainer.world_size * self.machines.num_machines)
-        self.log_dict(
-            {
-                "train_loss": (loss_sum / rounds).float(),
-                "round": float(getattr(strategy, "num_syncs", rounds_done)),
-                "samples_seen": float(xs.shape[0] * xs.shape[2] * machines * rounds_done),
-                "floats_communicated": float(getattr(strategy, "floats_communicated", 0) * machines),
-            },
-            on_step=True,
-            on_epoch=False,
+        row = train_row(
+            train_loss,
+            syncs=getattr(strategy, "num_syncs", rounds_done),
+            steps_per_round=xs.shape[0],
+            batch_size=xs.shape[2],
+            machines=machines,
+            rounds_done=rounds_done,
+            floats=getattr(strategy, "floats_communicated", 0),
         )
+        self.log_dict(row, on_step=True, on_epoch=False)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_loss_since_log"] = self._loss_since_log.clone()
@@ -245,9 +239,9 @@ class LogisticRegression(pl.LightningModule):
 
     def _machine_losses(self, x: Tensor, y: Tensor) -> Tensor:
         """Each machine's mean loss over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""
-        return self._losses_of(self.machines(x), y)
+        return self.losses_of(self.machines(x), y)
 
-    def _losses_of(self, logits: Tensor, y: Tensor) -> Tensor:
+    def losses_of(self, logits: Tensor, y: Tensor) -> Tensor:
         """Each machine's mean loss over its batch, from its outputs: logits ``(m, b, classes)`` -> ``(m,)``."""
         if self.hparams.loss == "squared":
             return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
@@ -267,12 +261,7 @@ class LogisticRegression(pl.LightningModule):
             self.trainer.should_stop = True
 
     def _swap_output(self) -> None:
-        # An optimizer whose trained model is not its query point (AC-SA: x^ag, not x^md) exchanges
-        # the two in the parameters around an evaluation (optimizer protocol: swap_output()).
-        for optimizer in self.trainer.optimizers:  # none in validate/test: the parameters are evaluated
-            swap = getattr(optimizer, "swap_output", None)
-            if callable(swap):
-                swap()
+        swap_outputs(self.trainer.optimizers)  # none in validate/test: the parameters are evaluated
 
     def on_validation_epoch_start(self) -> None:
         self._swap_output()
@@ -289,13 +278,11 @@ class LogisticRegression(pl.LightningModule):
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
         logits = self.machines.forward_averaged(x)
-        if self.hparams.loss == "squared":
-            self.log("test_loss", 0.5 * (logits.squeeze(-1) - y).square().mean(), prog_bar=True)
-        else:
+        self.log("test_loss", test_loss(logits, y, self.hparams.loss), prog_bar=True)
+        if self.test_acc is not None:
             # Logged per epoch (Lightning computes and resets it at the end of the evaluation): update
             # only; calling the metric would also compute this batch's accuracy, which nobody reads.
             self.test_acc.update(logits, y)
-            self.log("test_loss", F.cross_entropy(logits, y), prog_bar=True)
             self.log("test_acc", self.test_acc, prog_bar=True)
         if self.trainer.state.fn == "fit":
             self.log("round", float(getattr(self.trainer.strategy, "num_syncs", 0)))

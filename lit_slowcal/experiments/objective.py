@@ -110,6 +110,22 @@ class Objective:
         self.y = (data.train_y if everything else data.train_y[used]).to(torch.int64 if loss == "cross_entropy" else torch.float64)
         self.weights = weights if everything else weights[used]
 
+    def share_to(self, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]) -> None:
+        """Move the samples f reads (inputs, labels, weights, the used rows) to ``device``, sharing them with
+        the objectives already moved there whose split is the same (``shared``, keyed by the inputs'
+        shape, the loss and the shards: one copy of each split's samples for several runs)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for shard in self.shards:
+            digest.update(shard.to(torch.int64).numpy().tobytes())
+            digest.update(b"|")
+        key = (tuple(self.x.shape), self.loss, digest.hexdigest())
+        if key not in shared:
+            rows = self._rows  # all inputs kept (large ones): the used samples' rows of the product
+            shared[key] = (self.x.to(device), self.y.to(device), self.weights.to(device), None if rows is None else rows.to(device))
+        self.x, self.y, self.weights, self._rows = shared[key]
+
     @property
     def exact(self) -> bool:
         """Whether f is evaluated in float64 throughout (inputs kept in float64)."""

@@ -200,6 +200,8 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from lit_slowcal.experiments.rounds import trial_status
+
     trial_cli = _trial_cli()
     trial_cli.last = None
     trial_cli.given = None if parsed is None else parsed.clone()
@@ -211,8 +213,8 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
         except SIGTERMException:  # Lightning's form of SIGTERM: stop the sweep, not just this trial
             status = "interrupted"
             raise
-        except FloatingPointError as err:
-            status, error = ("diverged" if str(err).startswith("Training diverged") else "failed"), str(err)
+        except FloatingPointError as err:  # TrainingDiverged: diverged; another: failed
+            status, error = trial_status(err), str(err)
         except SystemExit as err:
             if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits this way after Ctrl-C
                 status = "interrupted"

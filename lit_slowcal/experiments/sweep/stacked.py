@@ -7,7 +7,7 @@ without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
-  larger batch of machines (``LogisticRegression._losses_of``; the loss is the sum over the
+  larger batch of machines (``LogisticRegression.losses_of``; the loss is the sum over the
   T * M machines, so every slice gets its own gradient). Autograd gives the gradient of the loss with
   respect to the outputs; the linear layer's gradients are formed from it into buffers kept from step
   to step (``_linear_grads``: autograd's values; allocating them afresh every step cost more than
@@ -23,14 +23,17 @@ without a Trainer:
 * each trial's steps draw the samples its single run draws (its data module's own split and
   ``MachineStreams.indices``, its rounds' steps in order), gathered a few steps at a time into
   preallocated buffers;
-* a block ends its round after its K-th step: the model's finiteness check, the train-loss log,
-  and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a step
-  are evaluated together: their trials' averaged models on the test set and, for the training
+* a block ends its round after its K-th step with the single run's own pieces of a round
+  (``lit_slowcal.experiments.rounds``, written over the trials: the finiteness check, the train-loss
+  log), and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a
+  step are evaluated together: their trials' averaged models on the test set and, for the training
   objective, on the training set, each set read once for all of them (``objective.affine_rows``,
-  ``objective.values``), with ``swap_output`` around it as the model does;
-* each trial runs its single run's ``Diagnostics`` callback (training objective, optimum, per-round
-  diagnostics) on its own data module, model and logger, with its block's averager (the sync
-  pre-hook) and optimizer (its hooks see the trial's own slices): the same rows and values.
+  ``objective.values``), with the outputs swapped around it (``rounds.swap_outputs``) and the
+  metrics formed (``rounds.evaluation_row``) as the model does;
+* each trial has its single run's ``Diagnostics`` (training objective, optimum, per-round
+  diagnostics), driven through its trainer-free methods (``prepare``, ``attach``, ``start_round``,
+  ``evaluate``) on its own data module and model, with its block's averager (the sync pre-hook)
+  and optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
 alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
@@ -62,8 +65,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lit_slowcal.experiments.rounds import (
+    add_round_loss, divergence, diverged_trials, epoch_value, evaluation_row, mean_train_loss, round_losses, swap_outputs,
+    train_row, trial_status,
+)  # fmt: skip
 
 __all__ = [
     "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
@@ -208,53 +215,11 @@ def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTr
     return out
 
 
-class _Module:
-    """A trial's model as the ``Diagnostics`` callback sees it: the model itself, with ``log`` collecting
-    what the callback logs (``values``) instead of Lightning's logging."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-        self.values: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def log(self, name: str, value: Any, **kwargs: Any) -> None:
-        self.values[name] = value
-
-    def logged(self) -> dict[str, float]:
-        """The collected values as Lightning logs them from an epoch hook: a Python float as a float32
-        tensor, a tensor in its dtype, each the epoch mean of one value with batch size 1."""
-        out = {k: float(_epoch_mean(v if isinstance(v, Tensor) else torch.tensor(v), 1)) for k, v in self.values.items()}
-        self.values = {}
-        return out
-
-
-def _diagnostics(config: dict[str, Any], data: Any, model: nn.Module, logger: Any, averager: Any, optimizer: Any) -> Any:
-    """The trial's ``Diagnostics`` callback, built as the CLI builds it, with its single run's view of the
-    Trainer: the trial's data module, its CSV logger, the averager's sync pre-hook, the optimizer."""
-    from types import SimpleNamespace
-
-    from lit_slowcal.experiments.cli import diagnostics_callback
-
-    callback = diagnostics_callback(config.get)
-    trainer = SimpleNamespace(
-        datamodule=data, loggers=[logger], callback_metrics={}, is_global_zero=True, sanity_checking=False,
-        state=SimpleNamespace(fn="fit"), strategy=averager, optimizers=[optimizer],
-    )  # fmt: skip
-    return callback, trainer, _Module(model)
-
-
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
     """The rounds of its epoch a trial trains: ``rounds`` under its ``trainer.limit_train_batches``."""
     from lit_slowcal.experiments.shape import limited_rounds
 
     return limited_rounds(rounds, config["trainer"].get("limit_train_batches"))
-
-
-def _epoch_mean(value: Tensor, n: int) -> Tensor:
-    # Lightning's epoch-level mean of a value logged once with batch size n: (0 + v * n) / n.
-    return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
 
 
 class _Block:
@@ -302,39 +267,44 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         group: trials whose configurations differ only in the learning rate, the seed and K.
         config_text: ``(trial) -> str``, the ``config.yaml`` written into each trial's log folder.
     """
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.fabric.utilities.seed import seed_everything
-    from torchmetrics.functional.classification import multiclass_accuracy
+    _Group(group, config_text).run()
 
-    from lit_slowcal.averaging import PeriodicAverager
-    from lit_slowcal.experiments.cli import claim_version, run_name
+
+def _trial_data_and_model(config: dict[str, Any]) -> tuple[Any, Any]:
+    """A trial's data module (set up) and model (configured), built by its single run's own classes."""
+    from lightning.fabric.utilities.seed import seed_everything
+
     from lit_slowcal.experiments.data import MNISTDataModule
-    from lit_slowcal.experiments.methods import get_method
     from lit_slowcal.experiments.model import LogisticRegression
-    from lit_slowcal.experiments.objective import affine_rows, values
+
+    data = MNISTDataModule(**{k: v for k, v in config["data"].items()})
+    data.setup("fit")
+    seed_everything(config["seed_everything"], verbose=False)  # as the CLI, for init=default
+    model = LogisticRegression(**_model_settings(config))
+    model.configure_model()
+    return data, model
+
+
+def _trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) -> Any:
+    """The trial's CSV logger in its own version folder (claimed as a single run claims it), with the
+    split's class counts and its ``config.yaml``."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_slowcal.experiments.cli import claim_version, run_name
     from lit_slowcal.experiments.partition import write_class_counts
 
-    start = time.perf_counter()
-    # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
-    order = sorted(range(len(group)), key=lambda i: group[i].config["data"]["steps_per_round"])
-    trials = [group[i] for i in order]
-    first = trials[0].config
-    entry = get_method(first["method"])
-    T, M = len(trials), first["num_machines"]
-    log_every = first["trainer"]["log_every_n_steps"]
-    every = first["trainer"]["val_check_interval"]
-    device = _device(first)
+    name = run_name(trial.config.get)
+    logger = CSVLogger(save_dir=trial.config["run_dir"], name=name, version=claim_version(trial.config["run_dir"], name))
+    logger.experiment
+    write_class_counts(data.class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
+    if config_text is not None:
+        with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
+            f.write(config_text(trial))
+    return logger
 
-    # Each trial's data and model, built by the single run's own classes.
-    streams, models = [], []
-    for t in trials:
-        data = MNISTDataModule(**{k: v for k, v in t.config["data"].items()})
-        data.setup("fit")
-        streams.append(data)
-        seed_everything(t.config["seed_everything"], verbose=False)  # as the CLI, for init=default
-        model = LogisticRegression(**_model_settings(t.config))
-        model.configure_model()
-        models.append(model)
+
+def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
+    """The trials (ordered by K) in blocks of one K each."""
     blocks: list[_Block] = []
     for i, t in enumerate(trials):
         k = t.config["data"]["steps_per_round"]
@@ -342,233 +312,259 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
             blocks.append(_Block([], i, k, _num_batches(t.config, streams[i].num_rounds)))
         blocks[-1].members.append(i)
         blocks[-1].stop = i + 1
-    of = [s for s in blocks for _ in s.members]  # each trial's block
-    steps = max(s.steps for s in blocks)  # a block whose epoch is shorter stops stepping earlier
-    b = streams[0].batch_size
+    return blocks
 
-    # Every trial's sample indices of its epoch, one row per step (its rounds' steps in order), padded
-    # with sample 0 after its last step; and everything the steps and evaluations read, on the device.
-    columns = []
-    for i, d in enumerate(streams):
-        idx = d._train.indices(0)[: of[i].rounds].reshape(-1, M, b)
-        columns.append(torch.cat([idx, idx.new_zeros(steps - len(idx), M, b)]) if len(idx) < steps else idx)
-    indices = torch.cat(columns, dim=1).to(device)  # (steps, T*M, b)
-    x_all, y_all = streams[0]._train.x.to(device), streams[0]._train.y.to(device)
-    test_x, test_y = streams[0].test_x.to(device), streams[0].test_y.to(device)
-    # Steps whose samples are gathered at once: a few MiB on the CPU (they stay in cache until their step),
-    # up to 256 MiB on a GPU (fewer launches).
-    step_bytes = T * M * b * x_all.shape[1] * x_all.element_size()
-    chunk = max(1, min(steps, (2**22 if device.type == "cpu" else 2**28) // step_bytes))
-    xs_buf = x_all.new_empty((chunk, T * M * b, x_all.shape[1]))
-    ys_buf = y_all.new_empty((chunk, T * M * b))
 
-    # One stack of T * M machines; each trial's SimulatedMachines holds slices of it.
-    stack = LogisticRegression(**{**_model_settings(first), "num_machines": T * M, "init": "zeros"})
-    stack.configure_model()
-    stack.to(device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
-    big = dict(stack.machines.named_parameters())
-    with torch.no_grad():
-        for i, model in enumerate(models):
-            for name, p in model.machines.named_parameters():
-                big[name][i * M : (i + 1) * M].copy_(p)
-    for i, model in enumerate(models):
-        for name in list(dict(model.machines.named_parameters())):
-            setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
-    trial_params = [list(m.machines.parameters()) for m in models]
-    big_params = list(big.values())
-    # Every step's gradients go into the same buffers (allocating them afresh each step costs more than
-    # computing them: page faults and cold cache); each trial's .grad is its slices of them, for good.
-    if list(big) != ["weight", "bias"] or not stack.machines._linear:
-        raise ValueError(f"stacking trains a linear model with a bias; this one has {list(big)}")
-    grad_weight, grad_bias = torch.zeros_like(big["weight"]), torch.zeros_like(big["bias"])
-    for i, ps in enumerate(trial_params):
-        for p, whole in zip(ps, (grad_weight, grad_bias)):
-            p.grad = whole[i * M : (i + 1) * M]
+class _Group:
+    """The trials of one group, trained as one stack of T x M machines (``run_group``): built from the
+    trials' own data modules and models, then ``run``: every step of the epoch, each block's rounds
+    ended by the round's shared pieces (``lit_slowcal.experiments.rounds``), the trials' outcomes."""
 
-    # Each block: its optimizer, built by the method's own factory, and its averager (its own K).
-    for s in blocks:
-        by_lr: dict[float, list[Tensor]] = {}
-        for i in s.members:
-            by_lr.setdefault(models[i].hparams.lr, []).extend(trial_params[i])
-        s.optimizer = entry.optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], models[s.start].hparams, steps=s.steps)
-        s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, entry.sync_period(trials[s.start].config["local_steps"]))
+    def __init__(self, group: list[StackedTrial], config_text: Optional[Any]) -> None:
+        from lit_slowcal.experiments.methods import get_method
 
-    loggers = []
-    for i, t in enumerate(trials):
-        name = run_name(t.config.get)  # each trial claims its own version folder, as a single run does
-        logger = CSVLogger(save_dir=t.config["run_dir"], name=name, version=claim_version(t.config["run_dir"], name))
-        logger.experiment
-        write_class_counts(streams[i].class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
-        if config_text is not None:
-            with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
-                f.write(config_text(t))
-        loggers.append(logger)
+        self.start = time.perf_counter()
+        # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
+        order = sorted(range(len(group)), key=lambda i: group[i].config["data"]["steps_per_round"])
+        self.trials = trials = [group[i] for i in order]
+        first = self.first = trials[0].config
+        self.entry = get_method(first["method"])
+        self.T, self.M = len(trials), first["num_machines"]
+        self.log_every = first["trainer"]["log_every_n_steps"]
+        self.every = first["trainer"]["val_check_interval"]
+        self.device = _device(first)
+        self.streams, self.models = map(list, zip(*(_trial_data_and_model(t.config) for t in trials)))
+        self.blocks = _blocks(trials, self.streams)
+        self.of = [s for s in self.blocks for _ in s.members]  # each trial's block
+        self.steps = max(s.steps for s in self.blocks)  # a block whose epoch is shorter stops stepping earlier
+        self.b = self.streams[0].batch_size
+        self._place_data()
+        self._stack()
+        self._optimizers()
+        self.loggers = [_trial_logger(t, self.streams[i], config_text) for i, t in enumerate(trials)]
+        self.active = [True] * self.T
+        self.metrics: list[dict[str, float]] = [{} for _ in range(self.T)]
+        self.history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(self.T)]  # (step, row) as logged
+        self.errors: list[Optional[BaseException]] = [None] * self.T
+        self.loss_since_log = torch.zeros(self.T, 2, dtype=torch.float64, device=self.device)
+        self.losses = torch.empty(self.steps, self.T, self.M, device=self.device)  # every step's per-machine losses
+        self._diagnostics()
 
-    # Each trial's Diagnostics (training objective, optimum, per-round diagnostics): the CLI adds it to
-    # every fit; what --objective / --diagnostics switch off it skips.
-    watch = [_diagnostics(t.config, streams[i], models[i], loggers[i], of[i].averager, of[i].optimizer) for i, t in enumerate(trials)]
-    on_device: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # one copy of each split's rows
-    for callback, shim, module in watch:
-        callback.on_fit_start(shim, module)
-        if callback.objective is not None:
-            _objective_to(callback.objective, device, on_device)
-    for callback, shim, module in watch:
-        callback.on_train_start(shim, module)
-    per_round = [callback.per_round for callback, _, _ in watch]
+    def _place_data(self) -> None:
+        """Every trial's sample indices of its epoch, one row per step (its rounds' steps in order), padded
+        with sample 0 after its last step; and everything the steps and evaluations read, on the device."""
+        M, b, steps, device = self.M, self.b, self.steps, self.device
+        columns = []
+        for i, d in enumerate(self.streams):
+            idx = d.train_streams.indices(0)[: self.of[i].rounds].reshape(-1, M, b)
+            columns.append(torch.cat([idx, idx.new_zeros(steps - len(idx), M, b)]) if len(idx) < steps else idx)
+        self.indices = torch.cat(columns, dim=1).to(device)  # (steps, T*M, b)
+        train = self.streams[0].train_streams
+        self.x_all, self.y_all = train.x.to(device), train.y.to(device)
+        self.test_x, self.test_y = self.streams[0].test_x.to(device), self.streams[0].test_y.to(device)
+        # Steps whose samples are gathered at once: a few MiB on the CPU (they stay in cache until their step),
+        # up to 256 MiB on a GPU (fewer launches).
+        step_bytes = self.T * M * b * self.x_all.shape[1] * self.x_all.element_size()
+        self.chunk = max(1, min(steps, (2**22 if device.type == "cpu" else 2**28) // step_bytes))
+        self.xs_buf = self.x_all.new_empty((self.chunk, self.T * M * b, self.x_all.shape[1]))
+        self.ys_buf = self.y_all.new_empty((self.chunk, self.T * M * b))
 
-    active = [True] * T
-    metrics: list[dict[str, float]] = [{} for _ in range(T)]
-    history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(T)]  # (step, row) as logged
-    for i, (_, shim, _) in enumerate(watch):
-        if shim.callback_metrics:  # f_star, G_star, optimum_grad_norm: logged at step 0
-            row = {k: float(v) for k, v in shim.callback_metrics.items()}
-            metrics[i].update(row)
-            history[i].append((0, row))
-    errors: list[Optional[str]] = [None] * T
-    loss_since_log = torch.zeros(T, 2, dtype=torch.float64, device=device)
-    ones = torch.ones(T, dtype=torch.float64, device=device)
-    losses = torch.empty(steps, T, M, device=device)  # every step's per-machine losses
+    def _stack(self) -> None:
+        """One stack of T * M machines; each trial's ``SimulatedMachines`` holds slices of it, and its
+        ``.grad`` slices of the gradient buffers every step writes (allocating them afresh each step
+        costs more than computing them: page faults and cold cache)."""
+        from lit_slowcal.experiments.model import LogisticRegression
 
-    def freeze(i: int) -> None:
-        gone = {id(p) for p in trial_params[i]}
-        for g in of[i].optimizer.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) not in gone]
-
-    def log(i: int, r: int, row: dict[str, float]) -> None:
-        metrics[i].update(row)
-        loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
-        history[i].append((r - 1, row))
-
-    def evaluate(due: list[tuple[_Block, int]]) -> None:
-        """The blocks ``due`` after their round r: every live trial's averaged model on the test set, and its
-        training objective, in one pass over each (``affine_rows``: each trial's values bit for bit)."""
-        live = [(s, r, i) for s, r in due for i in s.members if active[i]]
-        for s, _ in due:  # the optimizers whose trained model is not their query point exchange them
-            swap = getattr(s.optimizer, "swap_output", None)
-            if callable(swap):
-                swap()
+        M = self.M
+        self.stack = stack = LogisticRegression(**{**_model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
+        stack.configure_model()
+        stack.to(self.device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
+        big = dict(stack.machines.named_parameters())
         with torch.no_grad():
-            weights = [models[i].machines.weight.mean(0) for _, _, i in live]  # averaged_state, per trial
-            biases = [models[i].machines.bias.mean(0) for _, _, i in live]
-            logits = affine_rows(test_x, weights, biases)
-            scored = [j for j, (_, _, i) in enumerate(live) if watch[i][0].objective is not None]
-            known = values([watch[live[j][2]][0].objective for j in scored], [{"weight": weights[j], "bias": biases[j]} for j in scored])
-        objective_of = dict(zip(scored, known))
-        logged = []
-        for j, (_, _, i) in enumerate(live):  # at the evaluated point: the callback's hook runs before the
-            callback, shim, module = watch[i]  # model's, which swaps back
-            objective = callback.objective
-            if j in objective_of:
-                callback.objective = _Known(objective_of[j])
-            try:
-                callback.on_validation_epoch_end(shim, module)
-            finally:
-                callback.objective = objective
-            logged.append(module.logged())
-        for s, _ in due:
-            swap = getattr(s.optimizer, "swap_output", None)
-            if callable(swap):
-                swap()
-        n = len(test_y)
-        for (s, r, i), z, extra in zip(live, logits, logged):
-            log(i, r, {
-                "test_loss": float(_epoch_mean(F.cross_entropy(z, test_y), n)),
-                "test_acc": float(multiclass_accuracy(z, test_y, num_classes=z.shape[-1], average="micro")),
-                "round": float(s.averager.num_syncs),
-                **extra,
-            })  # fmt: skip
+            for i, model in enumerate(self.models):
+                for name, p in model.machines.named_parameters():
+                    big[name][i * M : (i + 1) * M].copy_(p)
+        for i, model in enumerate(self.models):
+            for name in list(dict(model.machines.named_parameters())):
+                setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
+        self.trial_params = [list(m.machines.parameters()) for m in self.models]
+        self.big_params = list(big.values())
+        if list(big) != ["weight", "bias"] or type(stack.machines.template) is not nn.Linear:
+            raise ValueError(f"stacking trains a linear model with a bias; this one has {list(big)}")
+        self.grad_weight, self.grad_bias = torch.zeros_like(big["weight"]), torch.zeros_like(big["bias"])
+        for i, ps in enumerate(self.trial_params):
+            for p, whole in zip(ps, (self.grad_weight, self.grad_bias)):
+                p.grad = whole[i * M : (i + 1) * M]
 
-    def end_round(s: _Block, step: int) -> None:
-        """Trials of block ``s`` after their round ``r``'s last step ``step``: the model's checks and logs."""
+    def _optimizers(self) -> None:
+        """Each block's optimizer, built by the method's own factory, and its averager (its own K)."""
+        from lit_slowcal.averaging import PeriodicAverager
+
+        models = self.models
+        for s in self.blocks:
+            by_lr: dict[float, list[Tensor]] = {}
+            for i in s.members:
+                by_lr.setdefault(models[i].hparams.lr, []).extend(self.trial_params[i])
+            groups = [{"params": ps, "lr": lr} for lr, ps in by_lr.items()]
+            s.optimizer = self.entry.optimizer(groups, models[s.start].hparams, steps=s.steps)
+            period = self.entry.sync_period(self.trials[s.start].config["local_steps"])
+            s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, period)
+
+    def _diagnostics(self) -> None:
+        """Each trial's ``Diagnostics`` (training objective, optimum, per-round diagnostics), built as the CLI
+        builds it for every fit (what --objective / --diagnostics switch off it skips), on the trial's
+        data module and model, with its block's averager and optimizer; the optimum's metrics at step 0."""
+        from lit_slowcal.experiments.cli import diagnostics_callback
+
+        self.diagnostics = [diagnostics_callback(t.config.get) for t in self.trials]
+        on_device: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]] = {}  # one copy of each split's rows
+        for i, diagnostics in enumerate(self.diagnostics):
+            found = diagnostics.prepare(self.streams[i], float(self.models[i].hparams.get("weight_decay", 0.0)))
+            if found:  # f_star, G_star, optimum_grad_norm: logged at step 0
+                self.loggers[i].log_metrics(found, step=0)
+                row = {k: float(v) for k, v in found.items()}
+                self.metrics[i].update(row)
+                self.history[i].append((0, row))
+            if diagnostics.objective is not None:
+                diagnostics.objective.share_to(self.device, on_device)
+        for i, diagnostics in enumerate(self.diagnostics):
+            diagnostics.attach(self.models[i], self.of[i].averager, self.of[i].optimizer)
+
+    def run(self) -> None:
+        """Every step of the epoch, then the trials' outcomes."""
+        due: list[tuple[_Block, int]] = []  # the blocks to evaluate after this step, with their round
+        for step in range(self.steps):
+            self._step(step)
+            for s in self.blocks:
+                if step < s.steps and any(self.active[i] for i in s.members):
+                    self._advance(s, step, due)
+            if due:
+                self._evaluate(due)
+                due.clear()
+            if not any(self.active):
+                break
+        for diagnostics in self.diagnostics:
+            diagnostics.detach()
+        self._finish()
+
+    def _step(self, step: int) -> None:
+        """The forward and backward of every machine of the stack at ``step``: its losses, and the linear
+        layer's gradients in the buffers."""
+        T, M, b, chunk = self.T, self.M, self.b, self.chunk
+        if step % chunk == 0:
+            idx = self.indices[step : step + chunk].view(-1)
+            n = len(idx) // (T * M * b)
+            torch.index_select(self.x_all, 0, idx, out=self.xs_buf[:n].view(-1, self.x_all.shape[1]))
+            torch.index_select(self.y_all, 0, idx, out=self.ys_buf[:n].view(-1))
+        starting = [(i, step // s.k) for s in self.blocks if step % s.k == 0 and step < s.steps for i in s.members]
+        for i, r in starting:  # a block starting a round: its trials' per-round diagnostics arm
+            if self.active[i] and self.diagnostics[i].per_round:
+                self.diagnostics[i].start_round(r)
+        xs_step = self.xs_buf[step % chunk].view(T * M, b, -1)
+        with torch.no_grad():
+            logits = self.stack.machines(xs_step)
+        logits.requires_grad_()
+        per_machine = self.stack.losses_of(logits, self.ys_buf[step % chunk].view(T * M, b))
+        (grad_logits,) = torch.autograd.grad(per_machine.sum(), logits)
+        _linear_grads(xs_step, grad_logits, self.grad_weight, self.grad_bias)
+        self.losses[step] = per_machine.detach().view(T, M)
+
+    def _advance(self, s: _Block, step: int, due: list[tuple[_Block, int]]) -> None:
+        """Block ``s`` after ``step``: its optimizer's step and its averager's (a synchronisation every K-th),
+        and after its round's last step, the round's end."""
+        s.optimizer.step()
+        if s.averager.step() and not s.floats_per_sync:
+            s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
+        if (step + 1) % s.k:
+            return
         r = (step + 1) // s.k
-        window = losses[step + 1 - s.k : step + 1]  # (k, T, M)
-        round_loss = torch.stack([window[:, i].clone().mean() for i in range(s.start, s.stop)])
-        # As the model's check: the losses, and the parameters' extremes (one pass, NaN propagates);
-        # per trial only when something is not finite.
-        rows = [p[s.start * M : s.stop * M] for p in big_params]
-        extremes = torch.stack([v for p in rows for v in torch.aminmax(p.detach())])
-        if not (torch.isfinite(round_loss).all() and torch.isfinite(extremes).all()):
-            per_trial = torch.cat([torch.stack(torch.aminmax(p.detach().view(len(s.members), -1), dim=1), 1) for p in rows], 1)
-            finite = (torch.isfinite(round_loss) & torch.isfinite(per_trial).all(1)).tolist()
-            for j, i in enumerate(s.members):
-                if active[i] and not finite[j]:
-                    value = round_loss[j].item()
-                    what = f"train loss {value}" if not math.isfinite(value) else "non-finite parameters"
-                    errors[i] = (
-                        f"Training diverged: {what} in round {r} (method={first['method']}, "
-                        f"lr={models[i].hparams.lr}). Try a smaller lr."
-                    )
-                    active[i] = False
-                    freeze(i)
-        loss_since_log[s.start : s.stop] += torch.stack([round_loss.double(), ones[: len(s.members)]], 1)
-        if r % log_every == 0 or r == s.rounds:
-            mean_loss = (loss_since_log[s.start : s.stop, 0] / loss_since_log[s.start : s.stop, 1]).float()
-            loss_since_log[s.start : s.stop] = 0
-            for j, i in enumerate(s.members):
-                if active[i]:
-                    log(i, r, {
-                        "train_loss": float(mean_loss[j]),
-                        "round": float(s.averager.num_syncs),
-                        "samples_seen": float(s.k * b * M * r),
-                        "floats_communicated": float(s.floats_per_sync * s.averager.num_syncs * M),
-                    })  # fmt: skip
-        if r % every == 0 or r == s.rounds:
+        round_loss = round_losses(self.losses[step + 1 - s.k : step + 1, s.start : s.stop])  # (members,)
+        self._check_finite(s, r, round_loss)
+        self.loss_since_log[s.start : s.stop] = add_round_loss(self.loss_since_log[s.start : s.stop], round_loss)
+        if r % self.log_every == 0 or r == s.rounds:
+            self._log_train(s, r)
+        if r % self.every == 0 or r == s.rounds:
             due.append((s, r))
 
-    due: list[tuple[_Block, int]] = []  # the blocks to evaluate after this step, with their round
-    for step in range(steps):
-        if step % chunk == 0:
-            idx = indices[step : step + chunk].view(-1)
-            n = len(idx) // (T * M * b)
-            torch.index_select(x_all, 0, idx, out=xs_buf[:n].view(-1, x_all.shape[1]))
-            torch.index_select(y_all, 0, idx, out=ys_buf[:n].view(-1))
-        for s in blocks:  # a block starting a round: its trials' per-round diagnostics arm
-            if step % s.k == 0 and step < s.steps:
-                for i in s.members:
-                    if active[i] and per_round[i]:
-                        callback, shim, module = watch[i]
-                        callback.on_train_batch_start(shim, module, None, step // s.k)
-        xs_step = xs_buf[step % chunk].view(T * M, b, -1)
-        with torch.no_grad():
-            logits = stack.machines(xs_step)
-        logits.requires_grad_()
-        per_machine = stack._losses_of(logits, ys_buf[step % chunk].view(T * M, b))
-        (grad_logits,) = torch.autograd.grad(per_machine.sum(), logits)
-        _linear_grads(xs_step, grad_logits, grad_weight, grad_bias)
-        losses[step] = per_machine.detach().view(T, M)
-        for s in blocks:
-            if step >= s.steps or not any(active[i] for i in s.members):
+    def _check_finite(self, s: _Block, r: int, round_loss: Tensor) -> None:
+        """The round's finiteness check, as the single run's: a trial that diverged is stopped (its
+        slices dropped from its optimizer), the others go on."""
+        rows = [p[s.start * self.M : s.stop * self.M] for p in self.big_params]
+        for j in diverged_trials(round_loss, rows, len(s.members)):
+            i = s.members[j]
+            if not self.active[i]:
                 continue
-            s.optimizer.step()
-            if s.averager.step() and not s.floats_per_sync:
-                s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
-            if (step + 1) % s.k == 0:
-                end_round(s, step)
-        if due:
-            evaluate(due)
-            due.clear()
-        if not any(active):
-            break
-    for callback, shim, module in watch:
-        callback.on_train_end(shim, module)
+            self.errors[i] = divergence(round_loss[j].item(), r, self.first["method"], self.models[i].hparams.lr)
+            self.active[i] = False
+            gone = {id(p) for p in self.trial_params[i]}
+            for g in s.optimizer.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in gone]
 
-    wall = (time.perf_counter() - start) / T
-    for i, t in enumerate(trials):
-        loggers[i].save()
-        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics[i].items()}
-        t.outcome = {
-            "status": "finished" if errors[i] is None else "diverged",
-            "error": errors[i],
-            "metrics": clean,
-            "run_dir": str(loggers[i].log_dir),
-            "wall_time_s": round(wall, 3),
-            "stacked": T,
-        }
-        if t.config.get("wandb"):
-            _wandb_run(t.config, run_name(t.config.get), str(loggers[i].log_dir), history[i], t.outcome["status"] != "finished")
-        t.final_state = {
-            "params": {n: p.detach().to("cpu", copy=True) for n, p in models[i].machines.named_parameters()},
-        }
+    def _log_train(self, s: _Block, r: int) -> None:
+        """The block's train-loss rows after its round ``r``, as the single run logs them."""
+        mean_loss = mean_train_loss(self.loss_since_log[s.start : s.stop])
+        self.loss_since_log[s.start : s.stop] = 0
+        syncs = s.averager.num_syncs
+        for j, i in enumerate(s.members):
+            if self.active[i]:
+                row = train_row(
+                    float(mean_loss[j]), syncs=syncs, steps_per_round=s.k, batch_size=self.b, machines=self.M,
+                    rounds_done=r, floats=s.floats_per_sync * syncs,
+                )  # fmt: skip
+                self._log(i, r, row)
+
+    def _log(self, i: int, r: int, row: dict[str, float]) -> None:
+        self.metrics[i].update(row)
+        self.loggers[i].log_metrics({"epoch": 0, **row}, step=r - 1)
+        self.history[i].append((r - 1, row))
+
+    def _evaluate(self, due: list[tuple[_Block, int]]) -> None:
+        """The blocks ``due`` after their round r: every live trial's averaged model on the test set, and its
+        training objective, in one pass over each (``affine_rows``: each trial's values bit for bit), with
+        the outputs swapped in around it as the single run's evaluation."""
+        from lit_slowcal.experiments.objective import affine_rows, values
+
+        live = [(s, r, i) for s, r in due for i in s.members if self.active[i]]
+        swap_outputs(s.optimizer for s, _ in due)
+        with torch.no_grad():
+            weights = [self.models[i].machines.weight.mean(0) for _, _, i in live]  # averaged_state, per trial
+            biases = [self.models[i].machines.bias.mean(0) for _, _, i in live]
+            logits = affine_rows(self.test_x, weights, biases)
+            scored = [j for j, (_, _, i) in enumerate(live) if self.diagnostics[i].objective is not None]
+            points = [{"weight": weights[j], "bias": biases[j]} for j in scored]
+            known = dict(zip(scored, values([self.diagnostics[live[j][2]].objective for j in scored], points)))
+        # At the evaluated point: the diagnostics' values, logged as the callback logs them.
+        extra = [
+            {k: epoch_value(v) for k, v in self.diagnostics[i].evaluate(self.models[i], known.get(j)).items()}
+            for j, (_, _, i) in enumerate(live)
+        ]  # fmt: skip
+        swap_outputs(s.optimizer for s, _ in due)
+        for (s, r, i), z, more in zip(live, logits, extra):
+            row = evaluation_row(z, self.test_y, self.models[i].hparams.loss)
+            self._log(i, r, {**row, "round": float(s.averager.num_syncs), **more})
+
+    def _finish(self) -> None:
+        """Every trial's log saved and its outcome, as ``run_trial`` returns it, and final parameters."""
+        from lit_slowcal.experiments.cli import run_name
+
+        wall = (time.perf_counter() - self.start) / self.T
+        for i, t in enumerate(self.trials):
+            self.loggers[i].save()
+            clean = {k: (v if math.isfinite(v) else None) for k, v in self.metrics[i].items()}
+            error = self.errors[i]
+            t.outcome = {
+                "status": trial_status(error),
+                "error": None if error is None else str(error),
+                "metrics": clean,
+                "run_dir": str(self.loggers[i].log_dir),
+                "wall_time_s": round(wall, 3),
+                "stacked": self.T,
+            }
+            if t.config.get("wandb"):
+                _wandb_run(t.config, run_name(t.config.get), str(self.loggers[i].log_dir), self.history[i], t.outcome["status"] != "finished")
+            t.final_state = {
+                "params": {n: p.detach().to("cpu", copy=True) for n, p in self.models[i].machines.named_parameters()},
+            }
 
 
 def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> None:
@@ -589,34 +585,6 @@ def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias
     else:
         torch.bmm(g, x, out=grad_weight)
         grad_bias.copy_(g.sum_to_size(*grad_bias.shape, 1).squeeze(-1))  # the bias broadcast's backward
-
-
-class _Known:
-    """A trial's training objective whose value at the evaluated point is known (``objective.values``: computed
-    with the other trials evaluated at the same step), as the ``Diagnostics`` callback calls it."""
-
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-    def __call__(self, params: dict[str, Tensor]) -> float:
-        return self.value
-
-
-def _objective_to(objective: Any, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]) -> None:
-    """A trial's objective on the group's device, its inputs, labels and weights shared with the other trials
-    of the same split (``shared``, by the split's shards: the trials of one seed and several K; the
-    official split leaves some samples out, so each split's objective holds its own rows)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for shard in objective.shards:
-        digest.update(shard.to(torch.int64).numpy().tobytes())
-        digest.update(b"|")
-    key = (tuple(objective.x.shape), objective.loss, digest.hexdigest())
-    if key not in shared:
-        rows = objective._rows  # all inputs kept (large ones): the used samples' rows of the product
-        shared[key] = (objective.x.to(device), objective.y.to(device), objective.weights.to(device), None if rows is None else rows.to(device))
-    objective.x, objective.y, objective.weights, objective._rows = shared[key]
 
 
 def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
