@@ -13,10 +13,10 @@ per round, R = ceil(60,000 / (M K b)) rounds, lr = 0.01, weights alpha_t = t + 1
   mean over the machines. The goal is judged against this loop. A second variant computes the same
   gradient in closed form ((softmax - onehot) / b and one ``bmm``), for reference.
 * Lightning: what ``python -m lit_slowcal fit`` runs, minus loggers and evaluation: a ``Trainer``
-  with ``PeriodicAveragingStrategy(sync_every=K)``, ``LogisticRegression(method="slowcal")`` and
-  ``MNISTDataModule``, one epoch.
+  with ``PeriodicAveragingStrategy(sync_every=K)``, ``MachinesModel(method="slowcal")`` and
+  ``ProblemDataModule``, one epoch.
 
-Both read the same ``MNISTDataModule`` stream (set up once, rewound before every run), so they see
+Both read the same ``ProblemDataModule`` stream (set up once, rewound before every run), so they see
 the same samples in the same order. Timed is the training epoch: from Lightning's
 ``on_train_epoch_start`` to ``on_train_epoch_end`` (a callback), and the same loop over the stream
 on the minimal side; drawing the epoch's sample indices and gathering each round's batch is inside
@@ -73,11 +73,11 @@ _ENV_AT_START = dict(os.environ)
 
 
 def make_data(num_machines: int, local_steps: int, batch_size: int, root: str):
-    """An MNISTDataModule set up as a single-process Trainer would, and the seconds that took."""
-    from lit_slowcal.experiments.data import MNISTDataModule
+    """An ProblemDataModule set up as a single-process Trainer would, and the seconds that took."""
+    from lit_slowcal.experiments.data import ProblemDataModule
 
     start = time.perf_counter()
-    data = MNISTDataModule(
+    data = ProblemDataModule(
         root=root,
         num_machines=num_machines,
         batch_size=batch_size,
@@ -165,7 +165,7 @@ def lightning_epoch(data, local_steps: int, lr: float = LR, device: str = "cpu")
     """One epoch through Trainer.fit; returns (epoch seconds, fit seconds, steps, W, bias)."""
     from lightning.pytorch import Trainer
 
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
     from lit_slowcal.strategy import PeriodicAveragingStrategy
 
     device = torch.device(device)
@@ -184,7 +184,7 @@ def lightning_epoch(data, local_steps: int, lr: float = LR, device: str = "cpu")
         limit_val_batches=0,
         callbacks=[timer],
     )
-    model = LogisticRegression(method="slowcal", num_machines=data.num_machines, lr=lr)
+    model = MachinesModel(method="slowcal", num_machines=data.num_machines, lr=lr)
     _sync(device)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lit_slowcal.experiments.data import MNISTDataModule  # noqa: E402
+from lit_slowcal.experiments.data import ProblemDataModule  # noqa: E402
 from lit_slowcal.experiments.objective import Objective, heterogeneity, optimum  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache_dir or tmp
         for seed in args.seeds:
-            data = MNISTDataModule(root=args.root, num_machines=args.num_machines, split="official", seed=seed)
+            data = ProblemDataModule(root=args.root, num_machines=args.num_machines, split="official", seed=seed)
             objective = Objective(data.problem_samples(), "cross_entropy", args.weight_decay)
             identity = {"problem": data.problem.describe(), "num_machines": args.num_machines, "seed": seed}  # as the CLI's
             began = time.perf_counter()

@@ -47,7 +47,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "PeriodicAveragingStrategy": "lit_slowcal.strategy",
     "PeriodicAveragingFabricStrategy": "lit_slowcal.fabric",
-    "AtomicCheckpointIO": "lit_slowcal.checkpoint",
+    "AtomicCheckpointIO": "lit_slowcal.checkpoint_io",
 }
 
 

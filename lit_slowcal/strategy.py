@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
-from lit_slowcal.checkpoint import AtomicCheckpointIO
+from lit_slowcal.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["PeriodicAveragingStrategy"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce", "gather")
 calls: Counter = Counter()
@@ -37,7 +37,7 @@ def _counting(name, fn):
 for _name in COLLECTIVES:
     setattr(dist, _name, _counting(_name, getattr(dist, _name)))
 
-_training_step = LogisticRegression.training_step
+_training_step = MachinesModel.training_step
 
 
 def training_step(self, batch, batch_idx, *args, **kwargs):
@@ -52,9 +52,9 @@ def training_step(self, batch, batch_idx, *args, **kwargs):
         in_training[0] = False
 
 
-LogisticRegression.training_step = training_step
+MachinesModel.training_step = training_step
 
-_configure_model = LogisticRegression.configure_model
+_configure_model = MachinesModel.configure_model
 
 
 def configure_model(self):
@@ -65,11 +65,11 @@ def configure_model(self):
                 p.add_(1.0)
 
 
-LogisticRegression.configure_model = configure_model
+MachinesModel.configure_model = configure_model
 
 if os.environ.get("KILL"):
     _signal, _at = os.environ["KILL"].split(":")
-    _machine_losses = LogisticRegression._machine_losses
+    _machine_losses = MachinesModel._machine_losses
     _calls = [0]
 
     def machine_losses(self, *args, **kwargs):
@@ -78,7 +78,7 @@ if os.environ.get("KILL"):
             os.kill(os.getpid(), getattr(signal, _signal))  # SIGTERM: Lightning stops after this round
         return _machine_losses(self, *args, **kwargs)
 
-    LogisticRegression._machine_losses = machine_losses
+    MachinesModel._machine_losses = machine_losses
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 

@@ -144,14 +144,14 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
     from torchvision.datasets import MNIST
 
     from lit_slowcal.experiments.main import main
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
 
     def no_download(self):
         raise OSError("no network in this test")
 
     monkeypatch.setattr(MNIST, "download", no_download)
     trained = []
-    monkeypatch.setattr(LogisticRegression, "training_step", lambda *a: trained.append(1))
+    monkeypatch.setattr(MachinesModel, "training_step", lambda *a: trained.append(1))
     (tmp_path / "empty").mkdir()
     roots = {"empty": tmp_path / "empty", "size": corrupt_root(tmp_path / "s", "size"),
              "magic": corrupt_root(tmp_path / "m", "magic")}

@@ -15,7 +15,7 @@ from lit_slowcal.experiments.data import (
     MNIST_MEAN,
     MNIST_STD,
     MachineStreams,
-    MNISTDataModule,
+    ProblemDataModule,
     load_mnist,
     partition_shards,
 )
@@ -245,7 +245,7 @@ def test_seed_fixes_the_stream():
         assert a[j] != b[j]
 
 
-# --------------------------------------------------------------------------- MNISTDataModule
+# --------------------------------------------------------------------------- ProblemDataModule
 
 
 @pytest.mark.parametrize(
@@ -253,13 +253,13 @@ def test_seed_fixes_the_stream():
     [(16, 16, 1, 235), (64, 64, 1, 15), (1024, 16, 1, 4), (16, 16, 8, 30), (16, 1, 16, 235), (1, 1, 1, 60000), (1, 1, 60000, 1)],
 )
 def test_num_rounds(machines, steps, batch, rounds):
-    dm = MNISTDataModule(num_machines=machines, steps_per_round=steps, batch_size=batch)
+    dm = ProblemDataModule(num_machines=machines, steps_per_round=steps, batch_size=batch)
     assert dm.num_rounds == rounds
     assert rounds == math.ceil(60000 / (machines * steps * batch))
 
 
 def test_setup_without_trainer_reads_mnist_and_serves_rounds(mnist):
-    dm = MNISTDataModule(root=str(DATA), num_machines=16, batch_size=1, steps_per_round=16, seed=1)
+    dm = ProblemDataModule(root=str(DATA), num_machines=16, batch_size=1, steps_per_round=16, seed=1)
     dm.setup("fit")
     assert dm.partition_png is None  # no trainer, no figure
     assert len(dm.shards) == 16
@@ -285,7 +285,7 @@ def test_setup_without_trainer_reads_mnist_and_serves_rounds(mnist):
 
 
 def test_balanced_shards(cached_mnist):
-    dm = MNISTDataModule(num_machines=7, dirichlet_alpha=0.1, split="balanced")
+    dm = ProblemDataModule(num_machines=7, dirichlet_alpha=0.1, split="balanced")
     dm.setup("fit")
     sizes = sorted(len(s) for s in dm.shards)
     assert sizes == [8571] * 4 + [8572] * 3  # 60000 = 7 * 8571 + 3
@@ -294,7 +294,7 @@ def test_balanced_shards(cached_mnist):
 
 
 def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
-    dm = MNISTDataModule(num_machines=4, eval_batch_size=4096)
+    dm = ProblemDataModule(num_machines=4, eval_batch_size=4096)
     dm.setup("validate")
     for loader in (dm.val_dataloader(), dm.test_dataloader()):
         assert len(loader) == 3
@@ -303,7 +303,7 @@ def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
         assert [xb.shape for xb, _ in batches] == [(4096, 784), (4096, 784), (1808, 784)]
         assert torch.equal(torch.cat([xb for xb, _ in batches]), mnist[2])
         assert torch.equal(torch.cat([yb for _, yb in batches]), mnist[3])
-    default = MNISTDataModule(num_machines=4)
+    default = ProblemDataModule(num_machines=4)
     default.setup("test")
     assert [len(yb) for _, yb in default.test_dataloader()] == [10000]
 
@@ -329,16 +329,16 @@ def test_eval_loaders_serve_the_test_set(cached_mnist, mnist):
 )
 def test_constructor_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"data\.{field}"):
-        MNISTDataModule(**{field: value})
+        ProblemDataModule(**{field: value})
 
 
 def test_split_names_the_allowed_values():
     with pytest.raises(ValueError, match=r"^Invalid data\.split: 'Official' \(allowed: official, balanced, dirichlet\)$"):
-        MNISTDataModule(split="Official")
+        ProblemDataModule(split="Official")
 
 
 def test_iid_split_matches_global_class_mix(cached_mnist):
-    dm = MNISTDataModule(num_machines=16, dirichlet_alpha=None)
+    dm = ProblemDataModule(num_machines=16, dirichlet_alpha=None)
     dm.setup("fit")
     counts = dm.class_counts()
     assert counts.shape == (16, 10)
@@ -351,7 +351,7 @@ def test_iid_split_matches_global_class_mix(cached_mnist):
 
 
 def test_dirichlet_split_is_skewed(cached_mnist):
-    dm = MNISTDataModule(num_machines=16, dirichlet_alpha=0.1, seed=1)
+    dm = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1, seed=1)
     dm.setup("fit")
     counts = dm.class_counts()
     assert counts.shape == (16, 10)
@@ -367,23 +367,23 @@ def test_dirichlet_split_is_skewed(cached_mnist):
 
 
 def test_layout_over_processes(cached_mnist):
-    alone = MNISTDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
+    alone = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
     alone.setup("validate")
-    ranked = MNISTDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
+    ranked = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
     ranked.trainer = SimpleNamespace(world_size=2, global_rank=1)
     ranked.setup("validate")
     stream = ranked.train_dataloader()
     assert stream.machine_ids == list(range(8, 16))
     assert torch.equal(stream.indices(0), alone.train_dataloader().indices(0)[:, :, 8:, :])
 
-    uneven = MNISTDataModule(num_machines=16)
+    uneven = ProblemDataModule(num_machines=16)
     uneven.trainer = SimpleNamespace(world_size=3, global_rank=0)
     with pytest.raises(ValueError, match="not divisible"):
         uneven.setup("fit")
 
 
 def test_partition_plot_is_written(cached_mnist, tmp_path):
-    dm = MNISTDataModule(num_machines=16, dirichlet_alpha=0.1)
+    dm = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1)
     dm.setup("fit")
     counts = dm.class_counts()
     path = tmp_path / "figures" / "class_distribution.png"
@@ -442,13 +442,13 @@ def test_split_is_computed_once_per_settings_and_handed_out_as_copies(mnist, cou
 
 
 def test_data_modules_of_the_same_split_share_it_and_cannot_corrupt_each_other(cached_mnist, counted_partition):
-    first = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
+    first = ProblemDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
     first.setup("fit")
     expected = [s.clone() for s in first.shards]
     indices = first.train_dataloader().indices(0)
     first.shards[0].zero_()
     first.train_dataloader().shards[1].zero_()
-    second = MNISTDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
+    second = ProblemDataModule(num_machines=8, dirichlet_alpha=0.1, split="balanced", seed=2)
     second.setup("fit")
     assert len(counted_partition) == 1
     assert all(torch.equal(a, b) for a, b in zip(second.shards, expected))
@@ -475,7 +475,7 @@ def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mni
     monkeypatch.setattr(data_module, "_FIGURES", {})
 
     def setup(folder, num_machines=8, loggers=()):
-        dm = MNISTDataModule(num_machines=num_machines, dirichlet_alpha=0.1, seed=4)
+        dm = ProblemDataModule(num_machines=num_machines, dirichlet_alpha=0.1, seed=4)
         dm.trainer = SimpleNamespace(
             world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / folder),
             default_root_dir=str(tmp_path), loggers=list(loggers),

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_objective import quadratic_closed_form
 
-from lit_slowcal.experiments.data import MNISTDataModule
+from lit_slowcal.experiments.data import ProblemDataModule
 from lit_slowcal.experiments.diagnostics import Diagnostics
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.problems import Quadratic, Synthetic
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
@@ -33,8 +33,8 @@ class Recorder(pl.Callback):
 
 
 def fit(problem, method, weight_decay, tmp_path, machines=4, k=3, per_round=True, step_every=1):
-    dm = MNISTDataModule(num_machines=machines, steps_per_round=k, batch_size=2, problem=problem, seed=1)
-    model = LogisticRegression(
+    dm = ProblemDataModule(num_machines=machines, steps_per_round=k, batch_size=2, problem=problem, seed=1)
+    model = MachinesModel(
         method=method, num_machines=machines, lr=0.05, weight_decay=weight_decay,
         input_dim=problem.input_dim, num_classes=problem.num_outputs, loss=problem.loss,
     )  # fmt: skip

@@ -22,7 +22,7 @@ from helpers import REPO, subprocess_env
 from lit_slowcal.experiments import limits
 from lit_slowcal.experiments.identity import MAY_CHANGE_ON_RESUME
 from lit_slowcal.experiments.main import DEBUG_ENV, main
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 
 SMALL = ["--num_machines=4", "--local_steps=64", "--batch_size=64"]  # R = ceil(60000 / 16384) = 4 rounds
 RUN = "slowcal_M4_K64_b64_seed1"
@@ -55,8 +55,8 @@ def error_line(stderr: str) -> str:
 def no_training(monkeypatch):
     """Records training steps: a refusal must come before the first."""
     steps = []
-    step = LogisticRegression.training_step
-    monkeypatch.setattr(LogisticRegression, "training_step", lambda self, b, i: (steps.append(i), step(self, b, i))[1])
+    step = MachinesModel.training_step
+    monkeypatch.setattr(MachinesModel, "training_step", lambda self, b, i: (steps.append(i), step(self, b, i))[1])
     return steps
 
 
@@ -167,7 +167,7 @@ def test_an_unreadable_checkpoint_gets_one_line_without_unsafe_advice(
 
 
 def test_the_command_prints_one_line_and_the_traceback_only_when_asked(tmp_path, capsys, monkeypatch):
-    from lit_slowcal.checkpoint import CheckpointReadError
+    from lit_slowcal.checkpoint_io import CheckpointReadError
 
     (tmp_path / "empty.ckpt").write_bytes(b"")
     args = ["fit", f"--config={REPO / 'configs' / 'slowcal.yaml'}", f"--data.root={REPO / 'data'}", "--wandb=false",
@@ -411,14 +411,14 @@ def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(
 def test_ctrl_c_ends_fit_with_status_130_and_how_to_continue(tmp_path, capsys, monkeypatch):
     import signal
 
-    step = LogisticRegression.training_step
+    step = MachinesModel.training_step
 
     def interrupted(self, batch, batch_idx):
         if batch_idx == 2:
             raise KeyboardInterrupt
         return step(self, batch, batch_idx)
 
-    monkeypatch.setattr(LogisticRegression, "training_step", interrupted)
+    monkeypatch.setattr(MachinesModel, "training_step", interrupted)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
     try:
         code, err = command(capsys, "--checkpoint_every=1", run_dir=tmp_path / "runs")

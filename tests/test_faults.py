@@ -14,11 +14,11 @@ BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few s
 
 @pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold"])
 def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, capsys, method):
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
 
     rounds = []
-    step = LogisticRegression.training_step
-    monkeypatch.setattr(LogisticRegression, "training_step", lambda self, b, i: (rounds.append(i), step(self, b, i)))
+    step = MachinesModel.training_step
+    monkeypatch.setattr(MachinesModel, "training_step", lambda self, b, i: (rounds.append(i), step(self, b, i)))
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as info:
         main(["fit", f"--config=configs/{method}.yaml", "--wandb=false", f"--run_dir={tmp_path}", "--model.lr=1e38"])

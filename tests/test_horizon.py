@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from test_stacked import REPO, grid_file, single_runs
 
@@ -22,7 +22,7 @@ def test_horizon_aware_run_takes_gamma_c_over_rounds_and_stacks_bit_for_bit(tmp_
     plain = sw.load_sweep(grid_file(tmp_path / "plain", lrs=(gamma,), methods=("accel_minibatch_sgd",), seeds=(1,)))
     horizons = []
     monkeypatch.setattr(
-        LogisticRegression, "on_train_start",
+        MachinesModel, "on_train_start",
         lambda self: horizons.append([g["horizon"] for g in self.trainer.optimizers[0].param_groups]), raising=False,
     )  # fmt: skip
     [(aware_run, aware_params, aware_csv)] = single_runs(monkeypatch, sweep, sw.expand_trials(sweep))
@@ -58,9 +58,9 @@ def test_horizon_aware_run_takes_gamma_c_over_rounds_and_stacks_bit_for_bit(tmp_
 ])  # fmt: skip
 def test_the_model_refuses_what_the_horizon_aware_step_cannot_take(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LogisticRegression(method="accel_minibatch_sgd", **kwargs)
+        MachinesModel(method="accel_minibatch_sgd", **kwargs)
 
 
 def test_a_method_without_the_option_ignores_it_like_any_other_methods_option():
-    model = LogisticRegression(method="slowcal", lr=0.01, horizon_aware=True)
+    model = MachinesModel(method="slowcal", lr=0.01, horizon_aware=True)
     assert model.hparams.horizon_aware is True and model.hparams.lr == 0.01

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_slowcal.experiments.model import LogisticRegression, official_init
+from lit_slowcal.experiments.model import MachinesModel, official_init
 
 
 def paper_code_workers(num_machines: int, seed: int) -> list[nn.Linear]:
@@ -43,14 +43,14 @@ def test_official_init_leaves_the_global_generator_alone():
 
 
 def test_model_starts_every_machine_from_its_official_weights():
-    model = LogisticRegression(num_machines=4, init="official", seed=2)
+    model = MachinesModel(num_machines=4, init="official", seed=2)
     model.configure_model()
     weight, bias = official_init(4, 2)
     assert torch.equal(model.machines.weight.detach(), weight)
     assert torch.equal(model.machines.bias.detach(), bias)
     # Without a seed it takes the one seed_everything (torch.manual_seed) set.
     torch.manual_seed(2)
-    unseeded = LogisticRegression(num_machines=4, init="official")
+    unseeded = MachinesModel(num_machines=4, init="official")
     unseeded.configure_model()
     assert torch.equal(unseeded.machines.weight.detach(), weight)
 
@@ -64,7 +64,7 @@ def test_model_starts_every_machine_from_its_official_weights():
 )
 def test_bad_init_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LogisticRegression(**kwargs)
+        MachinesModel(**kwargs)
 
 
 def test_each_process_keeps_its_own_machines_official_weights():
@@ -73,7 +73,7 @@ def test_each_process_keeps_its_own_machines_official_weights():
     from types import SimpleNamespace
 
     weight, bias = official_init(4, 7)
-    model = LogisticRegression(num_machines=4, init="official", seed=7)
+    model = MachinesModel(num_machines=4, init="official", seed=7)
     model.trainer = SimpleNamespace(world_size=2, global_rank=1, ckpt_path=None)
     model.configure_model()
     assert torch.equal(model.machines.weight.detach(), weight[2:])

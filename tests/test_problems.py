@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_slowcal.experiments.data import MNISTDataModule
+from lit_slowcal.experiments.data import ProblemDataModule
 from lit_slowcal.experiments.problems import MNIST, PROBLEMS, Quadratic, Synthetic
 
 
@@ -57,13 +57,13 @@ def test_quadratic_sizes_and_the_data_module_builds_any_problem():
     data = Quadratic(dim=3, samples=7, test_samples=2).build(4, seed=0)
     assert [len(s) for s in data.shards] == [7] * 4 and data.test_x.shape == (8, 3)
     assert data.train_y.dtype == torch.float32
-    dm = MNISTDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=7))
+    dm = ProblemDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=7))
     assert dm.num_train_samples == 28 and dm.num_rounds == 4  # ceil(28 / (4 * 2 * 1))
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 4, 1, 3) and y.shape == (2, 4, 1)
     assert set(PROBLEMS) == {"MNIST", "Synthetic", "Quadratic"}
-    assert isinstance(MNISTDataModule().problem, MNIST)
+    assert isinstance(ProblemDataModule().problem, MNIST)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_quadratic_sizes_and_the_data_module_builds_any_problem():
     [
         (lambda: Synthetic(alpha=-1), r"Invalid data.problem.alpha: -1 \(must be a finite number >= 0\)"),
         (lambda: Quadratic(samples=0), r"Invalid data.problem.samples: 0 \(must be an integer >= 1\)"),
-        (lambda: MNISTDataModule(problem="Synthetic"), r"Invalid data.problem: 'Synthetic'"),
+        (lambda: ProblemDataModule(problem="Synthetic"), r"Invalid data.problem: 'Synthetic'"),
         (lambda: MNIST().build(4, 1), r"MNIST is built by its data module"),
     ],
 )

@@ -13,7 +13,7 @@ from lit_slowcal.experiments import model as model_module
 from lit_slowcal.experiments import rounds
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.diagnostics import Diagnostics
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.rounds import TrainingDiverged
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.simulated import SimulatedMachines
@@ -188,7 +188,7 @@ def test_the_runner_takes_the_status_from_the_type(tmp_path, monkeypatch, error,
     def fails(self, batch, batch_idx):
         raise error
 
-    monkeypatch.setattr(LogisticRegression, "training_step", fails)
+    monkeypatch.setattr(MachinesModel, "training_step", fails)
     sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01,), seeds=(1,), methods=("local_sgd",)))
     (params,) = sw.expand_trials(sweep)
     outcome = sw.run_trial(sw.trial_args(sweep, params))

@@ -296,7 +296,7 @@ def test_trainer_and_fabric_strategies_take_the_server_options(name, tmp_path):
 def test_the_app_takes_diloco_server_options_participation_and_non_linear_models(tmp_path):
     """``fit --method=diloco --participation=0.5 --model.arch=mlp``: the run's averager takes DiLoCo's outer
     Nesterov step over half the machines a round; the stacked engine runs such trials one at a time, saying why."""
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
     from lit_slowcal.experiments.sweep.stacked import stackable
 
     base = {"trainer": {"max_epochs": 1, "devices": 1, "accelerator": "cpu", "strategy": "periodic_averaging"}}
@@ -306,14 +306,14 @@ def test_the_app_takes_diloco_server_options_participation_and_non_linear_models
     assert stackable({**base, "model": {"arch": "cnn"}}) == "model.arch is cnn (stacking trains the linear model only)"
     assert stackable({**base, "model": {}, "participation": 4}) == "participation is set (stacking averages every machine every round)"
     for arch, shapes in (("mlp", [(4, 64, 784), (4, 64), (4, 10, 64), (4, 10)]), ("cnn", [(4, 8, 1, 5, 5), (4, 8), (4, 16, 8, 5, 5), (4, 16), (4, 10, 784), (4, 10)])):
-        model = LogisticRegression(num_machines=4, arch=arch, init="default")
+        model = MachinesModel(num_machines=4, arch=arch, init="default")
         model.configure_model()
         assert [tuple(p.shape) for p in model.machines.parameters()] == shapes
         assert model.machines(torch.randn(4, 2, 784)).shape == (4, 2, 10)
     with pytest.raises(ValueError, match=r"Invalid model.arch: 'resnet' \(allowed: linear, mlp, cnn\)"):
-        LogisticRegression(arch="resnet", init="default")
+        MachinesModel(arch="resnet", init="default")
     with pytest.raises(ValueError, match=r"Invalid model.init: 'zeros' with model.arch=mlp"):
-        LogisticRegression(arch="mlp")
+        MachinesModel(arch="mlp")
     proc = subprocess.run(
         [sys.executable, "-m", "lit_slowcal", "fit", "--config", str(REPO / "configs" / "slowcal.yaml"), "--wandb=false",
          "--method=diloco", "--participation=0.5", "--model.arch=mlp", "--model.init=default", "--trainer.limit_train_batches=3",

@@ -119,9 +119,9 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
 def test_the_data_module_refuses_a_shape_other_than_its_streams_or_trainer():
     from types import SimpleNamespace
 
-    from lit_slowcal.experiments.data import MNISTDataModule
+    from lit_slowcal.experiments.data import ProblemDataModule
 
-    data = MNISTDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=8))
+    data = ProblemDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=8))
     assert data.shape() == RunShape(4, 2, 1, train_size=32)
     data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32))
     assert (data.steps_per_round, data.batch_size, data.num_rounds) == (1, 2, 4)

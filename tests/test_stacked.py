@@ -11,7 +11,7 @@ import yaml
 
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from test_sweep import wandb_records
 
@@ -48,7 +48,7 @@ def single_runs(monkeypatch, sweep, trials):
     """Each trial run alone by the sweep's runner: its outcome, its final parameters and its metrics.csv."""
     final = {}
     monkeypatch.setattr(
-        LogisticRegression, "on_fit_end",
+        MachinesModel, "on_fit_end",
         lambda self: final.update(last={n: p.detach().clone() for n, p in self.machines.named_parameters()}),
         raising=False,
     )  # fmt: skip
@@ -246,7 +246,7 @@ def test_linear_gradients_equal_autograds(b):
     machines = SimulatedMachines(torch.nn.Linear(784, 10), 6)
     x, y = torch.randn(6, b, 784), torch.randint(0, 10, (6, b))
     x[:, :, :100] = 0  # zero features: zero products, of either sign
-    model = LogisticRegression(num_machines=6, lr=0.1)
+    model = MachinesModel(num_machines=6, lr=0.1)
     model.configure_model()
     model.machines = machines
     model._machine_losses(x, y).sum().backward()

@@ -212,7 +212,7 @@ def test_paper_sweep_is_the_papers_grid_with_the_papers_learning_rates(command_l
     assert {t["local_steps"] for t in trials} == {4, 8, 16, 32, 64}
     assert {t["seed_everything"] for t in trials} == {1, 2, 3}
     cfg = command_line.parse(sw.trial_args(sweep, trials[0]))
-    assert cfg["fit.model.lr"] is None  # unset: LogisticRegression takes the method's paper_lr
+    assert cfg["fit.model.lr"] is None  # unset: MachinesModel takes the method's paper_lr
     assert cfg["fit.batch_size"] == 1 and cfg["fit.data.dirichlet_alpha"] == 0.1 and cfg["fit.trainer.max_epochs"] == 1
 
 
@@ -437,9 +437,9 @@ def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_
 
 
 def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
 
-    training_step = LogisticRegression.training_step
+    training_step = MachinesModel.training_step
     threads = []
 
     def failing(self, batch, batch_idx):
@@ -448,7 +448,7 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
             raise RuntimeError("machine on fire")
         return training_step(self, batch, batch_idx)
 
-    monkeypatch.setattr(LogisticRegression, "training_step", failing)
+    monkeypatch.setattr(MachinesModel, "training_step", failing)
     monkeypatch.chdir(REPO)
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
@@ -471,7 +471,7 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
     assert torch.get_num_threads() == torch_threads and os.environ.get("OMP_NUM_THREADS") == omp
 
     # Not retried by default; retried with --retry-failed (and replaced, not duplicated).
-    monkeypatch.setattr(LogisticRegression, "training_step", training_step)
+    monkeypatch.setattr(MachinesModel, "training_step", training_step)
     assert sw.main(args) == 0 and "0 to run" in capsys.readouterr().out
     assert sw.main([*args, "--retry-failed"]) == 0 and "3 to run" in capsys.readouterr().out
     records = read_records(results)
@@ -561,16 +561,16 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
 def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch, capsys, interrupt, code):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.model import MachinesModel
 
-    training_step = LogisticRegression.training_step
+    training_step = MachinesModel.training_step
 
     def interrupted(self, batch, batch_idx):
         if self.hparams.method == "local_sgd":  # the last two trials
             raise KeyboardInterrupt if interrupt == "ctrl-c" else SIGTERMException()
         return training_step(self, batch, batch_idx)
 
-    monkeypatch.setattr(LogisticRegression, "training_step", interrupted)
+    monkeypatch.setattr(MachinesModel, "training_step", interrupted)
     monkeypatch.chdir(REPO)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"

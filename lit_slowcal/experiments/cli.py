@@ -48,12 +48,12 @@ from lit_slowcal._lightning import KeepCommandLineModelArgs
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments.architectures import get_architecture
-from lit_slowcal.experiments.checkpointing import LastCheckpoint
-from lit_slowcal.experiments.data import MNISTDataModule
+from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
+from lit_slowcal.experiments.data import ProblemDataModule
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, run_identity
 from lit_slowcal.experiments.methods import get_method, method_names
-from lit_slowcal.experiments.model import LogisticRegression
+from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.options import ConfigFile, OneLineErrorParser, add_options
 from lit_slowcal.experiments.resume import check_checkpoint, check_trains_more, last_checkpoint
 from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, claim_version, run_loggers, run_name, run_version
@@ -79,8 +79,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("model_class", LogisticRegression)
-        kwargs.setdefault("datamodule_class", MNISTDataModule)
+        kwargs.setdefault("model_class", MachinesModel)
+        kwargs.setdefault("datamodule_class", ProblemDataModule)
         kwargs.setdefault("seed_everything_default", 1)
         kwargs.setdefault("save_config_kwargs", {"overwrite": False})
         # The method picks the optimizer (SlowcalSGD or SGD); a generic --optimizer would bypass it.

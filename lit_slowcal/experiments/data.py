@@ -34,7 +34,7 @@ from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
 from lit_slowcal.experiments.shape import RunShape
 from lit_slowcal.files import atomic_path, locked
 
-__all__ = ["MNISTDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
+__all__ = ["ProblemDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 MNIST_TRAIN_SIZE = MNIST.TRAIN_SIZE  # the problem registry's
@@ -283,7 +283,7 @@ class _Slices:
             yield self.x[i : i + self.batch_size], self.y[i : i + self.batch_size]
 
 
-class MNISTDataModule(pl.LightningDataModule):
+class ProblemDataModule(pl.LightningDataModule):
     """MNIST split over ``num_machines`` machines by class with Dirichlet(``dirichlet_alpha``), or another problem.
 
     ``problem`` picks what is trained on (``lit_slowcal.experiments.problems``): ``None`` or

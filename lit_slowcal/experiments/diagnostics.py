@@ -134,7 +134,7 @@ class Diagnostics(Callback):
     # -- the objective and its optimum ----------------------------------------------------------
 
     def prepare(self, data: Any, weight_decay: float = 0.0, say: Optional[Callable[[str], None]] = None) -> dict[str, float]:
-        """Before training: the training objective of ``data`` (a ``MNISTDataModule``; its problem's samples
+        """Before training: the training objective of ``data`` (a ``ProblemDataModule``; its problem's samples
         and shards), its optimum x* (solved or read from the cache) and G_*. Returns the metrics logged
         at step 0 (``f_star``, ``G_star``, ``optimum_grad_norm``; none without an optimum); ``say``
         prints the lines on it (``None``: ``print``)."""

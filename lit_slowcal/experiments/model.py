@@ -1,4 +1,5 @@
-"""Multinomial logistic regression on MNIST, trained on m simulated machines per process.
+"""The app's model: one architecture of the registry (the paper's linear model by default), trained on
+m simulated machines per process by any method of the registry.
 
 Every method of the comparison is a configuration of the same model: its entry in
 ``lit_slowcal.experiments.methods`` builds the optimizer from the model's hyperparameters; how
@@ -28,11 +29,13 @@ from lit_slowcal.experiments.rounds import (
 from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 
-__all__ = ["LogisticRegression", "official_init"]
+__all__ = ["MachinesModel", "official_init"]
 
 
-class LogisticRegression(pl.LightningModule):
-    """784 -> 10 linear model with cross-entropy, one copy per machine.
+class MachinesModel(pl.LightningModule):
+    """A model of ``lit_slowcal.experiments.architectures`` (the paper's 784 -> 10 linear model by default;
+    ``arch`` picks an MLP or a small CNN), one copy per simulated machine, with cross-entropy (or the
+    squared loss of the regression problems).
 
     A training batch is one communication round, ``(x, y)`` of shapes ``(steps, m, b, 784)`` and
     ``(steps, m, b)``; each of its steps is one optimizer step. Machine i's loss is the mean

@@ -116,7 +116,7 @@ class MNIST(Problem):
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
         # The files and the split settings are the data module's (lit_slowcal.experiments.data).
         if not callable(getattr(data, "mnist_data", None)):
-            raise ValueError("MNIST is built by its data module: MNISTDataModule(problem=MNIST()), not on its own")
+            raise ValueError("MNIST is built by its data module: ProblemDataModule(problem=MNIST()), not on its own")
         return data.mnist_data(num_machines, seed)
 
 

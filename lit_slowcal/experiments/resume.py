@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lit_slowcal._validation import is_int
-from lit_slowcal.checkpoint import read_checkpoint
+from lit_slowcal.checkpoint_io import read_checkpoint
 from lit_slowcal.experiments.identity import allowed_on_resume, check_same_run
 from lit_slowcal.experiments.shape import RunShape
 

@@ -1,6 +1,6 @@
 """The pieces of a method's round, defined once over a trial dimension T (a single run is T = 1).
 
-The single run (``model.LogisticRegression`` in a Lightning ``Trainer``) and the stacked trials
+The single run (``model.MachinesModel`` in a Lightning ``Trainer``) and the stacked trials
 (``sweep.stacked``: T trials of one shape trained as T x M machines) both end a round and evaluate
 through these functions, so the two cannot drift apart:
 

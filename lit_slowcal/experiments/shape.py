@@ -17,7 +17,7 @@ steps per round    K                       1
 rounds make one epoch for every method, each process hosts M / P machines, and one training batch
 (one round) has the shape ``(steps per round, M / P, per-step batch, features)``. The CLI builds one
 ``RunShape`` and gives the strategy its ``sync_every`` and the data module the whole shape
-(``MNISTDataModule.use_shape``), so the two cannot disagree; every divisibility and range check of
+(``ProblemDataModule.use_shape``), so the two cannot disagree; every divisibility and range check of
 these values is made here, once, each refused in one line naming the field, the value and what is
 allowed.
 """

@@ -7,7 +7,7 @@ without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
-  larger batch of machines (``LogisticRegression.losses_of``; the loss is the sum over the
+  larger batch of machines (``MachinesModel.losses_of``; the loss is the sum over the
   T * M machines, so every slice gets its own gradient). Autograd gives the gradient of the loss with
   respect to the outputs; the linear layer's gradients are formed from it into buffers kept from step
   to step (``_linear_grads``: autograd's values; allocating them afresh every step cost more than
@@ -274,13 +274,13 @@ def _trial_data_and_model(config: dict[str, Any]) -> tuple[Any, Any]:
     """A trial's data module (set up) and model (configured), built by its single run's own classes."""
     from lightning.fabric.utilities.seed import seed_everything
 
-    from lit_slowcal.experiments.data import MNISTDataModule
-    from lit_slowcal.experiments.model import LogisticRegression
+    from lit_slowcal.experiments.data import ProblemDataModule
+    from lit_slowcal.experiments.model import MachinesModel
 
-    data = MNISTDataModule(**{k: v for k, v in config["data"].items()})
+    data = ProblemDataModule(**{k: v for k, v in config["data"].items()})
     data.setup("fit")
     seed_everything(config["seed_everything"], verbose=False)  # as the CLI, for init=default
-    model = LogisticRegression(**_model_settings(config))
+    model = MachinesModel(**_model_settings(config))
     model.configure_model()
     return data, model
 
@@ -373,10 +373,10 @@ class _Group:
         """One stack of T * M machines; each trial's ``SimulatedMachines`` holds slices of it, and its
         ``.grad`` slices of the gradient buffers every step writes (allocating them afresh each step
         costs more than computing them: page faults and cold cache)."""
-        from lit_slowcal.experiments.model import LogisticRegression
+        from lit_slowcal.experiments.model import MachinesModel
 
         M = self.M
-        self.stack = stack = LogisticRegression(**{**_model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
+        self.stack = stack = MachinesModel(**{**_model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
         stack.configure_model()
         stack.to(self.device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
         big = dict(stack.machines.named_parameters())

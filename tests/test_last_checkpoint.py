@@ -5,7 +5,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_slowcal import AtomicCheckpointIO
-from lit_slowcal.experiments.checkpointing import LastCheckpoint
+from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
 
 
 def test_save_replaces_the_file_whole(tmp_path):
