@@ -2,7 +2,7 @@
 
 Lightning gives no stability promise for underscored names or for its loop objects
 (``trainer.fit_loop...``); they have changed between minor releases. Keeping all of them here means
-one file to read when Lightning is upgraded, and ``tests/test_lightning_internals.py`` checks each
+one file to read when Lightning is upgraded, and ``tests/core/test_lightning.py`` checks each
 one against the installed Lightning, so a rename fails there, by name, instead of deep inside a run.
 No other module of the package may use them: that test scans the syntax tree of every module for an
 attribute, a ``getattr`` string or an import naming an underscored name the installed Lightning

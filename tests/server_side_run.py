@@ -1,4 +1,4 @@
-"""2 gloo processes x 2 simulated machines running the server-side cases of tests/test_server.py.
+"""2 gloo processes x 2 simulated machines running the server-side cases of tests/core/test_server.py.
 
     python tests/server_side_run.py OUT.pt
 

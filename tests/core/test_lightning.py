@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from lit_slowcal import _lightning
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lit_slowcal"
+PACKAGE = Path(__file__).resolve().parents[2] / "lit_slowcal"
 
 
 def require(obj: object, path: str) -> object:

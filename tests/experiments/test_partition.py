@@ -268,7 +268,7 @@ def test_official_split_is_determined_by_the_seed(labels):
 
 def mnist_train_labels() -> np.ndarray:
     """MNIST's 60,000 training labels in file order, read from the shipped IDX file."""
-    path = Path(__file__).parents[1] / "data" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
+    path = Path(__file__).parents[2] / "data" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
     with gzip.open(path, "rb") as f:
         return np.frombuffer(f.read(), dtype=np.uint8, offset=8).astype(np.int64)
 

@@ -155,7 +155,7 @@ def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
     from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
     from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
 
-    sweeps = Path(__file__).resolve().parents[1] / "sweeps"
+    sweeps = Path(__file__).resolve().parents[2] / "sweeps"
     lr_grid, c_grid = sw.load_sweep(sweeps / "table1_tuned.yaml"), sw.load_sweep(sweeps / "table1_tuned_acsa.yaml")
     trials = sw.expand_trials(lr_grid) + sw.expand_trials(c_grid)
     assert (len(sw.expand_trials(lr_grid)), len(sw.expand_trials(c_grid))) == (1800, 360)
@@ -266,7 +266,7 @@ def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
     from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
     from lit_slowcal.experiments.report import load_results
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     files = sorted((repo / "sweeps" / "nonconvex").glob("*.yaml"))
     sweeps = {f.stem: sw.load_sweep(f) for f in files}
     assert sorted(sweeps) == [

@@ -15,7 +15,7 @@ from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from test_sweep import wandb_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LRS = (0.01, 0.03)
 SEEDS = (1, 2)
 

@@ -20,7 +20,7 @@ from helpers import subprocess_env
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
 COMMAND = ["${env}", "python", "-m", "lit_slowcal", "fit", "--config", "configs/paper.yaml", "${args}"]
 
