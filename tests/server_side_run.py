@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "core")]  # helpers, test_server
 from helpers import Quadratics  # noqa: E402
 from test_server import CASES, DIM, K, ROUNDS, M, Point  # noqa: E402
 
