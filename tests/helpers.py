@@ -1,6 +1,7 @@
 """Shared by the tests that start the CLI in a subprocess."""
 
 import os
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,3 +82,15 @@ def reloaded(machines, optimizer, averager, make_optimizer):
     averager = PeriodicAverager(machines, optimizer, sync_every=averager.sync_every)
     averager.load_state_dict(saved[2])
     return machines, optimizer, averager
+
+
+# Both processes start together: each says it is ready, and waits for the other.
+BARRIER = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    here = pathlib.Path(sys.argv[-1])
+    (here / f"ready.{sys.argv[-2]}").touch()
+    while len(list(here.glob("ready.*"))) < 2:
+        time.sleep(0.002)
+    """
+)

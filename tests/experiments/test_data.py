@@ -1,7 +1,10 @@
 """Tests for lit_slowcal.experiments.data: loading MNIST, per-machine streams and the data module."""
 
+import gzip
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from helpers import BARRIER, REPO, subprocess_env
 
 import lit_slowcal.experiments.data as data_module
 from lit_slowcal.experiments.data import (
@@ -537,3 +541,28 @@ def test_a_label_outside_the_classes_is_refused_when_read_naming_the_file(raw_co
     with pytest.raises(ValueError) as err:
         load_mnist(raw_copy.parents[1])
     assert str(err.value).startswith(f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)")
+
+
+# ---------------------------------------------------------------------- concurrent processes
+
+
+def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
+        shutil.copy(gz, raw / gz.name)
+    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.data import _prepare_raw_files\n" + BARRIER + (
+        "_prepare_raw_files(Path(sys.argv[1]))\n"
+    )
+    env = subprocess_env(PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", prepare, str(tmp_path), name, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+        for name in "ab"
+    ]  # fmt: skip
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    names = ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", "train-images-idx3-ubyte", "train-labels-idx1-ubyte"]
+    assert sorted(p.name for p in raw.iterdir() if not p.name.endswith(".gz")) == [".prepare.lock", *names]  # no temp
+    for name in names:
+        with gzip.open(raw / f"{name}.gz") as f:
+            assert (raw / name).read_bytes() == f.read(), name

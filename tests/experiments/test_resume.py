@@ -1,7 +1,10 @@
 """Exact resume: a run killed mid-training and resumed with ``--ckpt_path last`` ends bitwise where an
 uninterrupted run ends (parameters, optimizer state, metrics), for SLowcal-SGD, Local-SGD,
-Accelerated Minibatch-SGD (AC-SA) and SCAFFOLD (control variates included)."""
+Accelerated Minibatch-SGD (AC-SA) and SCAFFOLD (control variates included). And the checks before a resume
+(``lit_slowcal.experiments.resume``): a run with nothing left to train fails with a line, and ``--ckpt_path last``
+takes this run's newest checkpoint."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, subprocess_env
+from in_process import RUN, command, error_line
 
 from lit_slowcal.experiments.methods import get_method
 
@@ -91,3 +95,55 @@ def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = run(tmp_path, "none", "slowcal", "--ckpt_path=last")
     assert proc.returncode != 0
     assert "--ckpt_path last: no checkpoint of run slowcal_M4_K4_b64_seed1" in proc.stderr
+
+
+# ---------------------------------------------------------------------- runs that train nothing, --ckpt_path last
+
+NOTHING = [
+    (["--ckpt_path=last"], "its run has trained 1 epoch(s) (256 steps) and trainer.max_epochs is 1, so there is "
+     "nothing to train. Pass --trainer.max_epochs=2 (or more) to train on"),
+    (["--ckpt_path=last", "--trainer.max_epochs=3", "--trainer.max_steps=256"], "its run has trained 256 steps and "
+     "trainer.max_steps is 256, so there is nothing to train. Pass --trainer.max_steps=512 (or more)"),
+    (["--trainer.max_epochs=0"], "The run trained nothing: it was at step 0 before and after fit"),
+    (["--trainer.limit_train_batches=0"], "The run trained nothing: it was at step 0 before and after fit"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), NOTHING, ids=[" ".join(a) for a, _ in NOTHING])
+def test_a_run_that_trains_nothing_fails_with_a_line(half_run, tmp_path, capsys, args, message):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "full", runs)
+    code, err = command(capsys, *args, run_dir=runs)
+    assert code == 1 and message in error_line(err)
+
+
+def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_run, tmp_path, capsys):
+    """A run of the same name with another learning rate, killed later, does not hide this run's checkpoint."""
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    ours = runs / RUN / "version_0" / "checkpoints" / "last.ckpt"
+    other = torch.load(ours, weights_only=True)
+    other["lit_slowcal_run"]["model.lr"] = 0.03
+    (runs / RUN / "version_1" / "checkpoints").mkdir(parents=True)
+    torch.save(other, runs / RUN / "version_1" / "checkpoints" / "last.ckpt")  # the newest
+    code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+    code, err = command(capsys, "--ckpt_path=last", "--model.lr=0.1", run_dir=runs)
+    line = error_line(err)
+    assert code == 1 and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
+    assert "version_1/checkpoints/last.ckpt (model.lr 0.03 in the checkpoint, 0.1 now)" in line
+    assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
+
+
+def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys, closes_the_process_group):
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    code, err = command(capsys, "test", "--ckpt_path=last", "--trainer.limit_test_batches=1", run_dir=runs)
+    assert code == 0 and "no last checkpoint available" not in err and "untrained" not in err
+    code, err = command(capsys, "test", "--ckpt_path=last", "--model.lr=0.5", run_dir=runs)
+    assert code == 1 and "--ckpt_path last: none of the 1 checkpoints of run" in error_line(err)

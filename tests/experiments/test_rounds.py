@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from in_process import RUN, command
 from torch import nn
 
 from lit_slowcal.averaging import PeriodicAverager
@@ -193,3 +194,17 @@ def test_the_runner_takes_the_status_from_the_type(tmp_path, monkeypatch, error,
     (params,) = sw.expand_trials(sweep)
     outcome = sw.run_trial(sw.trial_args(sweep, params))
     assert outcome["status"] == status and outcome["error"] == str(error)
+
+
+# ---------------------------------------------------------------------- the final round's metrics, in a run of the command
+
+
+@pytest.mark.parametrize("eval_every", [4, 3])  # R = 4: eval_every divides R, and does not
+def test_the_final_rounds_train_metrics_are_written(tmp_path, capsys, eval_every):
+    assert command(capsys, f"--eval_every={eval_every}", run_dir=tmp_path)[0] == 0
+    rows = (tmp_path / RUN / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    trained = [dict(zip(header, r.split(","))) for r in rows[1:]]
+    trained = [r for r in trained if r["train_loss"]]
+    assert [float(r["round"]) for r in trained] == [4.0]  # log_every_n_steps = 10 > R: only the final round
+    assert float(trained[0]["samples_seen"]) == 4 * 4 * 64 * 64

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
+import torch
+from in_process import RUN, command
 
 from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, claim_version, run_name, run_version, start_wandb
 
@@ -67,3 +70,20 @@ def test_a_process_that_does_not_probe_starts_online_with_credentials(capsys, mo
     calls = []
     assert start_wandb(lambda off: calls.append(off) or "online run", "f", probe=False, announce=False) == ("online run", False)
     assert calls == [False] and capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------------- outputs in the run folder
+
+
+def test_without_a_logger_every_output_stays_in_the_run_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # the second run used to be refused: config.yaml was in the current folder
+        assert command(capsys, "--trainer.logger=false", run_dir=Path("runs"))[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    for version in ("version_0", "version_1"):
+        assert sorted(p.name for p in (tmp_path / "runs" / RUN / version).iterdir()) == [
+            "checkpoints", "class_counts.csv", "class_distribution.png", "config.yaml"
+        ]  # fmt: skip
+    code, err = command(capsys, "--trainer.logger=false", "--ckpt_path=last", "--trainer.max_epochs=2", run_dir=Path("runs"))
+    assert code == 0, err[-2000:]
+    assert torch.load(tmp_path / "runs" / RUN / "version_2" / "checkpoints" / "last.ckpt")["global_step"] == 2 * 4 * 64
