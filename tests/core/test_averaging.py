@@ -1,4 +1,5 @@
-"""PeriodicAverager without a framework: plain torch loops, Fabric, the optimizer protocol, buckets."""
+"""PeriodicAverager without a framework: plain torch loops (and the Trainer on their problem), the optimizer
+protocol, buckets. The Fabric example: test_fabric.py."""
 
 import os
 import subprocess
@@ -101,39 +102,6 @@ def test_destroy_process_group_frees_the_default_group_after_a_plain_loop_built_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "default group alive after destroy_process_group: False"
-
-
-def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
-    fabric = run_example("fabric_loop.py", tmp_path, "--processes=2", "--dtype=float64")
-    plain = run_example("torch_loop.py", tmp_path, "--processes=1", "--machines=2", "--dtype=float64")
-    assert_close(fabric, plain, 1e-12)
-
-
-@pytest.mark.parametrize("imports", ["import lit_slowcal, lightning as L", "import lightning as L, lit_slowcal"])
-def test_fabric_and_trainer_know_the_strategy_name_after_import_lit_slowcal(imports):
-    code = (
-        f"{imports}\n"
-        "t = L.Trainer(strategy='periodic_averaging', accelerator='cpu', devices=1, logger=False)\n"
-        "f = L.Fabric(strategy='periodic_averaging', accelerator='cpu', devices=1)\n"
-        "s = lit_slowcal.PeriodicAveragingStrategy(sync_every=16)\n"
-        "print(type(t.strategy).__name__, t.strategy.sync_every, type(f.strategy).__name__, s.sync_every)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-4:] == ["PeriodicAveragingStrategy", "1", "PeriodicAveragingFabricStrategy", "16"]
-
-
-def test_import_lit_slowcal_loads_no_experiment_dependency():
-    # Not even Lightning (which loads torchmetrics, and through it torchvision and matplotlib where
-    # installed): the Lightning pieces load on first use.
-    code = (
-        "import sys, lit_slowcal\n"
-        "print(sorted(m for m in ('wandb', 'matplotlib', 'torchvision', 'jsonargparse', 'torchmetrics', 'yaml',"
-        " 'lightning', 'lit_slowcal.experiments') if m in sys.modules))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[]"
 
 
 # -- the optimizer protocol ------------------------------------------------------------------
@@ -296,36 +264,6 @@ def test_two_processes_average_in_bounded_buckets(tmp_path):
         expected = (mine[0] + mine[1]) / 2
         expected = expected.expand_as(after) if after.dim() == 3 else expected
         assert torch.allclose(after, expected, atol=1e-6, rtol=0), i
-
-
-def test_no_core_module_imports_the_app_and_there_are_no_cycles():
-    import ast
-
-    package = REPO / "lit_slowcal"
-    graph = {}
-    for path in package.rglob("*.py"):
-        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps.add(node.module)
-                deps.update(f"{node.module}.{a.name}" for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
-        graph[module] = {d for d in deps if d in {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in package.rglob("*.py")}}
-    core = [m for m in graph if not m.startswith("lit_slowcal.experiments") and m != "lit_slowcal.__main__"]
-    wrong = {m: sorted(d for d in graph[m] if d.startswith("lit_slowcal.experiments")) for m in core}
-    assert not any(wrong.values()), f"core modules import the app: {wrong}"
-
-    def visit(m, stack):
-        if m in stack:
-            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(m):] + [m])}")
-        for d in graph.get(m, ()):
-            if d != "lit_slowcal" and not m.startswith(d + "."):  # a module importing its own package
-                visit(d, stack + [m])
-
-    for m in graph:
-        visit(m, [])
 
 
 def test_sync_pre_hooks_see_the_machines_after_the_last_step_before_anything_is_averaged():
