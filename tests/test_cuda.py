@@ -268,8 +268,8 @@ DIAGNOSTICS = ("dispersion", "query_step", "iterate_step")
 
 
 def stacked_grid(tmp_path: Path, accelerator: str):
-    """Every method x 2 lrs x K = 2 and 4, one seed, M = 4, 7 rounds (tests/experiments/sweep/test_stacked.py's grid), stacked
-    on ``accelerator``; the trials with their outcomes and final parameters."""
+    """Every method x 2 lrs x K = 2 and 4, one seed, M = 4, 7 rounds (tests/experiments/sweep/test_stacked.py's
+    grid), stacked on ``accelerator``; the trials with their outcomes and final parameters."""
     from test_stacked import grid_file
 
     from lit_slowcal.experiments import sweep as sw
