@@ -17,7 +17,10 @@ from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, claim_version, r
 @pytest.fixture
 def no_wandb_env(monkeypatch, tmp_path):
     for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_INIT_TIMEOUT", RUN_VERSION_ENV):
-        monkeypatch.delenv(key, raising=False)
+        # set, then removed: monkeypatch restores the value before (or its absence) after the test, so what
+        # run_version and start_wandb write to os.environ does not reach the tests that follow
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
 
 
