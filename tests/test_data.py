@@ -1,4 +1,4 @@
-"""Tests for lit_slowcal.experiments.data: loading MNIST, per-machine streams and the data module."""
+"""Tests for lit_slowcal.experiments.data, .mnist and .streams: loading MNIST, per-machine streams and the data module."""
 
 import math
 import shutil
@@ -11,14 +11,9 @@ import torch
 import torchvision
 
 import lit_slowcal.experiments.data as data_module
-from lit_slowcal.experiments.data import (
-    MNIST_MEAN,
-    MNIST_STD,
-    MachineStreams,
-    ProblemDataModule,
-    load_mnist,
-    partition_shards,
-)
+from lit_slowcal.experiments.data import ProblemDataModule, partition_shards
+from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist
+from lit_slowcal.experiments.streams import MachineStreams
 from lit_slowcal.experiments.partition import partition, plot_class_distribution
 
 DATA = Path(__file__).parents[1] / "data"
