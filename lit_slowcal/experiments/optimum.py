@@ -195,6 +195,7 @@ def _pcg(
         direction.mul_(rz / previous).add_(z)
     return step, max_iter
 
+
 def _factorised(model: _Newton, p: Tensor, previous: Optional[Tensor]) -> Optional[Tensor]:
     """The Cholesky factor of the whole Hessian at P, or ``previous`` where it has none."""
     factor, info = torch.linalg.cholesky_ex(model.hessian(p))
