@@ -1,4 +1,4 @@
-"""Tests for lit_slowcal.experiments.data: loading MNIST, per-machine streams and the data module."""
+"""Tests for lit_slowcal.experiments.data, .mnist and .streams: loading MNIST, per-machine streams and the data module."""
 
 import math
 import shutil
@@ -11,14 +11,9 @@ import torch
 import torchvision
 
 import lit_slowcal.experiments.data as data_module
-from lit_slowcal.experiments.data import (
-    MNIST_MEAN,
-    MNIST_STD,
-    MachineStreams,
-    ProblemDataModule,
-    load_mnist,
-    partition_shards,
-)
+from lit_slowcal.experiments.data import ProblemDataModule, partition_shards
+from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist
+from lit_slowcal.experiments.streams import MachineStreams
 from lit_slowcal.experiments.partition import partition, plot_class_distribution
 
 DATA = Path(__file__).parents[1] / "data"
@@ -537,3 +532,13 @@ def test_a_label_outside_the_classes_is_refused_when_read_naming_the_file(raw_co
     with pytest.raises(ValueError) as err:
         load_mnist(raw_copy.parents[1])
     assert str(err.value).startswith(f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)")
+
+
+def test_the_data_module_exports_what_its_neighbours_define():
+    """``from lit_slowcal.experiments.data import load_mnist, MachineStreams, ...`` keeps working after the split."""
+    import lit_slowcal.experiments.mnist as mnist_module
+    import lit_slowcal.experiments.streams as streams_module
+
+    assert data_module.load_mnist is mnist_module.load_mnist and data_module.MachineStreams is streams_module.MachineStreams
+    assert (data_module.MNIST_MEAN, data_module.MNIST_STD) == (0.1307, 0.3081)
+    assert {"load_mnist", "MachineStreams", "MNIST_MEAN", "MNIST_STD"} <= set(data_module.__all__)

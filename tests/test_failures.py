@@ -342,8 +342,8 @@ def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
     raw.mkdir(parents=True)
     for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw / gz.name)
-    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.data import _prepare_raw_files\n" + BARRIER + (
-        "_prepare_raw_files(Path(sys.argv[1]))\n"
+    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.mnist import prepare_mnist\n" + BARRIER + (
+        "prepare_mnist(Path(sys.argv[1]))\n"
     )
     env = subprocess_env(PYTHONPATH=str(REPO))
     procs = [
