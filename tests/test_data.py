@@ -11,6 +11,7 @@ import torch
 import torchvision
 
 import lit_slowcal.experiments.data as data_module
+from lit_slowcal.experiments.class_distribution import plot_class_distribution
 from lit_slowcal.experiments.data import (
     MNIST_MEAN,
     MNIST_STD,
@@ -19,7 +20,7 @@ from lit_slowcal.experiments.data import (
     load_mnist,
     partition_shards,
 )
-from lit_slowcal.experiments.partition import partition, plot_class_distribution
+from lit_slowcal.experiments.partition import partition
 
 DATA = Path(__file__).parents[1] / "data"
 FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
