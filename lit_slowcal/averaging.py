@@ -157,9 +157,11 @@ class PeriodicAverager:
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
         self._hooks: list[Any] = []
         self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
-        self.participation, self.participation_seed, factory = _server.check_options(
+        participation, participation_seed, factory = _server.check_options(
             optimizer, participation, participation_seed, outer_optimizer
         )
+        self.participation = participation
+        self.participation_seed = participation_seed
         self.outer: Optional[Optimizer] = None  # the server's optimizer over self.global_params
         self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
         if factory is not None:
