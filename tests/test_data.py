@@ -11,10 +11,11 @@ import torch
 import torchvision
 
 import lit_slowcal.experiments.data as data_module
+from lit_slowcal.experiments.class_distribution import plot_class_distribution
 from lit_slowcal.experiments.data import ProblemDataModule, partition_shards
 from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist
+from lit_slowcal.experiments.partition import partition
 from lit_slowcal.experiments.streams import MachineStreams
-from lit_slowcal.experiments.partition import partition, plot_class_distribution
 
 DATA = Path(__file__).parents[1] / "data"
 FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]

@@ -21,14 +21,9 @@ from torch import Tensor
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
+from lit_slowcal.experiments.class_distribution import plot_class_distribution, write_class_counts
 from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist, prepare_mnist
-from lit_slowcal.experiments.partition import (
-    SPLITS,
-    class_counts,
-    partition,
-    plot_class_distribution,
-    write_class_counts,
-)
+from lit_slowcal.experiments.partition import SPLITS, class_counts, partition
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
 from lit_slowcal.experiments.shape import RunShape
 from lit_slowcal.experiments.streams import MachineStreams

@@ -291,7 +291,7 @@ def _trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) ->
     from lightning.pytorch.loggers import CSVLogger
 
     from lit_slowcal.experiments.cli import claim_version, run_name
-    from lit_slowcal.experiments.partition import write_class_counts
+    from lit_slowcal.experiments.class_distribution import write_class_counts
 
     name = run_name(trial.config.get)
     logger = CSVLogger(save_dir=trial.config["run_dir"], name=name, version=claim_version(trial.config["run_dir"], name))
