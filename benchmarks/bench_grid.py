@@ -11,7 +11,7 @@ trial's ``wall_time_s`` from the results file.
 
 The minimal loop, in this process, for each of the same 45 runs: no Lightning, no LightningModule,
 no strategy. The project's ``partition`` (the official split, as ``configs/paper.yaml``) and
-per-machine ``MachineStreams`` (``data.py``) give the very samples the runner's run draws; the
+per-machine ``MachineStreams`` (``streams.py``) give the very samples the runner's run draws; the
 machines are stacked tensors W ``(M, 10, 784)`` and bias ``(M, 10)`` starting from
 ``official_init`` (``model.init: official``), a step is one batched matmul (``baddbmm``, the form ``SimulatedMachines`` uses), the
 per-machine mean cross-entropy summed over machines and ``backward``; the optimizer is

@@ -1,4 +1,4 @@
-"""Solve for the MNIST optimum x* (float64 Newton-CG, ``objective.solve``) and time it, then the cached read.
+"""Solve for the MNIST optimum x* (float64 Newton-CG, ``optimum.solve``) and time it, then the cached read.
 
 For each seed: the paper configs' split (``official``, Dirichlet(0.1)) over M machines, the
 objective f with weight decay lambda (the bias penalised too, as in training), x* solved to
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lit_slowcal.experiments.data import ProblemDataModule  # noqa: E402
-from lit_slowcal.experiments.objective import Objective, heterogeneity, optimum  # noqa: E402
+from lit_slowcal.experiments.objective import Objective, heterogeneity  # noqa: E402
+from lit_slowcal.experiments.optimum import optimum  # noqa: E402
 
 
 def load() -> str:

@@ -56,14 +56,13 @@ from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.options import ConfigFile, OneLineErrorParser, add_options
 from lit_slowcal.experiments.resume import check_checkpoint, check_trains_more, last_checkpoint
-from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, claim_version, run_loggers, run_name, run_version
+from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, run_loggers, run_name, run_version
 from lit_slowcal.experiments.shape import RunShape, per_step_batch
 from lit_slowcal.experiments.summary import summary_lines
 from lit_slowcal.experiments.threads import configure_run_threads, world_size_of
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
-# claim_version and run_name are run_folder's, imported from here by the stacked engine too.
-__all__ = ["SlowcalCLI", "claim_version", "diagnostics_callback", "run", "run_name"]
+__all__ = ["SlowcalCLI", "diagnostics_callback", "run"]
 
 
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):

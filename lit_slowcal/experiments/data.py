@@ -1,18 +1,16 @@
-"""MNIST split over M machines by class (Dirichlet), streamed one communication round at a time.
+"""The data module: a problem's training set over M machines, streamed one communication round at a time.
 
-Every machine i draws from its own distribution D_i: the empirical distribution of its shard. Its
-stream reshuffles and cycles its shard with a generator of its own (seeded from the seed and i), so
-the samples machine i sees do not depend on how machines are laid out over processes. One training
-batch is one round: for each of the round's steps and each of this rank's m machines, b samples,
-as tensors ``(steps, m, b, 784)`` and ``(steps, m, b)``. Images are decoded once and kept
-normalised in memory: the loop only gathers.
+``ProblemDataModule`` builds the problem's samples and the M machines' shards (MNIST: read by
+``lit_slowcal.experiments.mnist``, split by class with ``partition_shards``) and serves this
+process's machines' ``MachineStreams`` (``lit_slowcal.experiments.streams``): one training batch is
+one round, for each of the round's steps and each of this rank's m machines b samples, as tensors
+``(steps, m, b, 784)`` and ``(steps, m, b)``. The samples are kept normalised in memory: the loop
+only gathers.
 """
 
 from __future__ import annotations
 
-import gzip
 import math
-import shutil
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -23,138 +21,17 @@ from torch import Tensor
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
 from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
-from lit_slowcal.experiments.partition import (
-    SPLITS,
-    class_counts,
-    partition,
-    plot_class_distribution,
-    write_class_counts,
-)
+from lit_slowcal.experiments.class_distribution import plot_class_distribution, write_class_counts
+from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist, prepare_mnist
+from lit_slowcal.experiments.partition import SPLITS, class_counts, partition
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
 from lit_slowcal.experiments.shape import RunShape
-from lit_slowcal.files import atomic_path, locked
+from lit_slowcal.experiments.streams import MachineStreams
 
+# load_mnist, the normalisation constants and MachineStreams are defined beside this module, exported here too.
 __all__ = ["ProblemDataModule", "MachineStreams", "load_mnist", "partition_shards", "MNIST_MEAN", "MNIST_STD"]
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 MNIST_TRAIN_SIZE = MNIST.TRAIN_SIZE  # the problem registry's
-
-# name -> (IDX magic number, decompressed size in bytes)
-_MNIST_FILES = {
-    "train-images-idx3-ubyte": (2051, 16 + 60000 * 28 * 28),
-    "train-labels-idx1-ubyte": (2049, 8 + 60000),
-    "t10k-images-idx3-ubyte": (2051, 16 + 10000 * 28 * 28),
-    "t10k-labels-idx1-ubyte": (2049, 8 + 10000),
-}
-MNIST_CLASSES = 10
-
-
-def _check_idx_file(path: Path, magic: int, size: int) -> None:
-    """The file's size, its IDX magic number and its header's dimensions (count, and 28 x 28 for images)."""
-    actual = path.stat().st_size
-    if actual != size:
-        raise ValueError(f"Corrupt MNIST file {path}: {actual} bytes, expected {size}. Replace it with the original file.")
-    dims = 3 if magic == 2051 else 1
-    with open(path, "rb") as f:
-        header = f.read(4 + 4 * dims)
-    found = int.from_bytes(header[:4], "big")
-    if found != magic:
-        raise ValueError(f"Corrupt MNIST file {path}: magic number {found}, expected {magic}. Replace it with the original file.")
-    shape = [int.from_bytes(header[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
-    expected = [(size - 4 - 4 * dims) // (28 * 28 if dims == 3 else 1), *([28, 28] if dims == 3 else [])]
-    if shape != expected:
-        raise ValueError(
-            f"Corrupt MNIST file {path}: its header gives the shape {' x '.join(map(str, shape))}, but its size holds "
-            f"{' x '.join(map(str, expected))}. Replace it with the original file."
-        )
-
-
-def _check_labels(labels: Tensor, path: Path) -> None:
-    """Every label is a class 0..9; else name the file, the first label outside and where it is."""
-    bad = ((labels < 0) | (labels >= MNIST_CLASSES)).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"Corrupt MNIST file {path}: label {int(labels[i])} at index {i} ({len(bad)} labels outside 0..{MNIST_CLASSES - 1}). "
-            "Replace it with the original file."
-        )
-
-
-def _prepare_raw_files(root: Path) -> None:
-    """Decompress the shipped ``.gz`` files next to them (torchvision reads only decompressed files)
-    and check every file's size and magic number. Downloads with torchvision when nothing is there.
-
-    Processes preparing the same folder at once (the ranks of a job, two jobs on a fresh clone)
-    take turns under a lock on ``raw/`` (``lit_slowcal.files.locked``): the first decompresses, the
-    others find the files done. Each file appears whole (``atomic_path``) or not at all."""
-    raw = root / "MNIST" / "raw"
-    if not raw.is_dir():
-        return _download(root, list(_MNIST_FILES))
-    if all((raw / name).exists() for name in _MNIST_FILES):  # prepared: no lock (the folder may be read-only)
-        return _decompress_and_check(raw)
-    with locked(raw / "prepare"):
-        _decompress_and_check(raw)
-
-
-def _decompress_and_check(raw: Path) -> None:
-    missing = []
-    for name, (magic, size) in _MNIST_FILES.items():
-        path, gz = raw / name, raw / f"{name}.gz"
-        if not path.exists() and gz.exists():
-            try:
-                with gzip.open(gz, "rb") as src, atomic_path(path) as tmp, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            except (OSError, EOFError) as err:
-                raise ValueError(f"Corrupt MNIST file {gz}: {err}. Replace it with the original file.") from err
-        if path.exists():
-            _check_idx_file(path, magic, size)
-        else:
-            missing.append(name)
-    if missing:
-        _download(raw.parent.parent, missing)
-
-
-def _download(root: Path, missing: list[str]) -> None:
-    raw = root / "MNIST" / "raw"
-    from torchvision.datasets import MNIST
-
-    try:
-        MNIST(str(root), train=True, download=True)
-        MNIST(str(root), train=False, download=True)
-    except Exception as err:  # no network, blocked mirror, ...
-        raise FileNotFoundError(
-            f"MNIST files {', '.join(missing)} are missing from {raw} and could not be downloaded ({err}). "
-            f"Put the four MNIST files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
-            f"t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) in {raw}, or set data.root to the "
-            f"folder that holds MNIST/raw/."
-        ) from err
-
-
-_CACHE: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-
-
-def load_mnist(root: str | Path = "data") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """MNIST as normalised float32 tensors ``(N, 784)`` and int64 labels: train x, train y, test x, test y.
-
-    Decoded once per process (runs of a sweep share it); the tensors must not be modified.
-    """
-    from torchvision.datasets import MNIST
-
-    root = Path(root)
-    _prepare_raw_files(root)
-    raw = root / "MNIST" / "raw"
-    key = (str(root.resolve()), *((raw / n).stat().st_mtime_ns for n in _MNIST_FILES))
-    if key in _CACHE:
-        return _CACHE[key]
-    out = []
-    for train in (True, False):
-        ds = MNIST(str(root), train=train, download=False)
-        _check_labels(ds.targets, raw / ("train-labels-idx1-ubyte" if train else "t10k-labels-idx1-ubyte"))
-        x = ds.data.reshape(len(ds.data), -1).to(torch.float32).div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)
-        out += [x, ds.targets.to(torch.int64)]
-    _CACHE.clear()
-    _CACHE[key] = (out[0], out[1], out[2], out[3])
-    return _CACHE[key]
 
 
 #: Per process, the most splits (and their figures) kept for the runs that follow (a sweep's runs
@@ -195,78 +72,6 @@ def partition_shards(
 def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
     """R = ceil(N / (M * steps_per_round * batch_size)): rounds for all machines to see N samples (``RunShape.rounds``)."""
     return RunShape(num_machines, steps_per_round, batch_size, train_size=num_samples).rounds
-
-
-class MachineStreams:
-    """Endless per-machine sample streams, served one communication round at a time.
-
-    Machine i's stream is the concatenation of independent random permutations of its shard drawn
-    from ``torch.Generator().manual_seed(seed * 1_000_003 + i)``. Each item is one round: the next
-    ``steps_per_round * batch_size`` draws of every hosted machine, as tensors of shapes
-    ``(steps_per_round, m, batch_size, ...)`` and ``(steps_per_round, m, batch_size)``. Iterating
-    gives ``rounds`` items (one epoch); the next iteration continues the streams.
-
-    Args:
-        x, y: the whole training set (already normalised).
-        shards: sample indices of every machine (all M of them).
-        machine_ids: the machines hosted here.
-        batch_size: samples per machine per step.
-        steps_per_round: optimizer steps per round.
-        rounds: rounds per epoch.
-        seed: seeds every machine's stream.
-    """
-
-    def __init__(
-        self,
-        x: Tensor,
-        y: Tensor,
-        shards: list[Tensor],
-        machine_ids: list[int],
-        batch_size: int,
-        steps_per_round: int,
-        rounds: int,
-        seed: int,
-    ) -> None:
-        self.x, self.y = x, y
-        self.shards = [shards[i] for i in machine_ids]
-        self.machine_ids = list(machine_ids)
-        self.batch_size = batch_size
-        self.steps_per_round = steps_per_round
-        self.rounds = rounds
-        self.seed = seed
-        self.epoch = 0
-        self.start_round = 0
-
-    def __len__(self) -> int:
-        return self.rounds
-
-    def indices(self, epoch: int) -> Tensor:
-        """Sample indices of one epoch, shape ``(rounds, steps_per_round, m, batch_size)``."""
-        count = self.rounds * self.steps_per_round * self.batch_size  # draws per machine per epoch
-        start = epoch * count
-        columns = []
-        for i, shard in zip(self.machine_ids, self.shards):
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-            n = len(shard)
-            first, last = start // n, (start + count - 1) // n
-            # Permutation k of the stream is the k-th draw from g: draw them all up to `last` in one
-            # vectorised call and keep this epoch's window.
-            perms = torch.rand(last + 1, n, generator=g).argsort(dim=1)[first:]
-            offset = start - first * n
-            columns.append(shard[perms.reshape(-1)[offset : offset + count]])
-        idx = torch.stack(columns)  # (m, count)
-        return idx.view(len(columns), self.rounds, self.steps_per_round, self.batch_size).permute(1, 2, 0, 3)
-
-    def resume_at(self, epoch: int, rounds_done: int) -> None:
-        """Make the next iteration continue epoch ``epoch`` after its first ``rounds_done`` rounds."""
-        self.epoch, self.start_round = (epoch + 1, 0) if rounds_done >= self.rounds else (epoch, rounds_done)
-
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        epoch, start = self.epoch, self.start_round
-        self.epoch, self.start_round = epoch + 1, 0
-        idx = self.indices(epoch)
-        for r in range(start, self.rounds):
-            yield self.x[idx[r]], self.y[idx[r]]
 
 
 class _Slices:
@@ -428,7 +233,7 @@ class ProblemDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on
         one process per node, then all of them call ``setup``)."""
-        _prepare_raw_files(Path(self.root))
+        prepare_mnist(Path(self.root))
 
     def setup(self, stage: str) -> None:
         if self._train is not None:

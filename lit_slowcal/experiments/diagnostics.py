@@ -38,7 +38,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lit_slowcal._validation import check_int
-from lit_slowcal.experiments.objective import Objective, Optimum, heterogeneity, optimum
+from lit_slowcal.experiments.objective import Objective, heterogeneity
+from lit_slowcal.experiments.optimum import Optimum, optimum
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = ["Diagnostics"]
@@ -59,7 +60,7 @@ class Diagnostics(Callback):
         per_round: log ``dispersion``, ``query_step`` and ``iterate_step``.
         step_every: measure the per-step movement in every ``step_every``-th round only (the first
             included; 0: never): copying x and w around every step would cost half a step (M = 16, K = 16).
-        cache_dir: where optima are cached (``None``: ``objective.default_cache_dir()``).
+        cache_dir: where optima are cached (``None``: ``optimum.default_cache_dir()``).
         tol: the solver's gradient-norm tolerance; with weight decay lambda > 0, f* is then exact to
             tol^2 / (2 lambda) (strong convexity; MNIST, lambda = 1e-4: 5e-13).
     """

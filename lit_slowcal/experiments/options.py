@@ -126,7 +126,7 @@ PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
     ("seed_everything", "model.seed", _seed),
 )
 #: The options other settings are computed from while parsing (``PARSE_LINKS``): a sweep checks every
-#: combination of their values (``lit_slowcal.experiments.sweep.runner``), any other option value by value.
+#: combination of their values (``lit_slowcal.experiments.sweep.checks``), any other option value by value.
 PARSE_LINK_SOURCES = frozenset(n for sources, _, _ in PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources))
 
 

@@ -5,24 +5,56 @@ over M in {16, 32, 64} machines with Dirichlet(alpha = 0.1) class proportions (H
 Its code (github.com/dahan198/slowcal-sgd, ``split_dataset``) balances them with a procedure of its
 own, which ``split="official"`` reproduces draw for draw. Every function here is pure numpy and
 deterministic from its ``seed``, so every rank of a distributed run computes the same split
-without communicating.
+without communicating. What a split gives each machine is counted by ``class_counts``, written and
+drawn by ``lit_slowcal.experiments.class_distribution``.
+
+The splits of ``partition``
+---------------------------
+* ``alpha=None`` -- stratified IID, whatever ``split``. Each class's indices are shuffled and
+  dealt round-robin, so every machine holds ``floor`` or ``ceil`` of ``n_c / M`` samples of each
+  class ``c`` and ``floor`` or ``ceil`` of ``N / M`` samples in all.
+* ``split="official"`` -- the paper code's procedure, drawn with
+  ``np.random.RandomState(seed)`` in the code's order, so that a seed gives the very shards the
+  code gives (with the labels in MNIST's file order). Over the classes ``c = 0 .. C-1`` (the
+  sorted labels present):
+
+  1. draw ``p_c ~ Dirichlet(alpha * 1_M)`` for every class at once (a ``(C, M)`` draw);
+  2. place each class's proportions on machines greedily, class by class and, within a class,
+     in the order drawn: proportion ``p_ci`` goes to the first machine ``k`` that has no share
+     of class ``c`` yet and whose load (the sum of the shares it holds) is 0 or stays below
+     ``C / M`` with it (``load + p_ci < C / M``); when none qualifies, to the machine without a
+     share of ``c`` that has the smallest load (the first of equals);
+  3. machine ``k``'s amount of class ``c`` is ``floor(share_ck * N / C)``: with N / C the
+     average class size, not class ``c``'s own;
+  4. class by class, shuffle the class's indices (``RandomState.permutation``) and deal
+     consecutive runs of the amounts to machines ``0 .. M-1``; a run that passes the end of
+     the class is cut there (later machines may get fewer, or none), and what is left of a
+     class after the last machine is assigned to nobody.
+
+  Samples are dropped (MNIST, M = 64, alpha = 0.1, seed 1: 58,809 of 60,000 assigned, shards
+  of 108 to 3,637). The shares placed on one machine sum to about C / M, so machines hold
+  about N / M samples, give or take a large share that had to go somewhere.
+* ``split="balanced"`` -- same class skew, equal sizes. Machine ``m`` draws its class mix
+  ``q_m ~ Dirichlet(alpha * 1_C)`` and has a quota of ``floor`` or ``ceil`` of ``N / M``
+  samples. Machines fill their quotas in order from the unassigned pool: multinomial counts
+  from ``q_m`` restricted to classes with samples left (renormalised), clipped to what is
+  left, repeated until the quota is met.
+* ``split="dirichlet"`` -- the plain split of Hsu et al. (2019), the paper's appendix. For each
+  class ``c`` draw ``p_c ~ Dirichlet(alpha * 1_M)`` and cut class ``c``'s shuffled indices at
+  the cumulative proportions ``p_c``. Machine sizes vary; the draw is repeated while some
+  machine holds fewer than ``min_size`` samples.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from lit_slowcal._validation import check_int, is_int, is_number
-from lit_slowcal.files import atomic_write
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-__all__ = ["SPLITS", "partition", "class_counts", "write_class_counts", "plot_class_distribution"]
+__all__ = ["SPLITS", "partition", "class_counts"]
 
 #: The Dirichlet splits ``partition`` draws (``alpha`` given): the paper code's procedure, equal
 #: shard sizes, and the plain split of Hsu et al. (2019).
@@ -39,46 +71,7 @@ def partition(
     min_size: int = 1,
     max_retries: int = 100,
 ) -> list[np.ndarray]:
-    """Split sample indices over ``num_machines`` machines.
-
-    Four modes:
-
-    * ``alpha=None`` -- stratified IID, whatever ``split``. Each class's indices are shuffled and
-      dealt round-robin, so every machine holds ``floor`` or ``ceil`` of ``n_c / M`` samples of each
-      class ``c`` and ``floor`` or ``ceil`` of ``N / M`` samples in all.
-    * ``split="official"`` -- the paper code's procedure, drawn with
-      ``np.random.RandomState(seed)`` in the code's order, so that a seed gives the very shards the
-      code gives (with the labels in MNIST's file order). Over the classes ``c = 0 .. C-1`` (the
-      sorted labels present):
-
-      1. draw ``p_c ~ Dirichlet(alpha * 1_M)`` for every class at once (a ``(C, M)`` draw);
-      2. place each class's proportions on machines greedily, class by class and, within a class,
-         in the order drawn: proportion ``p_ci`` goes to the first machine ``k`` that has no share
-         of class ``c`` yet and whose load (the sum of the shares it holds) is 0 or stays below
-         ``C / M`` with it (``load + p_ci < C / M``); when none qualifies, to the machine without a
-         share of ``c`` that has the smallest load (the first of equals);
-      3. machine ``k``'s amount of class ``c`` is ``floor(share_ck * N / C)``: with N / C the
-         average class size, not class ``c``'s own;
-      4. class by class, shuffle the class's indices (``RandomState.permutation``) and deal
-         consecutive runs of the amounts to machines ``0 .. M-1``; a run that passes the end of
-         the class is cut there (later machines may get fewer, or none), and what is left of a
-         class after the last machine is assigned to nobody.
-
-      Samples are dropped (MNIST, M = 64, alpha = 0.1, seed 1: 58,809 of 60,000 assigned, shards
-      of 108 to 3,637). The shares placed on one machine sum to about C / M, so machines hold
-      about N / M samples, give or take a large share that had to go somewhere.
-    * ``split="balanced"`` -- same class skew, equal sizes. Machine ``m`` draws its class mix
-      ``q_m ~ Dirichlet(alpha * 1_C)`` and has a quota of ``floor`` or ``ceil`` of ``N / M``
-      samples. Machines fill their quotas in order from the unassigned pool: multinomial counts
-      from ``q_m`` restricted to classes with samples left (renormalised), clipped to what is
-      left, repeated until the quota is met.
-    * ``split="dirichlet"`` -- the plain split of Hsu et al. (2019), the paper's appendix. For each
-      class ``c`` draw ``p_c ~ Dirichlet(alpha * 1_M)`` and cut class ``c``'s shuffled indices at
-      the cumulative proportions ``p_c``. Machine sizes vary; the draw is repeated while some
-      machine holds fewer than ``min_size`` samples.
-
-    Smaller ``alpha`` means more skew: at ``alpha = 0.01`` a machine mostly holds one class, at
-    ``alpha = 1000`` every machine's class mix is close to the global one.
+    """Split sample indices over ``num_machines`` machines (the module docstring describes each split).
 
     Parameters
     ----------
@@ -87,9 +80,14 @@ def partition(
     num_machines : int
         Number of machines M, ``1 <= M <= N``.
     alpha : float or None
-        Dirichlet concentration, a finite number ``> 0``; ``None`` for the stratified IID split.
+        Dirichlet concentration, a finite number ``> 0``; ``None`` for the stratified IID split (every
+        machine holds ``floor`` or ``ceil`` of ``n_c / M`` samples of each class ``c``, and of ``N / M``
+        in all). Smaller ``alpha`` means more skew: at ``alpha = 0.01`` a machine mostly holds one
+        class, at ``alpha = 1000`` every machine's class mix is close to the global one.
     split : {"official", "balanced", "dirichlet"}, default "dirichlet"
-        Which Dirichlet split ``alpha`` draws (see above); no effect when ``alpha`` is None.
+        Which Dirichlet split ``alpha`` draws: the paper code's procedure, draw for draw (it drops
+        some samples); a class skew with equal machine sizes; the plain split of Hsu et al. (2019),
+        the paper's appendix. No effect when ``alpha`` is None.
     seed : int, default 0
         Seed of the ``np.random.default_rng`` that makes every draw (``np.random.RandomState`` for
         the official split, as the paper's code; a seed below 2**32); the global RNG is not used.
@@ -97,8 +95,7 @@ def partition(
         Least number of samples every machine must receive. The plain Dirichlet split redraws
         when a machine falls short; the official split, which draws once, raises.
     max_retries : int, default 100
-        How many times the plain Dirichlet mode may redraw (so at most ``1 + max_retries``
-        draws) before it gives up.
+        How many times the plain Dirichlet mode may redraw (at most ``1 + max_retries`` draws).
 
     Returns
     -------
@@ -109,9 +106,8 @@ def partition(
     Raises
     ------
     ValueError
-        For a bad argument, when the plain Dirichlet split could not give every machine
-        ``min_size`` samples within ``max_retries`` redraws, or when the official split gives a
-        machine fewer than ``min_size``.
+        For a bad argument, or when a machine would get fewer than ``min_size`` samples (the plain
+        Dirichlet split: after ``max_retries`` redraws; the official split, which draws once).
 
     Examples
     --------
@@ -128,7 +124,29 @@ def partition(
     [236, 353, 172, 227]
     """
     y = _check_labels(labels)
-    n = y.size
+    num_machines, alpha, min_size, max_retries, seed = _check_arguments(
+        y.size, num_machines, alpha, split, seed, min_size, max_retries
+    )
+    if alpha is not None and split == "official":
+        shards = _official_split(y, num_machines, alpha, seed, min_size)
+    else:
+        rng = np.random.default_rng(seed)
+        # Indices of every class present, each shuffled once: the pools all modes draw from.
+        pools = [rng.permutation(np.flatnonzero(y == c)) for c in np.unique(y)]
+        if alpha is None:
+            shards = _iid(pools, num_machines, rng)
+        elif split == "balanced":
+            shards = _balanced_dirichlet(pools, num_machines, float(alpha), rng)
+        else:
+            shards = _dirichlet(pools, num_machines, float(alpha), rng, min_size, max_retries)
+    return [np.sort(s).astype(np.int64, copy=False) for s in shards]
+
+
+def _check_arguments(
+    n: int, num_machines: Any, alpha: Any, split: Any, seed: Any, min_size: Any, max_retries: Any
+) -> tuple[int, Any, int, int, int]:
+    """``partition``'s arguments checked for ``n`` samples, numpy scalars as Python numbers:
+    (num_machines, alpha, min_size, max_retries, seed)."""
     num_machines, alpha, min_size, max_retries, seed = (
         _plain(v) for v in (num_machines, alpha, min_size, max_retries, seed)
     )
@@ -149,31 +167,24 @@ def partition(
     if split not in SPLITS:
         raise ValueError(f"Invalid split: {split!r} (allowed: {', '.join(SPLITS)})")
     check_int("seed", seed, minimum=0)  # np.random.default_rng takes no negative seed
-    if alpha is not None and split == "official":
-        if seed >= 2**32:
-            raise ValueError(f"Invalid seed: {seed!r} (the official split's RandomState takes seeds < 2**32)")
-        shards = _official(y, num_machines, float(alpha), np.random.RandomState(seed))
-        sizes = [s.size for s in shards]
-        if min(sizes) < min_size:
-            k = int(np.argmin(sizes))
-            raise ValueError(
-                f"the official split gives machine {k} {sizes[k]} samples, fewer than min_size={min_size} "
-                f"(M={num_machines}, alpha={alpha}, seed={seed}); use another seed, a larger alpha, fewer "
-                "machines or another split"
-            )
-        return [np.sort(s).astype(np.int64, copy=False) for s in shards]
+    return num_machines, alpha, min_size, max_retries, seed
 
-    rng = np.random.default_rng(seed)
-    # Indices of every class present, each shuffled once: the pools all modes draw from.
-    pools = [rng.permutation(np.flatnonzero(y == c)) for c in np.unique(y)]
 
-    if alpha is None:
-        shards = _iid(pools, num_machines, rng)
-    elif split == "balanced":
-        shards = _balanced_dirichlet(pools, num_machines, float(alpha), rng)
-    else:
-        shards = _dirichlet(pools, num_machines, float(alpha), rng, min_size, max_retries)
-    return [np.sort(s).astype(np.int64, copy=False) for s in shards]
+def _official_split(y: np.ndarray, m: int, alpha: Any, seed: int, min_size: int) -> list[np.ndarray]:
+    """The official split (``_official``) with its own RandomState, refused where a machine gets fewer
+    than ``min_size`` samples (it draws once)."""
+    if seed >= 2**32:
+        raise ValueError(f"Invalid seed: {seed!r} (the official split's RandomState takes seeds < 2**32)")
+    shards = _official(y, m, float(alpha), np.random.RandomState(seed))
+    sizes = [s.size for s in shards]
+    if min(sizes) < min_size:
+        k = int(np.argmin(sizes))
+        raise ValueError(
+            f"the official split gives machine {k} {sizes[k]} samples, fewer than min_size={min_size} "
+            f"(M={m}, alpha={alpha}, seed={seed}); use another seed, a larger alpha, fewer "
+            "machines or another split"
+        )
+    return shards
 
 
 def _iid(pools: list[np.ndarray], m: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -314,116 +325,6 @@ def class_counts(
     for k, shard in enumerate(shards):
         counts[k] = np.bincount(y[np.asarray(shard, dtype=np.int64)], minlength=num_classes)
     return counts
-
-
-def write_class_counts(counts: np.ndarray, path: str | Path) -> None:
-    """Write ``counts[machine, class]`` (:func:`class_counts`) to ``path`` as CSV.
-
-    A header ``machine,class,count``, then one row per machine and class, zeros included, machine
-    by machine. The file is whole or absent (``lit_slowcal.files.atomic_write``).
-
-    Examples
-    --------
-    >>> import tempfile, pathlib
-    >>> path = pathlib.Path(tempfile.mkdtemp()) / "class_counts.csv"
-    >>> write_class_counts(np.array([[1, 0], [2, 3]]), path)
-    >>> print(path.read_text(), end="")
-    machine,class,count
-    0,0,1
-    0,1,0
-    1,0,2
-    1,1,3
-    """
-    c = np.asarray(counts)
-    if c.ndim != 2:
-        raise ValueError(f"counts must be a 2-D (machines, classes) array, got shape {c.shape}")
-    machines, classes = c.shape
-    with atomic_write(path) as f:
-        f.write("machine,class,count\n")
-        f.writelines(f"{k},{j},{int(c[k, j])}\n" for k in range(machines) for j in range(classes))
-
-
-def plot_class_distribution(
-    counts: np.ndarray,
-    path: str | Path | None = None,
-    *,
-    title: str | None = None,
-) -> Figure:
-    """Scatter the class counts per machine, as in the paper's appendix figure.
-
-    One dot per nonzero ``counts[m, c]`` at (machine ``m``, class ``c``); the dot's area is
-    proportional to the count, the largest count getting the largest dot that still fits the
-    grid. The figure is drawn with the Agg canvas and never touches pyplot's global state.
-
-    Parameters
-    ----------
-    counts : array_like of int, shape (M, C)
-        Output of :func:`class_counts`.
-    path : str or Path, optional
-        Where to save a PNG (120 dpi); parent folders are created.
-    title : str, optional
-        Defaults to ``"Class distribution across M machines"``; e.g. pass
-        ``f"Class distribution across {M} machines (Dirichlet alpha={alpha})"``.
-
-    Returns
-    -------
-    matplotlib.figure.Figure
-
-    Examples
-    --------
-    >>> fig = plot_class_distribution([[5, 0], [1, 3]])
-    >>> len(fig.axes[0].collections[0].get_offsets())
-    3
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    c = np.asarray(counts)
-    if c.ndim != 2 or c.size == 0:
-        raise ValueError(
-            f"counts must be a non-empty 2-D (machines, classes) array, got shape {c.shape}"
-        )
-    if (c < 0).any():
-        raise ValueError("counts must be non-negative")
-    m, num_classes = c.shape
-    machine, cls = np.nonzero(c)
-    values = c[machine, cls].astype(np.float64)
-
-    width, height = min(max(4.0 + 0.12 * m, 8.0), 14.0), 4.5
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    # Largest dot's diameter in points: 90% of the class spacing, or 1.5 machine spacings when
-    # machines are denser (neighbouring big dots rarely share a class, so overlap is rare).
-    dx, dy = 0.8 * width * 72 / m, 0.75 * height * 72 / num_classes
-    max_area = max(min(1.5 * dx, 0.9 * dy), 2.0) ** 2
-    top = values.max() if values.size else 1.0
-    ax.scatter(
-        machine,
-        cls,
-        s=max_area * values / top,
-        c=cls,
-        cmap="tab10" if num_classes <= 10 else "tab20",
-        vmin=0,
-        vmax=max(num_classes - 1, 1),
-        alpha=0.8,
-        edgecolors="none",
-    )
-    ax.set_xlim(-0.75, m - 0.25)
-    ax.set_ylim(-0.75, num_classes - 0.25)
-    ax.set_yticks(np.arange(num_classes))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("Machine")
-    ax.set_ylabel("Class")
-    ax.set_title(title if title is not None else f"Class distribution across {m} machines")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=120)
-    return fig
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Tests for lit_slowcal.experiments.data: loading MNIST, per-machine streams and the data module."""
+"""Tests for lit_slowcal.experiments.data, .mnist and .streams: loading MNIST, per-machine streams and the data module."""
 
 import gzip
 import math
@@ -15,15 +15,11 @@ import torchvision
 from helpers import BARRIER, REPO, subprocess_env
 
 import lit_slowcal.experiments.data as data_module
-from lit_slowcal.experiments.data import (
-    MNIST_MEAN,
-    MNIST_STD,
-    MachineStreams,
-    ProblemDataModule,
-    load_mnist,
-    partition_shards,
-)
-from lit_slowcal.experiments.partition import partition, plot_class_distribution
+from lit_slowcal.experiments.class_distribution import plot_class_distribution
+from lit_slowcal.experiments.data import ProblemDataModule, partition_shards
+from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist
+from lit_slowcal.experiments.partition import partition
+from lit_slowcal.experiments.streams import MachineStreams
 
 DATA = Path(__file__).parents[2] / "data"
 FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
@@ -543,6 +539,16 @@ def test_a_label_outside_the_classes_is_refused_when_read_naming_the_file(raw_co
     assert str(err.value).startswith(f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)")
 
 
+def test_the_data_module_exports_what_its_neighbours_define():
+    """``from lit_slowcal.experiments.data import load_mnist, MachineStreams, ...`` keeps working after the split."""
+    import lit_slowcal.experiments.mnist as mnist_module
+    import lit_slowcal.experiments.streams as streams_module
+
+    assert data_module.load_mnist is mnist_module.load_mnist and data_module.MachineStreams is streams_module.MachineStreams
+    assert (data_module.MNIST_MEAN, data_module.MNIST_STD) == (0.1307, 0.3081)
+    assert {"load_mnist", "MachineStreams", "MNIST_MEAN", "MNIST_STD"} <= set(data_module.__all__)
+
+
 # ---------------------------------------------------------------------- concurrent processes
 
 
@@ -551,8 +557,8 @@ def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
     raw.mkdir(parents=True)
     for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw / gz.name)
-    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.data import _prepare_raw_files\n" + BARRIER + (
-        "_prepare_raw_files(Path(sys.argv[1]))\n"
+    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.mnist import prepare_mnist\n" + BARRIER + (
+        "prepare_mnist(Path(sys.argv[1]))\n"
     )
     env = subprocess_env(PYTHONPATH=str(REPO))
     procs = [

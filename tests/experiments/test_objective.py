@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from lit_slowcal.experiments import objective as objective_module
-from lit_slowcal.experiments.objective import Objective, heterogeneity, optimum, solve
+from lit_slowcal.experiments import optimum as optimum_module
+from lit_slowcal.experiments.objective import Objective, heterogeneity
+from lit_slowcal.experiments.optimum import optimum, solve
 from lit_slowcal.experiments.problems import ProblemData, Quadratic, Synthetic
 
 
@@ -116,7 +118,7 @@ def test_the_solvers_hessian_and_hessian_vector_products_equal_the_independent_o
     data = Synthetic(alpha=1.0, beta=1.0, dim=4, num_classes=3).build(3, seed=5)
     lam = 1e-3
     obj = Objective(data, "cross_entropy", lam)
-    model = objective_module._Newton(obj, obj.x.double(), 3)
+    model = optimum_module._Newton(obj, obj.x.double(), 3)
     theta = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     value, grad, p = model.evaluate(theta)
     a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
@@ -177,7 +179,7 @@ def test_optimum_is_cached_by_its_inputs_and_the_second_call_does_not_solve(tmp_
     def no_solving(*args, **kwargs):
         raise AssertionError("solved again")
 
-    monkeypatch.setattr(objective_module, "solve", no_solving)
+    monkeypatch.setattr(optimum_module, "solve", no_solving)
     again, path2, cached = optimum(obj, (1, 4), identity, tmp_path)
     assert cached and path2 == path
     assert again.value == first.value and torch.equal(again.weight, first.weight) and again.grad_norm == first.grad_norm
@@ -199,13 +201,13 @@ def test_a_cached_optimum_serves_looser_tolerances_and_starts_a_tighter_solve(tm
     assert not cached and 1e-9 < rough.grad_norm <= 1e-3
     assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-2)[2]  # looser: served from the cache
     starts = []
-    real_solve = objective_module.solve
+    real_solve = optimum_module.solve
 
     def recording_solve(*args, start=None, **kwargs):
         starts.append(start)
         return real_solve(*args, start=start, **kwargs)
 
-    monkeypatch.setattr(objective_module, "solve", recording_solve)
+    monkeypatch.setattr(optimum_module, "solve", recording_solve)
     fine, path2, cached = optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)
     assert not cached and path2 == path and fine.grad_norm <= 1e-9
     assert len(starts) == 1 and torch.equal(starts[0].weight, rough.weight)  # went on from the cached point
@@ -258,7 +260,7 @@ def test_a_cache_folder_that_cannot_hold_the_optimum_is_refused_before_the_solve
     obj = Objective(data, "squared", 1e-3)
     identity = {"problem": "Quadratic(dim=4)", "num_machines": 3, "seed": 1}
     solves, said = [], []
-    monkeypatch.setattr(objective_module, "solve", lambda *a, **k: solves.append(1))
+    monkeypatch.setattr(optimum_module, "solve", lambda *a, **k: solves.append(1))
     (tmp_path / "a_file").write_text("")
     with pytest.raises(OSError) as err:
         optimum(obj, (1, 4), identity, tmp_path / "a_file", solving=said.append)

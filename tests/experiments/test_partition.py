@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lit_slowcal.experiments.partition import class_counts, partition, plot_class_distribution, write_class_counts
+from lit_slowcal.experiments.class_distribution import plot_class_distribution, write_class_counts
+from lit_slowcal.experiments.partition import class_counts, partition
 
 N, C = 60_000, 10
 

@@ -90,7 +90,7 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
     """As the CLI builds a run (two processes, a problem of its own size): the strategy syncs once per training
     batch, every batch is the shape's round, and the rounds and evaluation interval are the problem's."""
     from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV
-    from lit_slowcal.experiments.sweep.runner import _trial_cli
+    from lit_slowcal.experiments.sweep.single import _trial_cli
 
     cli_class = _trial_cli()  # the CLI, its parsers built once for all cases
     for M, K, b, devices in [(4, 3, 2, 2), (6, 2, 1, 1)]:

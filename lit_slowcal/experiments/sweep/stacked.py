@@ -1,9 +1,7 @@
 """Stacked trials: a sweep's trials that share a shape train as one vectorized program (``--stack``).
 
-Trials that differ only in their learning rate, their seed and K (same method, M, b, data and model
-options; K of a minibatch method is its per-step batch, so it stays in the group key there) form a
-group. A group of T trials trains as T x M simulated machines in one process, one step at a time,
-without a Trainer:
+A group of T trials that differ only in their learning rate, their seed and K (``grouping``) trains as
+T x M simulated machines in one process, one step at a time, without a Trainer:
 
 * every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
   stack, so the forward and backward of all T trials are the single run's batched matmul on a
@@ -36,32 +34,27 @@ without a Trainer:
   and optimizer (its hooks see the trial's own slices): the same rows and values.
 
 The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
-alone, bit for bit (``tests/test_stacked.py`` checks every method of the registry). Each trial gets
+alone, bit for bit (``tests/experiments/sweep/test_stacked.py`` checks every method of the registry). Each trial gets
 what a single run gets: its record in the results file (written when its group ends), its CSV log
 (``metrics.csv`` and ``config.yaml`` in its own version folder) and, when a trial's training loss
 or parameters become non-finite, the status ``diverged``; its slices are then frozen (dropped from
 the optimizer and the averaging) and the other trials go on.
 
 With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
-(every logged row at its step). What cannot be stacked runs one trial at a time as before
-(``stackable`` says why): more than one epoch, several devices, a checkpoint to resume from, another
-problem than MNIST (``data.problem``).
+(every logged row at its step; ``stacked_trial``).
 
 A group trains where its trials' single runs train (``trainer.accelerator``, one device): on the CPU,
 or on the first CUDA device with the training set, the sample indices, the parameters, the optimizer
 state, the evaluation and the objective all there; the initial points are drawn on the CPU as in the
 CPU run. On CUDA, float32 sums run in another order: the results are within 1e-6 relative of the CPU
-run rather than bit for bit, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). A group is split to fit the memory
-budget (``--stack-memory``, by default a quarter of this machine's memory, at most 8 GiB).
+run rather than bit for bit, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). Which
+trials stack, and in which groups, is ``grouping``'s (its names are importable from here too).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -71,148 +64,16 @@ from lit_slowcal.experiments.rounds import (
     add_round_loss, divergence, diverged_trials, epoch_value, evaluation_row, mean_train_loss, round_losses, swap_outputs,
     train_row, trial_status,
 )  # fmt: skip
+from lit_slowcal.experiments.sweep.grouping import (
+    StackedTrial, balance_groups, default_memory_budget, group_cost, group_title, group_trials, plan_stacked, stackable,
+    trial_bytes, trial_device,
+)  # fmt: skip
+from lit_slowcal.experiments.sweep.stacked_trial import config_yaml, data_and_model, model_settings, trial_logger, wandb_run
 
 __all__ = [
     "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
     "group_trials", "plan_stacked", "run_group", "stackable", "trial_bytes",
 ]  # fmt: skip
-
-# Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
-# method's steps per round: every machine takes one step per b samples whatever K, so the trials of
-# one epoch step together and each synchronises and evaluates on its own schedule).
-_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir", "local_steps", "data.steps_per_round")
-
-
-@dataclass
-class StackedTrial:
-    """One trial of a group: its sweep parameters, CLI arguments and parsed configuration (``fit``)."""
-
-    params: dict[str, Any]
-    args: list[str]
-    config: dict[str, Any]
-    identity: Optional[str] = None  # the identity digest of its run (runner.trial_identity_of)
-    outcome: dict[str, Any] = field(default_factory=dict)  # as run_trial returns it, once the group ran
-    final_state: dict[str, Any] = field(default_factory=dict)  # {"params": the trial's (M, ...) tensors}
-
-
-def stackable(config: dict[str, Any]) -> Optional[str]:
-    """``None`` when a trial of this configuration (the parsed ``fit`` section) can be stacked, else why not."""
-    trainer = config.get("trainer") or {}
-    if config.get("ckpt_path") is not None:
-        return "it resumes from a checkpoint"
-    if trainer.get("max_epochs") != 1:
-        return f"trainer.max_epochs is {trainer.get('max_epochs')} (stacking runs one epoch)"
-    if trainer.get("devices") not in (1, "1") or trainer.get("num_nodes", 1) != 1:
-        return "it runs on several devices (stacking runs on one: trainer.devices=1)"
-    device = _device(config)
-    if device is None:
-        return f"trainer.accelerator is {trainer.get('accelerator')!r} (stacking runs on cpu, or gpu / cuda with CUDA)"
-    if trainer.get("precision") not in (None, 32, "32", "32-true"):
-        return f"trainer.precision is {trainer.get('precision')!r} (stacking trains in float32: 32-true)"
-    if trainer.get("strategy") != "periodic_averaging" or trainer.get("logger") not in (None, True):
-        return "it sets its own strategy or logger"
-    if trainer.get("max_steps", -1) != -1 or trainer.get("max_time") is not None:
-        return "it sets trainer.max_steps or trainer.max_time"
-    limit = trainer.get("limit_train_batches")
-    if limit is not None and not (isinstance(limit, (int, float)) and (limit == 1.0 or float(limit).is_integer())):
-        return f"trainer.limit_train_batches is {limit!r}"
-    if (config.get("data") or {}).get("problem") is not None:
-        return "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
-    model = config.get("model") or {}
-    if model.get("arch", "linear") != "linear":
-        return f"model.arch is {model.get('arch')} (stacking trains the linear model only)"
-    if config.get("participation") is not None:
-        return "participation is set (stacking averages every machine every round)"
-    if config.get("method") == "diloco" or model.get("outer") not in (None, "none"):
-        return "it takes a server step (diloco, model.outer; stacking takes the plain average)"
-    return None
-
-
-def _device(config: dict[str, Any]) -> Optional[torch.device]:
-    """The device a trial's single run trains on, as Lightning picks it for ``trainer.accelerator`` and one
-    device: the CPU, or the first CUDA device (``gpu``, ``cuda``, or ``auto`` where CUDA is available);
-    ``None`` for another accelerator, or for gpu / cuda without CUDA (the single run then says why)."""
-    accelerator = str((config.get("trainer") or {}).get("accelerator", "auto"))
-    cuda = torch.cuda.is_available()
-    if accelerator == "cpu" or (accelerator == "auto" and not cuda and not _mps()):
-        return torch.device("cpu")
-    if accelerator in ("gpu", "cuda", "auto") and cuda:
-        return torch.device("cuda", 0)
-    return None
-
-
-def _mps() -> bool:
-    backend = getattr(torch.backends, "mps", None)
-    return bool(backend is not None and backend.is_available())
-
-
-def _problem(config: dict[str, Any]) -> Any:
-    """The trial's problem, as its data module builds it (``data.problem``; ``None``: MNIST)."""
-    from lit_slowcal.experiments.problems import MNIST
-
-    problem = (config.get("data") or {}).get("problem")
-    return MNIST() if problem is None else problem
-
-
-def _model_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The model's arguments as the CLI instantiates it: the parsed ``model`` section with the shape and
-    loss that the CLI links from the problem (``model.input_dim``, ``model.num_classes``, ``model.loss``)."""
-    problem = _problem(config)
-    return {**config["model"], "input_dim": problem.input_dim, "num_classes": problem.num_outputs, "loss": problem.loss}
-
-
-def _group_key(config: dict[str, Any]) -> str:
-    def strip(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for k, v in d.items():
-            name = f"{prefix}{k}"
-            if name in _PER_TRIAL or name == "config":
-                continue
-            out[k] = strip(v, f"{name}.") if isinstance(v, dict) else v
-        return out
-
-    return json.dumps(strip(config), sort_keys=True, default=str)
-
-
-def trial_bytes(config: dict[str, Any]) -> int:
-    """Memory one stacked trial needs, in bytes (an estimate, on the safe side).
-
-    Its parameters, gradients and up to four optimizer-state copies of them, its sample indices for
-    the epoch, and its slice of one round's gathered samples (twice: the gather and the step).
-    """
-    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
-
-    m, steps, b = config["num_machines"], config["data"]["steps_per_round"], config["data"]["batch_size"]
-    problem = _problem(config)
-    dim = problem.input_dim
-    params = m * (dim + 1) * problem.num_outputs * 4
-    rounds = num_rounds(MNIST_TRAIN_SIZE, m, steps, b)
-    return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
-
-
-def default_memory_budget(device: Optional[torch.device] = None) -> int:
-    """A quarter of this machine's memory (on a CUDA device: of the smaller of it and the device's), at most 8 GiB."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        total = 8 * 2**30
-    if device is not None and device.type == "cuda":
-        total = min(total, torch.cuda.get_device_properties(device).total_memory)
-    return min(total // 4, 8 * 2**30)
-
-
-def group_trials(trials: list[StackedTrial], budget: int) -> list[list[StackedTrial]]:
-    """Trials grouped by everything but their learning rate, seed and K (``_PER_TRIAL``), in sweep order; groups larger
-    than ``budget`` bytes (``trial_bytes`` each) are split into consecutive parts that fit (at least
-    one trial each)."""
-    groups: dict[str, list[StackedTrial]] = {}
-    for t in trials:
-        groups.setdefault(_group_key(t.config), []).append(t)
-    out = []
-    for members in groups.values():
-        per = max(1, budget // max(1, trial_bytes(members[0].config)))
-        out += [members[i : i + per] for i in range(0, len(members), per)]
-    return out
 
 
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
@@ -234,32 +95,6 @@ class _Block:
         self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
 
 
-def balance_groups(groups: list[list[StackedTrial]], workers: int) -> list[list[StackedTrial]]:
-    """``groups`` with the largest halved (in sweep order) while that shortens the estimated time of ``workers``
-    processes each taking the longest group left (``group_cost``; a half costs more than half a group: its
-    steps' fixed cost is not shared); printed when it splits."""
-
-    def makespan(parts: list[list[StackedTrial]]) -> float:
-        ends = [0.0] * workers
-        for cost in sorted(map(group_cost, parts), reverse=True):
-            ends[ends.index(min(ends))] += cost
-        return max(ends)
-
-    parts = [list(g) for g in groups]
-    while parts:
-        big = max(range(len(parts)), key=lambda i: group_cost(parts[i]))
-        if len(parts[big]) < 2:
-            break
-        g = parts[big]
-        split = parts[:big] + [g[: len(g) // 2], g[len(g) // 2 :]] + parts[big + 1 :]
-        if makespan(split) >= makespan(parts):
-            break
-        parts = split
-    if len(parts) > len(groups):
-        print(f"stacking: {len(groups)} groups split into {len(parts)} for {workers} workers", flush=True)
-    return parts
-
-
 def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> None:
     """Train the trials of one group together; fills every trial's ``outcome`` as ``run_trial`` returns it.
 
@@ -268,39 +103,6 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
         config_text: ``(trial) -> str``, the ``config.yaml`` written into each trial's log folder.
     """
     _Group(group, config_text).run()
-
-
-def _trial_data_and_model(config: dict[str, Any]) -> tuple[Any, Any]:
-    """A trial's data module (set up) and model (configured), built by its single run's own classes."""
-    from lightning.fabric.utilities.seed import seed_everything
-
-    from lit_slowcal.experiments.data import ProblemDataModule
-    from lit_slowcal.experiments.model import MachinesModel
-
-    data = ProblemDataModule(**{k: v for k, v in config["data"].items()})
-    data.setup("fit")
-    seed_everything(config["seed_everything"], verbose=False)  # as the CLI, for init=default
-    model = MachinesModel(**_model_settings(config))
-    model.configure_model()
-    return data, model
-
-
-def _trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) -> Any:
-    """The trial's CSV logger in its own version folder (claimed as a single run claims it), with the
-    split's class counts and its ``config.yaml``."""
-    from lightning.pytorch.loggers import CSVLogger
-
-    from lit_slowcal.experiments.cli import claim_version, run_name
-    from lit_slowcal.experiments.partition import write_class_counts
-
-    name = run_name(trial.config.get)
-    logger = CSVLogger(save_dir=trial.config["run_dir"], name=name, version=claim_version(trial.config["run_dir"], name))
-    logger.experiment
-    write_class_counts(data.class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
-    if config_text is not None:
-        with open(os.path.join(logger.log_dir, "config.yaml"), "w") as f:
-            f.write(config_text(trial))
-    return logger
 
 
 def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
@@ -332,8 +134,8 @@ class _Group:
         self.T, self.M = len(trials), first["num_machines"]
         self.log_every = first["trainer"]["log_every_n_steps"]
         self.every = first["trainer"]["val_check_interval"]
-        self.device = _device(first)
-        self.streams, self.models = map(list, zip(*(_trial_data_and_model(t.config) for t in trials)))
+        self.device = trial_device(first)
+        self.streams, self.models = map(list, zip(*(data_and_model(t.config) for t in trials)))
         self.blocks = _blocks(trials, self.streams)
         self.of = [s for s in self.blocks for _ in s.members]  # each trial's block
         self.steps = max(s.steps for s in self.blocks)  # a block whose epoch is shorter stops stepping earlier
@@ -341,7 +143,7 @@ class _Group:
         self._place_data()
         self._stack()
         self._optimizers()
-        self.loggers = [_trial_logger(t, self.streams[i], config_text) for i, t in enumerate(trials)]
+        self.loggers = [trial_logger(t, self.streams[i], config_text) for i, t in enumerate(trials)]
         self.active = [True] * self.T
         self.metrics: list[dict[str, float]] = [{} for _ in range(self.T)]
         self.history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(self.T)]  # (step, row) as logged
@@ -376,7 +178,7 @@ class _Group:
         from lit_slowcal.experiments.model import MachinesModel
 
         M = self.M
-        self.stack = stack = MachinesModel(**{**_model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
+        self.stack = stack = MachinesModel(**{**model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
         stack.configure_model()
         stack.to(self.device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
         big = dict(stack.machines.named_parameters())
@@ -545,7 +347,7 @@ class _Group:
 
     def _finish(self) -> None:
         """Every trial's log saved and its outcome, as ``run_trial`` returns it, and final parameters."""
-        from lit_slowcal.experiments.cli import run_name
+        from lit_slowcal.experiments.run_folder import run_name
 
         wall = (time.perf_counter() - self.start) / self.T
         for i, t in enumerate(self.trials):
@@ -561,7 +363,7 @@ class _Group:
                 "stacked": self.T,
             }
             if t.config.get("wandb"):
-                _wandb_run(t.config, run_name(t.config.get), str(self.loggers[i].log_dir), self.history[i], t.outcome["status"] != "finished")
+                wandb_run(t.config, run_name(t.config.get), str(self.loggers[i].log_dir), self.history[i], t.outcome["status"] != "finished")
             t.final_state = {
                 "params": {n: p.detach().to("cpu", copy=True) for n, p in self.models[i].machines.named_parameters()},
             }
@@ -586,78 +388,3 @@ def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias
         torch.bmm(g, x, out=grad_weight)
         grad_bias.copy_(g.sum_to_size(*grad_bias.shape, 1).squeeze(-1))  # the bias broadcast's backward
 
-
-def _wandb_run(config: dict[str, Any], name: str, folder: str, history: list, failed: bool) -> None:
-    """The trial's own W&B run, written when its group ends: its config, every logged row at its
-    step, in the sweep's W&B group; online or offline as a single run's (``run_folder.start_wandb``)."""
-    import wandb
-
-    from lit_slowcal.experiments.run_folder import flat_config, start_wandb
-
-    kwargs = dict(
-        project=config.get("wandb_project"), name=name, dir=folder, group=os.environ.get("WANDB_RUN_GROUP"),
-        config=flat_config(config), reinit="finish_previous",
-    )  # fmt: skip
-    run, _ = start_wandb(lambda offline: wandb.init(mode="offline" if offline else "online", **kwargs), folder)
-    for step, row in history:
-        run.log(row, step=step)
-    run.finish(exit_code=1 if failed else 0)
-
-
-def config_yaml(trial: StackedTrial) -> str:
-    """The ``config.yaml`` written into a stacked trial's log folder: its parsed ``fit`` configuration."""
-    import yaml
-
-    plain = json.loads(json.dumps({k: v for k, v in trial.config.items() if k != "config"}, default=str))
-    return yaml.safe_dump(plain, sort_keys=False)
-
-
-def plan_stacked(
-    trials: list[tuple[dict[str, Any], list[str], Any, Optional[str]]], budget: Optional[int]
-) -> tuple[list[list[StackedTrial]], list[tuple[dict[str, Any], list[str]]]]:
-    """The stackable trials in groups (printed: how many, the memory budget, why the others are not
-    stacked), and the others (``(params, args)``) to run one at a time.
-
-    Args:
-        trials: ``(params, args, parsed, identity)`` of every trial to run, ``parsed`` being ``CommandLine.parse(args)``.
-        budget: bytes a group may take (``trial_bytes`` per trial); ``None``: ``default_memory_budget()``.
-    """
-    stacked, alone, reasons = [], [], {}
-    for params, args, parsed, identity in trials:
-        config = parsed.get("fit").as_dict()
-        why = stackable(config)
-        if why is None:
-            stacked.append(StackedTrial(params, list(args), config, identity))
-        else:
-            alone.append((params, list(args)))
-            reasons[why] = reasons.get(why, 0) + 1
-    if budget is None:
-        budget = min([default_memory_budget(d) for d in {_device(t.config) for t in stacked}] or [default_memory_budget()])
-    groups = group_trials(stacked, budget)
-    print(
-        f"stacking: {len(stacked)} trials in {len(groups)} groups (memory budget {budget / 2**20:.0f} MiB, "
-        f"--stack-memory to set it); {len(alone)} run one at a time",
-        flush=True,
-    )
-    for why, n in reasons.items():
-        print(f"  {n} trials not stacked: {why}", flush=True)
-    return groups, alone
-
-
-def group_title(group: list[StackedTrial]) -> str:
-    """``method=... M=... K=4,8 b=1: 15 trials stacked (about 12 MiB)``."""
-    c = group[0].config
-    size = len(group) * trial_bytes(c) / 2**20
-    ks = ",".join(str(k) for k in sorted({t.config["local_steps"] for t in group}))
-    return f"method={c['method']} M={c['num_machines']} K={ks} b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)"
-
-
-def group_cost(group: list[StackedTrial]) -> float:
-    """A group's relative running time, to start the longest first: its steps times (the machines they
-    train + 40, a step's fixed cost in machines' worth of work on a CPU: a lone M = 16 trial of 3,750 steps
-    takes 1.9 s, one of a group of 6 0.65 s)."""
-    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE
-
-    c = group[0].config
-    steps = MNIST_TRAIN_SIZE / (c["num_machines"] * c["data"]["batch_size"])
-    return steps * (len(group) * c["num_machines"] + 40)

@@ -264,7 +264,7 @@ def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monk
     # --workers 2: two processes, each a group (or, without --stack, a trial) at a time; every trial
     # recorded once, with the metrics of the same sweep run in one process. Forked workers (Linux) also
     # check the trials' arguments; spawned ones (elsewhere, or once CUDA is in use) only run them.
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import workers
 
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
@@ -274,7 +274,7 @@ def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monk
         results = tmp_path / f"{name}.jsonl"
         with monkeypatch.context() as m:
             if name == "spawned":
-                m.setattr(runner, "_forks", lambda: False)
+                m.setattr(workers, "_forks", lambda: False)
             assert sw.main([str(path), "--results", str(results), *extra]) == 0
         records = [json.loads(line) for line in results.read_text().splitlines()]
         assert len(records) == 4 and len({sw.trial_key(r["params"]) for r in records}) == 4
@@ -331,7 +331,7 @@ def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the
 def test_a_stacked_sweep_reads_the_results_again_before_each_group(tmp_path, monkeypatch, capsys):
     """Another sweep on the same results file (stacked or not) may record a planned group's trials meanwhile:
     those are not run again."""
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
@@ -343,7 +343,7 @@ def test_a_stacked_sweep_reads_the_results_again_before_each_group(tmp_path, mon
         run_group(group, *args)
         if len(calls) == 1:  # meanwhile another sweep records one trial of the next group
             params = {"local_steps": 4, "method": "local_sgd", "model.lr": 0.03, "num_machines": 4, "seed_everything": 1}
-            identity = runner.trial_identity_of(sw.CommandLine().parse(sw.trial_args(sweep, params)))
+            identity = checks.trial_identity_of(sw.CommandLine().parse(sw.trial_args(sweep, params)))
             sw.ResultsFile(results).put({"params": params, "identity": identity, "status": "finished", "metrics": {"test_acc": 0.5}})
 
     monkeypatch.setattr(stacked, "run_group", with_another_sweep)

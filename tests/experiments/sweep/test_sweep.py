@@ -590,7 +590,7 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
     from lightning.pytorch.cli import LightningCLI
 
     from lit_slowcal.experiments.cli import SlowcalCLI
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import single
 
     monkeypatch.chdir(REPO)
     builds = []
@@ -621,7 +621,7 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
     assert len(builds) <= 1 and parses == []
 
     for trial, record in [*zip(trials[:2], records), *zip(trials[:2], given)]:
-        with runner._trial_environment():
+        with single._trial_environment():
             fresh = SlowcalCLI(args=[*common, f"--run_dir={tmp_path / 'fresh'}", *trial])
         metrics = {k: float(v) for k, v in fresh.trainer.callback_metrics.items()}
         assert metrics == record["metrics"]
@@ -686,10 +686,10 @@ def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_o
 
 
 def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_ends_non_zero(tmp_path, monkeypatch, capsys):
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import single
 
     monkeypatch.chdir(REPO)
-    sweep_pid, run_trial = os.getpid(), runner.run_trial
+    sweep_pid, run_trial = os.getpid(), single.run_trial
 
     def killed(args, parsed=None):
         if os.getpid() != sweep_pid and "--model.lr=0.1" in args and "--method=local_sgd" in args:
@@ -699,7 +699,7 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
     def hung(signum, frame):
         raise TimeoutError("the sweep waits for its lost worker forever")
 
-    monkeypatch.setattr(runner, "run_trial", killed)
+    monkeypatch.setattr(single, "run_trial", killed)
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     args = [str(yaml_path), "--results", str(results), "--wandb=false", "--workers", "2"]
     previous = signal.signal(signal.SIGALRM, hung)
@@ -718,7 +718,7 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
     (lost,) = [r for r in read_records(results) if r["status"] == "failed"]
     assert "ended before it did" in lost["error"] and lost["identity"] and lost["args"][-1] == "--wandb=false"
 
-    monkeypatch.setattr(runner, "run_trial", run_trial)
+    monkeypatch.setattr(single, "run_trial", run_trial)
     assert sw.main([*args, "--retry-failed"]) == 0
     assert "4 trials, 3 already in" in capsys.readouterr().out
     assert sorted(r["status"] for r in read_records(results)) == ["finished"] * 4
@@ -753,10 +753,10 @@ def test_a_results_path_that_is_a_link_is_followed_when_a_retried_trial_is_repla
 
 
 def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_once_a_trial_ran(tmp_path, monkeypatch, capsys):
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(runner, "_MANY", 3)  # "large": more than 3 trials here
+    monkeypatch.setattr(checks, "LARGE_GRID", 3)  # "large": more than 3 trials here
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -836,10 +836,10 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
 def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
     """Options that set one key of the configuration are parsed value by value, the others (sources of linked
     settings: method, K, the seed) per combination: each trial's parse and identity are those of its own arguments."""
-    from lit_slowcal.experiments.sweep import runner
+    from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(runner, "_checker", command_line)
+    monkeypatch.setattr(checks, "_checker", command_line)
     params = {
         "method": {"values": ["slowcal", "minibatch_sgd"]}, "local_steps": {"values": [2, 8]},
         "seed_everything": {"values": [1, 2]}, "model.lr": {"values": [0.01, 0.03, 0.1, 1]},
@@ -852,20 +852,20 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
     parses = []
     parse = command_line.parse
     monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
-    by_parts = runner._check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
+    by_parts = checks.check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
     assert by_parts is not None and len(parses) == 1 + (4 + 2 + 2 + 2) + 8  # the first trial, the values, the combinations
     monkeypatch.setattr(command_line, "parse", parse)
     for p, args in trials:
         own = parse(args)
         got_args, got, identity = by_parts[sw.trial_key(p)]
         assert got_args == args and got == own and dict(got.items()) == dict(own.items())
-        assert identity == runner.trial_identity_of(own)
+        assert identity == checks.trial_identity_of(own)
     assert len({identity for _, _, identity in by_parts.values()}) == 128  # checkpoint_every is not part of a run
 
     bad = sw.parse_sweep(config({**params, "trainer.limit_train_batches": {"values": [3, "abc"]}}))
     trials = [(p, sw.trial_args(bad, p)) for p in sw.expand_trials(bad)]
     with pytest.raises(ValueError, match="trainer.limit_train_batches=abc: the CLI refuses it: trainer.limit_train_batches: 'abc' is not"):
-        runner._check_by_parts(trials, lambda p: sw.trial_args(bad, p))
+        checks.check_by_parts(trials, lambda p: sw.trial_args(bad, p))
 
 
 def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_trial(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,265 @@
+"""What the machines of a model are and how their tensors travel: buckets, all-reduce, broadcast.
+
+A machine is a process of the process group, or one of the m machines a ``SimulatedMachines``
+module hosts in a process (``machines_per_process``). With several optimizers each floating buffer
+is averaged by one of their averagers (``buffer_owners``).
+
+The tensors to average are grouped by device and dtype and flattened into buckets of at most a cap
+of bytes; each bucket is one all-reduce (a small model: one collective per device and dtype per
+synchronisation). At most two buckets are in flight, so a synchronisation needs at most two buckets
+of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place.
+With one process nothing is communicated.
+
+Every tensor comes with whether it is stacked: a parameter or buffer of a ``SimulatedMachines``
+module (or optimizer state of the parameter's shape) holds one slice per machine along dimension 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lit_slowcal.simulated import SimulatedMachines
+
+if dist.is_available():
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default argument when
+    # it is imported (torch._dynamo imports it, on the first optimizer's construction in a plain
+    # torch loop). Imported after init_process_group it would keep the default group alive past
+    # destroy_process_group: gloo's threads would then run into the interpreter's exit, where a
+    # process occasionally aborts ("terminate called without an active exception"). Imported here,
+    # with lit_slowcal and before any process group, it binds None (2 ms).
+    import torch.distributed.nn.functional  # noqa: F401
+
+__all__ = [
+    "all_modules", "average", "averaged_tensors", "broadcast_module", "buckets", "buffer_owners", "check_same_point",
+    "floats_sent", "machines_per_process", "world_size",
+]  # fmt: skip
+
+Modules = Union[nn.Module, Sequence[nn.Module]]
+#: Tensors to average, each with whether it is stacked (a leading machine dimension).
+Tensors = list[tuple[Tensor, bool]]
+
+
+def all_modules(modules: Modules) -> Iterable[nn.Module]:
+    """Every module of ``modules`` (one module or a sequence of them), submodules included."""
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        yield from module.modules()
+
+
+def machines_per_process(modules: Modules) -> int:
+    """m: machines the ``SimulatedMachines`` of ``modules`` host in this process (1 without any)."""
+    sims = {m.num_machines for m in all_modules(modules) if isinstance(m, SimulatedMachines)}
+    if len(sims) > 1:
+        raise ValueError(f"All SimulatedMachines of a model must host the same number of machines, got {sorted(sims)}")
+    return sims.pop() if sims else 1
+
+
+def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[list[Tensor]]:
+    """Each floating buffer of ``module`` given to exactly one optimizer's averager: ``out[i]`` for ``optimizers[i]``.
+
+    A buffer belongs to the optimizer that steps the parameters of the smallest submodule holding
+    it whose parameters one optimizer alone steps (a discriminator's BatchNorm statistics go with
+    the discriminator's optimizer); a buffer no single optimizer claims goes to the first. So a
+    buffer is averaged once per round, by one averager, however many optimizers there are.
+    """
+    owner = {id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+    parents: dict[int, Optional[nn.Module]] = {id(module): None}
+    for m in module.modules():
+        for child in m.children():
+            parents.setdefault(id(child), m)
+    out: list[list[Tensor]] = [[] for _ in optimizers]
+    seen: set[int] = set()
+    for m in module.modules():
+        for b in m.buffers(recurse=False):
+            if id(b) in seen or not b.is_floating_point():
+                continue
+            seen.add(id(b))
+            index, node = 0, m
+            while node is not None:
+                claims = {owner[id(p)] for p in node.parameters() if id(p) in owner}
+                if len(claims) == 1:
+                    index = claims.pop()
+                    break
+                if len(claims) > 1:
+                    break
+                node = parents.get(id(node))
+            out[index].append(b)
+    return out
+
+
+def world_size(process_group: Optional[Any]) -> int:
+    """Processes of ``process_group`` (1 without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def broadcast_module(
+    modules: Modules, src: int = 0, *, process_group: Optional[Any] = None, extra: Sequence[Tensor] = ()
+) -> None:
+    """Copy group rank ``src``'s parameters and buffers (and the ``extra`` tensors) to every process.
+
+    No-op without an initialised process group of more than one process.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return
+    group = process_group if process_group is not None else dist.group.WORLD
+    src_rank = dist.get_global_rank(group, src)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in [modules] if isinstance(modules, nn.Module) else modules:
+            for t in (*module.parameters(), *module.buffers(), *extra):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    dist.broadcast(t, src=src_rank, group=process_group)
+
+
+def check_same_point(optimizer: Optimizer, counts: tuple[int, int], process_group: Optional[Any], advice: str) -> None:
+    """All ranks at the same (steps, backward passes) ``counts`` (one small all-gather on the device of
+    the optimizer's parameters), or one ``RuntimeError`` on every rank that ends with ``advice``."""
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size(process_group))]
+    dist.all_gather(everyone, mine, group=process_group)
+    counts = [tuple(int(v) for v in t.tolist()) for t in everyone]
+    if len(set(counts)) > 1:
+        ranks = ", ".join(f"rank {r}: {s} steps, {b} backward passes" for r, (s, b) in enumerate(counts))
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks reached this synchronisation at different points ({ranks}); "
+            "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
+            f"skipped optimizer.step()), and averaging now would mix different steps: {advice}."
+        )
+
+
+def averaged_tensors(
+    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+) -> Tensors:
+    """The floating tensors to average, each with whether it has a leading machine dimension: every
+    parameter of ``optimizer``, its state under ``keys``, and ``buffers`` (``None``: every buffer of
+    ``modules``), each once.
+
+    A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
+    optimizer state of such a parameter with the parameter's shape.
+    """
+    stacked_ids: set[int] = set()
+    for module in all_modules(modules):
+        if isinstance(module, SimulatedMachines):
+            stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    seen: set[int] = set()
+    out: Tensors = []
+
+    def add(t: Tensor, owner: Tensor) -> None:
+        if id(t) not in seen and t.is_floating_point():
+            seen.add(id(t))
+            out.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p, p)
+            state = optimizer.state.get(p, {})
+            for key in keys:
+                if isinstance(state.get(key), Tensor):
+                    add(state[key], p)
+    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
+        add(b, b)
+    return out
+
+
+def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union[int, float]:
+    """Floats one machine sends in a synchronisation of ``tensors`` (one machine's slice of each) when M > 1;
+    with S < M participants, what they send per machine on average."""
+    floats = sum(t[0].numel() if s else t.numel() for t, s in tensors)
+    if participants == num_machines:
+        return floats
+    return floats * participants / num_machines
+
+
+def average(
+    tensors: Tensors,
+    weights: Optional[Tensor] = None,
+    *,
+    machines_per_process: int,
+    process_group: Optional[Any],
+    bucket_cap_bytes: int,
+) -> None:
+    """Replace every tensor by its average over the machines: the mean, or with ``weights`` (one per
+    machine of all M, summing to 1) the weighted sum."""
+    world = world_size(process_group)
+    local = None
+    if weights is not None:
+        m = machines_per_process
+        rank = dist.get_rank(process_group) if world > 1 else 0
+        local = weights[rank * m : (rank + 1) * m]
+
+    def combine(t: Tensor, s: bool) -> Tensor:
+        """This process's share: the machines' mean (or weighted sum) over its machine dimension."""
+        if local is None:
+            return t.mean(0) if s else t
+        w = local.to(device=t.device, dtype=t.dtype)
+        return torch.tensordot(w, t, dims=1) if s else t * w[0]
+
+    if world == 1:
+        for t, s in tensors:
+            if s:
+                t.copy_((t.mean(0, keepdim=True) if local is None else combine(t, s).unsqueeze(0)).expand_as(t))
+        return
+    divide = world if local is None else 1  # the weights already sum to 1 over all machines
+    pending: list[tuple[Tensors, Optional[Tensor], Any]] = []
+    for bucket in buckets(tensors, bucket_cap_bytes):
+        if len(pending) == 2:
+            _finish(*pending.pop(0), divide)
+        t, s = bucket[0]
+        if len(bucket) == 1 and not s and t.is_contiguous():  # reduce in place: no copy at all
+            if local is not None:
+                t.mul_(local[0].item())
+            pending.append((bucket, None, dist.all_reduce(t, group=process_group, async_op=True)))
+            continue
+        flat = torch.cat([combine(t, s).reshape(-1) for t, s in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
+    for item in pending:
+        _finish(*item, divide)
+
+
+def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, world: int) -> None:
+    """Wait for a bucket's all-reduce, divide by ``world`` and copy the average back into its tensors."""
+    work.wait()
+    if flat is None:
+        if world != 1:
+            bucket[0][0].div_(world)
+        return
+    if world != 1:
+        flat.div_(world)
+    offset = 0
+    for t, s in bucket:
+        n = t[0].numel() if s else t.numel()
+        avg = flat[offset : offset + n].view(t.shape[1:] if s else t.shape)
+        t.copy_(avg.unsqueeze(0).expand_as(t) if s else avg)
+        offset += n
+
+
+def buckets(tensors: Tensors, cap_bytes: int) -> list[Tensors]:
+    """Tensors grouped by (device, dtype), in order, cut where a bucket would exceed ``cap_bytes``."""
+    by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
+    for t, s in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append((t, s))
+    out: list[Tensors] = []
+    for items in by_kind.values():
+        current: Tensors = []
+        size = 0
+        for t, s in items:
+            nbytes = (t[0].numel() if s else t.numel()) * t.element_size()
+            if current and size + nbytes > cap_bytes:
+                out.append(current)
+                current, size = [], 0
+            current.append((t, s))
+            size += nbytes
+        if current:
+            out.append(current)
+    return out

@@ -1,0 +1,151 @@
+"""The server's side of a round: which machines take part, and the outer optimizer's step.
+
+By default the round's new model is the plain average of the machines. Two server-side options of
+``PeriodicAverager`` change that, on every path (plain loop, Fabric, Trainer, simulated machines,
+several processes):
+
+``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` over the *global* parameters (one
+copy of the model's parameters per process, of one machine's shape; not one per simulated machine).
+At every synchronisation the machines' parameters are averaged to x_bar; the global parameters
+still hold the round's start x_s; the outer optimizer is fed the pseudo-gradient
+Delta = x_s - x_bar as their gradient and steps; every machine then starts the next round at the new
+global parameters. DiLoCo is an outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; FedAvgM an outer
+SGD with momentum; FedAdam an outer Adam; an outer ``SGD(lr=1)`` is the plain average. The
+optimizer's declared averaged state (SLowcal-SGD's w) and the buffers are averaged plainly, not
+stepped. The outer optimizer's state and x_s travel in the averager's ``state_dict()``.
+
+``participation``: S machines of the M take part in each round (an int S, or a fraction of M), drawn
+afresh every round from ``participation_seed`` and the round's index, the same on every rank. The
+new model is the average over the S participants (each with weight 1/S); every machine, the others
+included, starts the next round from it. ``floats_communicated`` counts what the participants send
+(per machine on average: S/M of a full round's floats). With S = M it is the plain average, bitwise.
+
+The functions here hold no state: the averager keeps the round's start and the outer optimizer
+(``PeriodicAverager.global_params``, ``PeriodicAverager.outer``) and passes them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lit_slowcal._validation import check_int
+
+__all__ = [
+    "check_options", "check_participation", "load_state", "num_participants", "outer_step", "parameters",
+    "participant_weights", "reset_round_start", "start_outer", "state_dict",
+]  # fmt: skip
+
+#: A parameter of the inner optimizer, with whether it is stacked (one slice per simulated machine).
+Pairs = list[tuple[Tensor, bool]]
+OuterFactory = Callable[[list[Tensor]], Optimizer]
+
+
+def check_participation(value: Any, num_machines: Optional[int] = None) -> Optional[Union[int, float]]:
+    """``value`` if it is ``None``, an int >= 1 (and <= ``num_machines`` when given), or a fraction in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, float) and not isinstance(value, bool):
+        if not (0.0 < value <= 1.0):
+            raise ValueError(f"Invalid participation: {value!r} (a number of machines >= 1, or a fraction in (0, 1])")
+        return value
+    check_int("participation", value)
+    if num_machines is not None and value > num_machines:
+        raise ValueError(f"Invalid participation: {value} (must be <= M = {num_machines}, the machines in all)")
+    return value
+
+
+def check_options(
+    optimizer: Optimizer,
+    participation: Any,
+    participation_seed: Any,
+    outer_optimizer: Optional[OuterFactory],
+) -> tuple[Optional[Union[int, float]], int, Optional[OuterFactory]]:
+    """The averager's server options checked: (participation, participation_seed, the outer factory).
+
+    The factory is ``outer_optimizer``, else the optimizer's own ``outer_optimizer`` if it declares one.
+    """
+    checked = check_participation(participation)
+    seed = check_int("participation_seed", participation_seed, minimum=0)
+    if checked is not None and not getattr(optimizer, "supports_participation", True):
+        raise ValueError(
+            f"Invalid participation: {participation!r} ({type(optimizer).__name__} keeps per-machine state that "
+            "machines outside a round would update; use participation=None)"
+        )
+    factory = outer_optimizer if outer_optimizer is not None else getattr(optimizer, "outer_optimizer", None)
+    if factory is not None and not callable(factory):
+        raise TypeError(f"Invalid outer_optimizer: {factory!r} (a callable params -> torch.optim.Optimizer)")
+    return checked, seed, factory
+
+
+def num_participants(participation: Optional[Union[int, float]], num_machines: int) -> int:
+    """S: the machines of the M that take part in each round."""
+    M, p = num_machines, participation
+    if p is None:
+        return M
+    if isinstance(p, float):
+        return max(1, round(p * M))
+    if p > M:
+        raise ValueError(f"Invalid participation: {p} (must be <= M = {M}, the machines in all)")
+    return p
+
+
+def participant_weights(num_machines: int, participants: int, seed: int, round_index: int) -> Optional[Tensor]:
+    """The weights (1/S for the participants, 0 for the others) of the M machines in round
+    ``round_index``; ``None`` when all take part."""
+    M, S = num_machines, participants
+    if S == M:
+        return None
+    g = torch.Generator().manual_seed(seed * 1_000_003 + round_index)
+    weights = torch.zeros(M, dtype=torch.float64)
+    weights[torch.randperm(M, generator=g)[:S]] = 1.0 / S
+    return weights
+
+
+def parameters(optimizer: Optimizer, tensors: list[tuple[Tensor, bool]]) -> Pairs:
+    """The optimizer's parameters, each with whether it is stacked (so among ``tensors``, the averaged ones)."""
+    stacked = {id(t) for t, s in tensors if s}
+    return [(p, id(p) in stacked) for group in optimizer.param_groups for p in group["params"]]
+
+
+def start_outer(factory: OuterFactory, pairs: Pairs) -> tuple[list[Tensor], Optimizer]:
+    """The global parameters (the round's start: machine 0's parameters now) and the outer optimizer over them."""
+    global_params = [(p[0] if s else p).detach().clone() for p, s in pairs]
+    outer = factory(global_params)
+    if not isinstance(outer, Optimizer):
+        raise TypeError(f"Invalid outer_optimizer: it returned {outer!r} (must return a torch.optim.Optimizer)")
+    return global_params, outer
+
+
+def outer_step(outer: Optimizer, global_params: list[Tensor], pairs: Pairs) -> None:
+    """The pseudo-gradient x_s - x_bar into the outer optimizer; its step is everyone's next start."""
+    for g, (p, stacked) in zip(global_params, pairs):
+        g.grad = g - (p[0] if stacked else p)
+    outer.step()
+    for g, (p, stacked) in zip(global_params, pairs):
+        p.copy_(g.expand_as(p) if stacked else g)
+        g.grad = None
+
+
+def reset_round_start(global_params: list[Tensor], pairs: Pairs) -> None:
+    """The round's start set to the parameters now (after a broadcast)."""
+    with torch.no_grad():
+        for g, (p, stacked) in zip(global_params, pairs):
+            g.copy_(p[0] if stacked else p)
+
+
+def state_dict(outer: Optimizer, global_params: list[Tensor]) -> dict[str, Any]:
+    """The round's start and the outer optimizer's state (``PeriodicAverager.state_dict()["outer"]``)."""
+    return {"round_start": [g.detach().clone() for g in global_params], "optimizer": outer.state_dict()}
+
+
+def load_state(outer: Optimizer, global_params: list[Tensor], state: dict[str, Any]) -> None:
+    """Restore what ``state_dict`` saved."""
+    with torch.no_grad():
+        for g, saved in zip(global_params, state["round_start"]):
+            g.copy_(saved)
+    outer.load_state_dict(state["optimizer"])

@@ -1,0 +1,140 @@
+"""``python -m lit_slowcal sweep SWEEP.yaml``: the sweep's command line (its options, ``main``).
+
+``main`` reads the sweep file (``spec``) and expands it into trials (``trials``), checks every trial's arguments
+with the training CLI's own parser before anything runs (``checks``; with ``--workers``, forked workers check a
+share each), then hands the checked sweep to the runner (``runner``). Every trial runs with ``--threads`` torch
+threads (one by default), its online W&B run in one group per sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.experiments.sweep import checks
+from lit_slowcal.experiments.sweep.runner import run_sweep
+from lit_slowcal.experiments.sweep.spec import load_sweep
+from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
+from lit_slowcal.experiments.sweep.workers import checking_pool
+
+__all__ = ["main"]
+
+
+@contextlib.contextmanager
+def _sweep_environment(threads: int, group: str) -> Iterator[None]:
+    """Torch threads for every trial, and a W&B group for them; both as they were afterwards."""
+    import torch
+
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "WANDB_RUN_GROUP")}
+    saved_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+        # Lightning's launcher sets torch's threads to cores / processes unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Online W&B runs of a local sweep appear as one group (a W&B sweep needs W&B's server).
+    os.environ.setdefault("WANDB_RUN_GROUP", group)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lit_slowcal sweep",
+        description="Run a W&B sweep file here, without a W&B server: the trials run one after another in "
+        "this process, each is appended to a results file as it ends, and a rerun skips finished trials.",
+    )
+    p.add_argument("sweep", type=Path, help="W&B sweep YAML (method grid or random)")
+    p.add_argument("--results", type=Path, help="JSON-lines results file (default: sweeps/results/<sweep stem>.jsonl)")
+    p.add_argument("--count", type=int, help="keep the first N trials (random search: draw N; default run_cap)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random search's draws (default 0)")
+    p.add_argument("--dry-run", action="store_true", help="list the trials and which are done; run nothing")
+    p.add_argument("--retry-failed", action="store_true", help="run failed and diverged trials again")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the trials (default 1: the model is tiny, and extra threads mostly spin, "
+        "badly so when other jobs share the cores; 0 keeps torch's default)",
+    )
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="train the trials that differ only in model.lr, the seed and K as one vectorized program per group "
+        "(exact: each trial's results equal its single run's); the others run one at a time",
+    )
+    p.add_argument(
+        "--stack-memory", type=float, metavar="GIB", help="memory budget of one stacked group in GiB (default: a "
+        "quarter of this machine's memory, at most 8 GiB); larger groups are split",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes running trials (with --stack: groups) at once, each with --threads threads (default 1; "
+        "on a machine of its own, as many as its cores: --workers 2 --threads 1 on 2 cores); records, resume and "
+        "the table are the same",
+    )
+    p.add_argument(
+        "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
+    )
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lit_slowcal sweep SWEEP.yaml [--results PATH] [--count N] [--dry-run] [--retry-failed] [--wandb=false]``."""
+    opts = _parser().parse_args(argv)
+    results_path = opts.results or Path("sweeps") / "results" / f"{opts.sweep.stem}.jsonl"
+    extra = [] if opts.wandb is None else [f"--wandb={str(opts.wandb).lower()}"]
+    try:
+        if opts.stack_memory is not None:
+            check_number("--stack-memory", opts.stack_memory)
+        check_int("--workers", opts.workers)
+        check_int("--threads", opts.threads, minimum=0)
+        sweep = load_sweep(opts.sweep)
+        trials = expand_trials(sweep, opts.count, opts.seed)
+        checks.new_command_line()  # built before the workers fork: they check trials with it too
+        results = checks.results_file(results_path)
+        if not opts.dry_run:
+            results.check_writable()  # before any trial: a trial's record is never lost for its file
+    except (ValueError, OSError) as err:
+        print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
+        return 2
+
+    workers = min(opts.workers, len(trials))  # a dry run too: the workers share the check
+    with contextlib.ExitStack() as scope:
+        if not opts.dry_run:
+            scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))
+        pool = scope.enter_context(checking_pool(workers, opts.threads))
+        try:  # every trial, before the first runs
+            arguments = [(p, trial_args(sweep, p, extra)) for p in trials]
+            start = time.perf_counter()
+            if len(trials) > checks.LARGE_GRID:  # say what takes the time before it does
+                print(f"sweep {opts.sweep}: {len(trials)} trials; checking their arguments with the CLI first ...", flush=True)
+            checked = checks.check_trials(arguments, pool, workers, lambda p: trial_args(sweep, p, extra))
+            if len(trials) > checks.LARGE_GRID:
+                print(f"checked the arguments of {len(trials)} trials in {time.perf_counter() - start:.1f} s", flush=True)
+        except ValueError as err:
+            print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
+            return 2
+        return run_sweep(opts, sweep, trials, results, results_path, checked, pool, workers)
