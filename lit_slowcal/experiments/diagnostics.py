@@ -201,15 +201,15 @@ class Diagnostics(Callback):
         ``excess_loss`` (float64 tensors: a Python float would be logged as float32, and excess losses are
         small differences), and the per-round means since the previous evaluation (``dispersion``,
         ``query_step``, ``iterate_step``: floats), which then start over. ``value``: f there, when
-        already known (the stacked trials compute it for several trials at once). Nothing without the
-        objective."""
-        if self.objective is None:
-            return {}
-        if value is None:
-            value = self.objective(model.machines.averaged_state())
-        out: dict[str, Any] = {"train_objective": torch.tensor(value, dtype=torch.float64)}
-        if self.optimum is not None:
-            out["excess_loss"] = torch.tensor(value - self.optimum.value, dtype=torch.float64)
+        already known (the stacked trials compute it for several trials at once). Without the objective
+        (``objective=False``, or a model it is not defined for), the per-round values alone."""
+        out: dict[str, Any] = {}
+        if self.objective is not None:
+            if value is None:
+                value = self.objective(model.machines.averaged_state())
+            out["train_objective"] = torch.tensor(value, dtype=torch.float64)
+            if self.optimum is not None:
+                out["excess_loss"] = torch.tensor(value - self.optimum.value, dtype=torch.float64)
         if self._syncs:
             total = self._dispersion.clone()
             if _world() > 1:

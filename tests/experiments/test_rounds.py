@@ -148,12 +148,14 @@ def test_diagnostics_without_a_trainer_measure_the_dispersion_and_the_steps():
     assert averager.step()  # synchronises: the pre-hook measured the dispersion
     diagnostics.end_round()
     diagnostics.detach()
-    assert diagnostics.evaluate(model) == {}  # without the objective: nothing (as the callback)
-    diagnostics.objective = lambda point: 1.5  # any f: the per-round values come with it
-    out = diagnostics.evaluate(model)
-    assert out["train_objective"].dtype == torch.float64 and float(out["train_objective"]) == 1.5
+    out = diagnostics.evaluate(model)  # without the objective: the per-round values alone
+    assert set(out) == {"dispersion", "query_step"}  # SGD keeps no iterate w
     assert out["dispersion"] == pytest.approx((9 + 9 + 1 + 1) / 2)
     assert out["query_step"] == pytest.approx((0.0 + 4.0) / 2)  # machine 0 did not move, machine 1 by 4
+    diagnostics.objective = lambda point: 1.5  # any f; the per-round values started over
+    out = diagnostics.evaluate(model)
+    assert set(out) == {"train_objective"} and out["train_objective"].dtype == torch.float64
+    assert float(out["train_objective"]) == 1.5
     assert diagnostics.evaluate(model, value=2.0) == {"train_objective": torch.tensor(2.0, dtype=torch.float64)}
 
 
