@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 import lit_slowcal
+from helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"
@@ -379,8 +379,10 @@ def test_readme_quickstart_runs_as_it_stands(tmp_path: Path) -> None:
     assert "PeriodicAveragingStrategy(sync_every=16)" in code and "SlowcalSGD(" in code
     script = tmp_path / "quickstart.py"
     script.write_text(code + _REPORT)
-    env = {**os.environ, "QUICKSTART_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # A clean launch: rendezvous variables an earlier in-process run left behind (LOCAL_RANK, MASTER_PORT)
+    # would make Lightning wait for a second process it never starts.
+    env = subprocess_env(QUICKSTART_OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     # 512 samples over 2 processes, batches of 8: 32 steps each, synchronised after steps 16 and 32;
