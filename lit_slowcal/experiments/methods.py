@@ -165,7 +165,7 @@ def _scaffold(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> 
 
 
 #: The registry, in the report's order. paper_lr: the paper's grid search for its three methods
-#: (Section 6); sweeps/lr.yaml (M = 16, K = 16, seed 1) for the other two, see the README.
+#: (Section 6); sweeps/lr.yaml (M = 16, K = 16, seed 1) for the other two, see docs/reproduction.md.
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
