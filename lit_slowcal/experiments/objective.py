@@ -109,9 +109,9 @@ class Objective:
         return (self.x if self._rows is None else self.x[self._rows]).double()
 
     def _value(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        return self._value_of(torch.addmm(bias.to(x.dtype), x, weight.to(x.dtype).T), weight, bias)
+        return self.value_from_logits(torch.addmm(bias.to(x.dtype), x, weight.to(x.dtype).T), weight, bias)
 
-    def _value_of(self, logits: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    def value_from_logits(self, logits: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         """f from the logits of the inputs ``x`` at (weight, bias): of the used samples, or of all inputs
         (``self.x`` when large), whose used samples' rows are kept."""
         if self._rows is not None and len(logits) != len(self.y):  # all inputs: keep the used samples' rows
@@ -168,7 +168,7 @@ def values(objectives: list[Objective], points: list[dict[str, Tensor]]) -> list
         weights = [points[i]["weight"].detach() for i in members]
         biases = [points[i]["bias"].detach() for i in members]
         for i, w, b, logits in zip(members, weights, biases, affine_rows(x, weights, biases)):
-            out[i] = float(objectives[i]._value_of(logits, w, b))
+            out[i] = float(objectives[i].value_from_logits(logits, w, b))
     return out
 
 
