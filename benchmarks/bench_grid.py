@@ -2,7 +2,8 @@
 
 The runner: ``python -m lit_slowcal sweep`` on ``sweeps/paper.yaml`` restricted to seed 1 (3 methods
 x M in {16, 32, 64} x K in {4, 8, 16, 32, 64} = 45 runs, one epoch of MNIST each), as users run it:
-a fresh process, ``--wandb=false``, one trial after another, ``--threads`` torch threads (default 1).
+a fresh process, ``--wandb=false``, with the runner's defaults (stacked trials, workers from the cores;
+``--runner='--workers 1'`` or ``--runner='--no-stack'`` for others), ``--threads`` torch threads (default 1).
 The only change to the sweep file is ``--run_dir`` pointing into a temporary folder (the runs still
 write their CSV logs, config and class-distribution figure there) and a temporary results file.
 Reported: the command's wall time (Python start-up, imports, decoding MNIST and checking every
@@ -45,7 +46,7 @@ during each runner are printed.
 ``--full`` also runs the whole 135-run paper grid (seeds 1, 2, 3) through the runner and prints its
 wall time.
 
-    python benchmarks/bench_grid.py [--threads 1] [--variants bare,default] [--full [--workers 2]] [--root data]
+    python benchmarks/bench_grid.py [--threads 1] [--variants bare,default] [--full] [--runner='--workers 1'] [--root data]
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def _sweep_file(folder: Path, seeds: list[int] | None, flags: list[str] = ()) ->
 
 
 def run_sweep(
-    folder: Path, seeds: list[int] | None, threads: int, flags: list[str] = (), workers: int = 1
+    folder: Path, seeds: list[int] | None, threads: int, flags: list[str] = (), runner: list[str] = ()
 ) -> tuple[float, float, list[dict]]:
-    """The runner as a user runs it; returns (command wall s, the runner's trials s, result records)."""
+    """The runner as a user runs it (``runner``: its own options, e.g. ``--workers 1``; none: its defaults,
+    stacked, workers from the cores); returns (command wall s, the runner's trials s, result records)."""
     sweep = _sweep_file(folder, seeds, flags)
     results = folder / f"{sweep.stem}.jsonl"
     log = folder / f"{sweep.stem}.log"
     cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(sweep), "--results", str(results),
-           "--wandb=false", f"--threads={threads}", f"--workers={workers}"]  # fmt: skip
+           "--wandb=false", f"--threads={threads}", *runner]  # fmt: skip
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -194,7 +196,10 @@ VARIANTS = {"default": [], "bare": ["--objective=false", "--diagnostics=false"]}
 
 
 def check_stored(records: list[dict]) -> tuple[int, list[str]]:
-    """Every metric that both ``records`` and sweeps/results/paper.jsonl's record of the same trial hold, compared exactly."""
+    """Every metric that both ``records`` and sweeps/results/paper.jsonl's record of the same trial hold, compared
+    by the exactness contract (``sweep.contract``: bit for bit, the diagnostics within 1e-12 relative)."""
+    from lit_slowcal.experiments.sweep.contract import differences
+
     stored = {_key(r["params"]): r for r in map(json.loads, STORED.read_text().splitlines()) if r["status"] == "finished"}
     same, differ = 0, []
     for record in records:
@@ -204,7 +209,7 @@ def check_stored(records: list[dict]) -> tuple[int, list[str]]:
         # The metrics both hold: the stored records are the runs as configured (objective and diagnostics on),
         # so a bare run lacks those and is compared on the rest.
         common = [k for k in old["metrics"] if k in record["metrics"]]
-        diff = {k: (old["metrics"][k], record["metrics"][k]) for k in common if record["metrics"][k] != old["metrics"][k]}
+        diff = differences({k: old["metrics"][k] for k in common}, {k: record["metrics"][k] for k in common})
         if diff:
             differ.append(f"{_key(record['params'])}: {diff}")
         else:
@@ -218,7 +223,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1, the runner's default)")
     p.add_argument("--full", action="store_true", help="also run the whole 135-run paper grid through the runner")
-    p.add_argument("--workers", type=int, default=1, help="with --full: the runner's --workers (processes, one trial at a time each)")
+    p.add_argument(
+        "--runner", default="", help="the runner's own options, e.g. '--workers 1' or '--no-stack --workers 2' (default: "
+        "none, the sweep's defaults: stacked, workers from the cores)",
+    )  # fmt: skip
     p.add_argument("--root", default=str(ROOT / "data"), help="folder holding MNIST/raw/")
     p.add_argument(
         "--variants", default="bare,default", help="runner variants, comma-separated: bare (--objective=false "
@@ -251,7 +259,7 @@ def main() -> None:
         load = OtherLoad(children=True)
         load.start()
         with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
-            wall, trials_s, records = run_sweep(Path(tmp), [1], args.threads, VARIANTS[variant])
+            wall, trials_s, records = run_sweep(Path(tmp), [1], args.threads, VARIANTS[variant], args.runner.split())
         load.stop()
         runs[variant] = (wall, trials_s, records, load.cpus())
     second = minimal_grid(trials, mnist)
@@ -315,11 +323,11 @@ def main() -> None:
     if args.full:
         for v in variants:
             with tempfile.TemporaryDirectory(prefix="bench_grid_") as tmp:
-                wall, trials_s, records = run_sweep(Path(tmp), None, args.threads, VARIANTS[v], args.workers)
+                wall, trials_s, records = run_sweep(Path(tmp), None, args.threads, VARIANTS[v], args.runner.split())
             done = sum(r["status"] == "finished" for r in records)
             same, differ = check_stored(records)
-            print(f"\nthe whole paper grid, {v} ({len(records)} runs, {done} finished) through the runner with --workers "
-                  f"{args.workers}, one trial at a time each: {wall:.1f} s "
+            print(f"\nthe whole paper grid, {v} ({len(records)} runs, {done} finished) through the runner "
+                  f"({args.runner or 'its defaults'}): {wall:.1f} s "
                   f"the command, {trials_s:.1f} s the trials (goal < {GOAL_FULL_S:.0f} s); stored metrics identical in "
                   f"{same} of {len(records)} runs; load average {open('/proc/loadavg').read().split()[0]}")  # fmt: skip
 

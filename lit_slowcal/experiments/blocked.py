@@ -99,17 +99,17 @@ class BlockedInputs:
             yield start, stop, z.view(stop - start, points, outputs)
 
 
-_CACHE: list[tuple[Tensor, Optional[Tensor], BlockedInputs]] = []
-_CACHE_SIZE = 4
+_CACHE: list[tuple[Tensor, BlockedInputs]] = []
+_CACHE_SIZE = 2
 
 
-def prepared(x: Tensor, rows: Optional[Tensor] = None) -> BlockedInputs:
-    """The ``BlockedInputs`` of ``x`` (of its rows ``rows``, when given), made once and shared by every caller in
-    this process that passes the same tensors (the last ``_CACHE_SIZE`` kept)."""
-    for source, picked, found in _CACHE:
-        if source is x and (picked is rows or (picked is not None and rows is not None and torch.equal(picked, rows))):
+def prepared(x: Tensor) -> BlockedInputs:
+    """The ``BlockedInputs`` of ``x``, made once and shared by every caller in this process that passes the same
+    tensor (the last ``_CACHE_SIZE`` kept)."""
+    for source, found in _CACHE:
+        if source is x:
             return found
-    made = BlockedInputs(x if rows is None else x[rows])
-    _CACHE.append((x, rows, made))
+    made = BlockedInputs(x)
+    _CACHE.append((x, made))
     del _CACHE[:-_CACHE_SIZE]
     return made

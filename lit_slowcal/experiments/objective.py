@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,35 +72,44 @@ class Objective:
         # The whole training set the shards index: for per-machine gradients (heterogeneity) and the
         # optimum's cache key.
         self.train_x, self.train_y = data.train_x, data.train_y
-        # f reads the inputs as they are (MNIST: 188 MB, not copied); a split that leaves samples out
-        # reads the rows of its used samples (``rows``).
+        # f reads every input as it is (MNIST: 188 MB, not copied), a sample the split leaves out with weight
+        # 0: so the objectives of every split of these inputs share one arrangement of them (``inputs``).
         self.x = data.train_x
+        labels = data.train_y.to(torch.int64 if loss == "cross_entropy" else torch.float64)
+        self._all = (labels, weights)  # every sample's label and weight
+        # The used samples' rows, labels and weights: the solver's (``inputs64``, ``value_and_grad64``).
         self._rows: Optional[Tensor] = None if everything else used
-        self.y = (data.train_y if everything else data.train_y[used]).to(torch.int64 if loss == "cross_entropy" else torch.float64)
+        self.y = labels if everything else labels[used]
         self.weights = weights if everything else weights[used]
-        self._in_order: Optional[tuple[BlockedInputs, Tensor, Tensor]] = None  # (inputs, y, weights) in their row order
+        self._in_order: Optional[tuple[BlockedInputs, Tensor, Tensor]] = None  # (inputs, labels, weights) in their row order
 
-    def share_to(self, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]) -> None:
-        """Move the samples f reads (inputs, labels, weights, the used rows) to ``device``, sharing them with
-        the objectives already moved there whose split is the same (``shared``, keyed by the inputs'
-        shape, the loss and the shards: one copy of each split's samples for several runs)."""
+    def share_to(self, device: torch.device, shared: dict[tuple, Any]) -> None:
+        """Move the samples f reads to ``device``, sharing them with the objectives already moved there
+        (``shared``): the inputs with every objective of the same inputs, the labels and weights with those
+        whose split is the same (keyed by the inputs' shape, the loss and the shards)."""
         digest = hashlib.sha256()
         for shard in self.shards:
             digest.update(shard.to(torch.int64).numpy().tobytes())
             digest.update(b"|")
+        inputs_key = ("inputs", id(self.x), self.x.data_ptr())
+        if inputs_key not in shared:
+            shared[inputs_key] = self.x.to(device)
         key = (tuple(self.x.shape), self.loss, digest.hexdigest())
         if key not in shared:
-            rows = self._rows
-            shared[key] = (self.x.to(device), self.y.to(device), self.weights.to(device), None if rows is None else rows.to(device))
-        self.x, self.y, self.weights, self._rows = shared[key]
+            own = (self.y, self.weights, self._rows, *self._all)
+            shared[key] = tuple(None if t is None else t.to(device) for t in own)
+        self.x = shared[inputs_key]
+        self.y, self.weights, self._rows, *all_samples = shared[key]
+        self._all = tuple(all_samples)
         self._in_order = None
 
     def inputs(self) -> tuple[BlockedInputs, Tensor, Tensor]:
-        """The used samples' inputs arranged for the products (shared with every objective of these samples in
-        this process), and this objective's labels and sample weights in their row order."""
-        inputs = prepared(self.x, self._rows)
+        """The inputs arranged for the products (shared with every objective of these inputs in this process,
+        whatever its split), and this objective's labels and sample weights in their row order."""
+        inputs = prepared(self.x)
         if self._in_order is None or self._in_order[0] is not inputs:
-            self._in_order = (inputs, inputs.sorted(self.y), inputs.sorted(self.weights))
+            labels, weights = self._all
+            self._in_order = (inputs, inputs.sorted(labels), inputs.sorted(weights))
         return self._in_order
 
     def inputs64(self) -> Tensor:

@@ -331,8 +331,9 @@ def test_objectives_of_one_split_share_their_samples_on_the_device():
     shared = {}
     for o in (a, b, c):
         o.share_to(torch.device("cpu"), shared)
-    assert len(shared) == 2
-    assert a.x is b.x and a.y is b.y and a.weights is b.weights and c.weights is not a.weights
+    assert len(shared) == 3  # the inputs once, and the labels and weights of each of the two splits
+    assert a.x is b.x is c.x and a.y is b.y and a.weights is b.weights and c.weights is not a.weights
+    assert a.inputs()[0] is c.inputs()[0]  # one arrangement of the inputs for every split
     assert [o(point) for o in (a, b, c)] == before
 
 

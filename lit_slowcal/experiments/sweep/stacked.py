@@ -225,7 +225,7 @@ class _Group:
         from lit_slowcal.experiments.cli import diagnostics_callback
 
         self.diagnostics = [diagnostics_callback(t.config.get) for t in self.trials]
-        on_device: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]] = {}  # one copy of each split's rows
+        on_device: dict[tuple, Any] = {}  # one copy of the inputs, and of each split's labels and weights
         for i, diagnostics in enumerate(self.diagnostics):
             found = diagnostics.prepare(self.streams[i], float(self.models[i].hparams.get("weight_decay", 0.0)))
             if found:  # f_star, G_star, optimum_grad_norm: logged at step 0
