@@ -86,6 +86,8 @@ class Diagnostics(Callback):
         self.solve_seconds: Optional[float] = None
         self.cached: Optional[bool] = None
         self._handles: list[Any] = []
+        self._step_handles: list[Any] = []  # the optimizer's step hooks, set in the rounds that measure steps
+        self._optimizer: Any = None
         self._stacked: list[Tensor] = []
         self._has_iterate = False
         self._before: list[Tensor] = []  # x (and w) before the step: buffers reused every step
@@ -242,6 +244,7 @@ class Diagnostics(Callback):
         and around the steps of ``optimizer`` (its step pre- and post-hooks)."""
         self._reset()
         self._has_iterate = False
+        self._optimizer = None
         register = getattr(averager, "register_sync_pre_hook", None)
         if not self.per_round or register is None:
             return
@@ -254,18 +257,28 @@ class Diagnostics(Callback):
         self._before = [torch.empty_like(p) for p in self._stacked]
         self._before_w = [torch.empty_like(p) for p in self._stacked] if self._has_iterate else []
         self._pending = False
-        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        self._optimizer = optimizer  # its step hooks are set in the rounds that measure steps (start_round)
 
     def detach(self) -> None:
         """After training: the hooks ``attach`` set are removed."""
-        for handle in self._handles:
+        for handle in self._handles + self._step_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._step_handles = [], []
+        self._armed, self._optimizer = False, None
 
     def start_round(self, index: int) -> None:
         """Before round ``index`` (counted from 0): its steps' movement is measured every ``step_every`` rounds."""
-        self._armed = self.step_every > 0 and index % self.step_every == 0
+        armed = self.step_every > 0 and index % self.step_every == 0 and self._optimizer is not None
+        if armed and not self._step_handles:  # hooks only in these rounds: none to call in the others' steps
+            self._step_handles = [
+                self._optimizer.register_step_pre_hook(self._before_step),
+                self._optimizer.register_step_post_hook(self._after_step),
+            ]
+        elif not armed:
+            for handle in self._step_handles:
+                handle.remove()
+            self._step_handles = []
+        self._armed = armed
 
     @torch.no_grad()
     def end_round(self) -> None:
