@@ -223,12 +223,21 @@ def group_title(group: list[StackedTrial]) -> str:
     return f"method={c['method']} M={c['num_machines']} K={ks} b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)"
 
 
+#: An evaluation's cost in ``group_cost``'s units (a machine's step, about 9 us on a CPU): the test set and the
+#: training objective (MNIST, one CPU core: about 25 ms), or the test set alone (about 8 ms).
+EVALUATION_COST, TEST_COST = 2800, 900
+
+
 def group_cost(group: list[StackedTrial]) -> float:
     """A group's relative running time, to start the longest first: its steps times (the machines they
     train + 40, a step's fixed cost in machines' worth of work on a CPU: a lone M = 16 trial of 3,750 steps
-    takes 1.9 s, one of a group of 6 0.65 s)."""
-    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE
+    takes 1.9 s, one of a group of 6 0.65 s), and its trials' evaluations (``EVALUATION_COST`` each; the small
+    M and K have the most)."""
+    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
 
     c = group[0].config
-    steps = MNIST_TRAIN_SIZE / (c["num_machines"] * c["data"]["batch_size"])
-    return steps * (len(group) * c["num_machines"] + 40)
+    m, b = c["num_machines"], c["data"]["batch_size"]
+    steps = MNIST_TRAIN_SIZE / (m * b)
+    every = max(1, int(c.get("eval_every") or 1))
+    evaluations = sum(-(-num_rounds(MNIST_TRAIN_SIZE, m, t.config["data"]["steps_per_round"], b) // every) for t in group)
+    return steps * (len(group) * m + 40) + evaluations * (EVALUATION_COST if c.get("objective", True) else TEST_COST)

@@ -12,7 +12,7 @@ import yaml
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
 from lit_slowcal.experiments.model import MachinesModel
-from lit_slowcal.experiments.sweep import stacked
+from lit_slowcal.experiments.sweep import grouping, stacked
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, csv_differences, differences
 from test_sweep import wandb_records
 
@@ -301,18 +301,23 @@ def test_workers_must_be_a_positive_integer(tmp_path, capsys):
 
 
 def test_groups_are_halved_only_while_that_shortens_the_workers_time():
-    def group(n, method="slowcal", batch=1):
-        config = {"method": method, "num_machines": 16, "data": {"batch_size": batch}}
+    def group(n, method="slowcal", batch=1, k=16):
+        config = {"method": method, "num_machines": 16, "eval_every": 10, "data": {"batch_size": batch, "steps_per_round": k}}
         return [stacked.StackedTrial({"seed": i}, [], config) for i in range(n)]
 
-    # One group of 6 M = 16 trials (3,750 steps) on 2 workers: two halves of 3 (each 3,750 x (48 + 40)
-    # against 3,750 x (96 + 40) for the whole); halving again would not end sooner.
+    # One group of 6 M = 16 trials (3,750 steps, 234 rounds of K = 16: 24 evaluations each) on 2 workers: two
+    # halves of 3 (each 3,750 x (48 + 40) + 72 evaluations against 3,750 x (96 + 40) + 144 for the whole);
+    # halving again would not end sooner.
     parts = stacked.balance_groups([group(6)], 2)
     assert [len(p) for p in parts] == [3, 3] and [t.params["seed"] for p in parts for t in p] == list(range(6))
     # Two long groups and a short one (Minibatch-SGD, K = 16: 234 steps): already balanced on 2 workers.
-    groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16)]
+    groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16, k=1)]
     assert stacked.balance_groups(groups, 2) == groups
-    assert stacked.group_cost(group(6)) == 3750 * (96 + 40)
+    assert stacked.group_cost(group(6)) == 3750 * (96 + 40) + 6 * 24 * grouping.EVALUATION_COST
+    # Without the objective an evaluation is the test set's alone; the smaller K, the more evaluations.
+    bare = [stacked.StackedTrial(t.params, [], {**t.config, "objective": False}) for t in group(6)]
+    assert stacked.group_cost(bare) == 3750 * (96 + 40) + 6 * 24 * grouping.TEST_COST
+    assert stacked.group_cost(group(6, k=4)) == 3750 * (96 + 40) + 6 * 94 * grouping.EVALUATION_COST
 
 
 def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the_same_versions(tmp_path, monkeypatch, capsys):
