@@ -1,7 +1,8 @@
 """Notes: lines that say the same for every run of a sweep, printed once per sweep (``note``, ``once_per_sweep``).
 
 A run says such a line with ``note(line)`` (the logger ``lit_slowcal.experiments.notes``, printed on stdout
-as ``print`` would): why there is no excess loss, the threads it trains with. Lightning says its own through
+as ``print`` would): why there is no excess loss, the threads it trains with; its summary restates the first
+(a ``Note`` among its lines, left out in a sweep: ``say_lines``). Lightning says its own through
 its loggers (``_lightning.LIGHTNING_INFO_LOGGERS``: the accelerators available, the litlogger tip, ``fit``
 stopped at ``max_epochs``). A run alone prints them all, as it always did.
 
@@ -35,6 +36,9 @@ class _Stdout(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         print(record.getMessage(), flush=True)
 
+
+_once: Optional["_Once"] = None  # the filter of the sweep in progress (in its workers: their copy, or their own)
+_warnings_seen: dict[Any, Any] = {}  # the sweep's registry of the warnings its workers sent back
 
 NOTES.addHandler(_Stdout())
 NOTES.setLevel(logging.INFO)
@@ -75,10 +79,6 @@ class _Once(logging.Filter):
             return False
         self.seen.add(key)
         return True
-
-
-_once: Optional[_Once] = None  # the filter of the sweep in progress (in its workers: their copy, or their own)
-_warnings_seen: dict[Any, Any] = {}  # the sweep's registry of the warnings its workers sent back
 
 
 def _loggers() -> list[logging.Logger]:

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.experiments.limits import available_memory
 from lit_slowcal.experiments.notes import once_per_sweep
 from lit_slowcal.experiments.sweep import checks
 from lit_slowcal.experiments.sweep.runner import run_sweep
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
-from lit_slowcal.experiments.sweep.workers import available_memory, checking_pool, choose_workers
+from lit_slowcal.experiments.sweep.workers import checking_pool, choose_workers
 from lit_slowcal.experiments.threads import usable_cpus
 
 __all__ = ["main"]
@@ -128,7 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     # The workers that check the trials (a dry run too), and run them unless the runner picks fewer (memory, GPU).
-    workers = choose_workers(given=opts.workers, cores=usable_cpus(), threads=opts.threads, available=available_memory(), trials=len(trials)).workers
+    machine = dict(cores=usable_cpus(), threads=opts.threads, available=available_memory())
+    workers = choose_workers(given=opts.workers, trials=len(trials), **machine).workers
     with contextlib.ExitStack() as scope:
         if not opts.dry_run:
             scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))

@@ -23,10 +23,7 @@ from typing import Any, Iterator, Optional
 from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
 from lit_slowcal.experiments.sweep.units import Unit, run_unit
 
-__all__ = [
-    "WORKER_BYTES", "WorkerChoice", "available_memory", "checking_pool", "choose_workers", "run_in_workers",
-    "worker_pool",
-]  # fmt: skip
+__all__ = ["WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "run_in_workers", "worker_pool"]
 
 #: Memory a worker process takes besides its groups' (``grouping.trial_bytes``): the peak resident memory of a
 #: forked worker running a small group, 697 MiB (torch 2.14.1, Linux; ``python benchmarks/bench_worker_memory.py``:
@@ -50,7 +47,7 @@ def _gib(n: int) -> str:
 
 
 def choose_workers(
-    *, cores: int, threads: int, available: int, trials: int, group_bytes: int = 0, cuda: bool = False,
+    *, cores: int, threads: int, available: Optional[int], trials: int, group_bytes: int = 0, cuda: bool = False,
     per_worker: int = WORKER_BYTES, given: Optional[int] = None,
 ) -> WorkerChoice:  # fmt: skip
     """The workers of a sweep: ``given`` (``--workers N``), else a pure function of what it runs on.
@@ -59,7 +56,7 @@ def choose_workers(
         given: ``--workers N`` (no more than the trials), or ``None``: chosen from the others.
         cores: the CPU cores this process may use.
         threads: torch threads per worker (``--threads``; 0: torch's default, every core).
-        available: bytes of memory available to the sweep (``available_memory``).
+        available: bytes of memory available to the sweep (``limits.available_memory``; ``None``: unknown).
         trials: trials to run (a stacked group can be split among workers down to one trial each).
         group_bytes: the largest stacked group's ``trial_bytes`` (a lone trial's memory counts in ``per_worker``).
         cuda: the trials train on a CUDA device: one process uses the GPU.
@@ -74,7 +71,7 @@ def choose_workers(
         return WorkerChoice(1, f"the trials train on the GPU: one process; {how}")
     by_cores = max(1, cores // threads) if threads > 0 else 1
     need = per_worker + group_bytes
-    by_memory = max(1, available // need)
+    by_memory = by_cores if available is None else max(1, available // need)
     workers = max(1, min(by_cores, by_memory, trials))
     why = [f"{cores} core{'s' if cores > 1 else ''}, {each}"]
     if by_memory < by_cores:
@@ -83,20 +80,6 @@ def choose_workers(
         why.append(f"{trials} trial{'s' if trials > 1 else ''} to run")
     return WorkerChoice(workers, "; ".join([*why, how]))
 
-
-def available_memory() -> int:
-    """Bytes of memory available now (Linux: ``MemAvailable``; elsewhere the machine's memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
 
 # In a worker: the queue on which it tells the sweep which unit it starts (_run_in_worker); in the sweep: the
 # queue of its pool's workers (worker_pool), read by run_in_workers to tell which unit a lost worker ran.

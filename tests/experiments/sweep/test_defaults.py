@@ -75,6 +75,8 @@ CASES = [
     ((2, 1, 4 * GIB, 135, GIB // 4, False), 2, "2 cores, 1 thread each; --workers N to set"),  # the cores bind first
     # a GPU: one process
     ((16, 1, 100 * GIB, 135, 0, True), 1, "the trials train on the GPU: one process; --workers N to set"),
+    # memory unknown (no /proc/meminfo, no sysconf): the cores and the trials
+    ((4, 1, None, 135, GIB, False), 4, "4 cores, 1 thread each; --workers N to set"),
 ]
 
 
