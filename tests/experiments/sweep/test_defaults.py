@@ -50,6 +50,18 @@ def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_th
     assert len({r["metrics"]["test_loss"] for r in default.values()}) == 4  # four different trials
 
 
+def test_trials_that_cannot_stack_run_alone_by_default_each_reason_said_once_with_its_count(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(REPO)
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("local_sgd",), extra=("--trainer.max_epochs=2",))
+    assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl")]) == 0
+    out = capfd.readouterr().out
+    assert "stacking: 0 trials in 0 groups" in out and "; 2 run one at a time\n" in out
+    assert [line for line in out.splitlines() if "not stacked" in line] == [
+        "  2 trials not stacked: trainer.max_epochs is 2 (stacking runs one epoch)"
+    ]
+    assert [r["status"] for r in records(tmp_path / "r.jsonl").values()] == ["finished"] * 2
+
+
 def test_stack_is_still_accepted_as_the_explicit_default(tmp_path):
     path = grid_file(tmp_path, lrs=(0.01,), seeds=(1,), methods=("slowcal",))
     opts = [sw.cli._parser().parse_args([str(path), *flags]) for flags in ([], ["--stack"], ["--no-stack"])]
