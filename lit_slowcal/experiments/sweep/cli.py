@@ -2,9 +2,9 @@
 
 ``main`` reads the sweep file (``spec``) and expands it into trials (``trials``), checks every trial's arguments
 with the training CLI's own parser before anything runs (``checks``; with several workers, forked workers check a
-share each), then hands the checked sweep to the runner (``runner``). Each note (a line the same for every
-trial: Lightning's, why there is no excess loss) is printed once per sweep (``notes.once_per_sweep``). Every trial runs with ``--threads`` torch
-threads (one by default), its online W&B run in one group per sweep.
+share each), then hands the checked sweep to the runner (``runner``). Every trial runs with ``--threads`` torch
+threads (one by default), its online W&B run in one group per sweep. Each note (a line the same for every
+trial: Lightning's, why there is no excess loss) is printed once per sweep (``notes.once_per_sweep``).
 """
 
 from __future__ import annotations
