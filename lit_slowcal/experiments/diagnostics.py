@@ -209,19 +209,29 @@ class Diagnostics(Callback):
         return found, path
 
     def evaluate(self, model: nn.Module, value: Optional[float] = None) -> dict[str, Any]:
-        """At an evaluation of ``model``'s synchronised point: the values to log, ``train_objective`` and
-        ``excess_loss`` (float64 tensors: a Python float would be logged as float32, and excess losses are
-        small differences), and the per-round means since the previous evaluation (``dispersion``,
-        ``query_step``, ``iterate_step``: floats), which then start over. ``value``: f there, when
-        already known (the stacked trials compute it for several trials at once). Without the objective
-        (``objective=False``, or a model it is not defined for), the per-round values alone."""
+        """At an evaluation of ``model``'s synchronised point: the values to log, ``objective_metrics`` there
+        and the per-round means since the previous evaluation (``round_metrics``, which then start over).
+        ``value``: f there, when already known. Without the objective (``objective=False``, or a model it is
+        not defined for), the per-round values alone."""
         out: dict[str, Any] = {}
         if self.objective is not None:
-            if value is None:
-                value = self.objective(model.machines.averaged_state())
-            out["train_objective"] = torch.tensor(value, dtype=torch.float64)
-            if self.optimum is not None:
-                out["excess_loss"] = torch.tensor(value - self.optimum.value, dtype=torch.float64)
+            out.update(self.objective_metrics(self.objective(model.machines.averaged_state()) if value is None else value))
+        out.update(self.round_metrics())
+        return out
+
+    def objective_metrics(self, value: float) -> dict[str, Tensor]:
+        """``train_objective`` f(x) = ``value`` and, with an optimum, ``excess_loss`` f(x) - f*: float64 tensors
+        (a Python float would be logged as float32, and excess losses are small differences). The stacked
+        trials compute f for many evaluations at once and log these when they have it."""
+        out = {"train_objective": torch.tensor(value, dtype=torch.float64)}
+        if self.optimum is not None:
+            out["excess_loss"] = torch.tensor(value - self.optimum.value, dtype=torch.float64)
+        return out
+
+    def round_metrics(self) -> dict[str, float]:
+        """The per-round means since the previous evaluation (``dispersion``, ``query_step``, ``iterate_step``),
+        which then start over."""
+        out: dict[str, float] = {}
         if self._syncs:
             total = self._dispersion.clone()
             if _world() > 1:

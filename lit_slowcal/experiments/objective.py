@@ -9,11 +9,11 @@ with n_i samples weighs 1/(M n_i), so x* depends on the split, not only on the d
 ``model.weight_decay``, and the penalty covers every parameter, the bias included, exactly as the
 training update does (``SlowcalSGD`` and ``torch.optim.SGD`` add lambda x to every gradient).
 
-``Objective`` evaluates f for the linear model of ``lit_slowcal.experiments.model`` in one pass over
-all shards (one matrix product), with float64 reductions. Problems up to 2^24 input values keep a
-float64 copy of their inputs and are exact to float64; larger ones (MNIST: 47M) use the float32
-inputs as they are, without a copy, and the logits of one float32 product carry a relative error of
-about 1e-7 (measured on MNIST at x*: 2e-8 in f).
+``Objective`` evaluates f for the linear model of ``lit_slowcal.experiments.model`` in float64 throughout,
+for one point or for many at once (``values``: the trials of a stacked group evaluated at a step), in
+one pass over the training inputs arranged by ``lit_slowcal.experiments.blocked``. The logits of one
+point are the same, to within the float64 bound stated there, whatever other points share the pass
+(measured on MNIST: equal, or within 1e-15 relative).
 
 Its optimum x* and f* = f(x*), in float64 and cached on disk, are ``lit_slowcal.experiments.optimum``'s.
 
@@ -31,12 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_slowcal.experiments.blocked import BlockedInputs, prepared
 from lit_slowcal.experiments.problems import ProblemData
 
 __all__ = ["Objective", "affine_rows", "heterogeneity", "values"]
 
-#: Problems with at most this many input values keep a float64 copy (exact objective).
-FLOAT64_LIMIT = 2**24
 LOSSES = ("cross_entropy", "squared")
 
 
@@ -73,17 +72,13 @@ class Objective:
         # The whole training set the shards index: for per-machine gradients (heterogeneity) and the
         # optimum's cache key.
         self.train_x, self.train_y = data.train_x, data.train_y
-        # Large inputs (MNIST: 188 MB) are not copied: f is evaluated on all of them and the rows of the
-        # used samples are kept from the product. A matrix product computes every row on its own, so
-        # those rows are bitwise the product of the used rows alone, and a run's set-up saves the copy.
+        # f reads the inputs as they are (MNIST: 188 MB, not copied); a split that leaves samples out
+        # reads the rows of its used samples (``rows``).
+        self.x = data.train_x
         self._rows: Optional[Tensor] = None if everything else used
-        if len(used) * (data.train_x.numel() // max(1, n)) <= FLOAT64_LIMIT:
-            self.x = (data.train_x if everything else data.train_x[used]).double()
-            self._rows = None
-        else:
-            self.x = data.train_x
         self.y = (data.train_y if everything else data.train_y[used]).to(torch.int64 if loss == "cross_entropy" else torch.float64)
         self.weights = weights if everything else weights[used]
+        self._in_order: Optional[tuple[BlockedInputs, Tensor, Tensor]] = None  # (inputs, y, weights) in their row order
 
     def share_to(self, device: torch.device, shared: dict[tuple, tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]) -> None:
         """Move the samples f reads (inputs, labels, weights, the used rows) to ``device``, sharing them with
@@ -95,30 +90,28 @@ class Objective:
             digest.update(b"|")
         key = (tuple(self.x.shape), self.loss, digest.hexdigest())
         if key not in shared:
-            rows = self._rows  # all inputs kept (large ones): the used samples' rows of the product
+            rows = self._rows
             shared[key] = (self.x.to(device), self.y.to(device), self.weights.to(device), None if rows is None else rows.to(device))
         self.x, self.y, self.weights, self._rows = shared[key]
+        self._in_order = None
 
-    @property
-    def exact(self) -> bool:
-        """Whether f is evaluated in float64 throughout (inputs kept in float64)."""
-        return self.x.dtype == torch.float64
+    def inputs(self) -> tuple[BlockedInputs, Tensor, Tensor]:
+        """The used samples' inputs arranged for the products (shared with every objective of these samples in
+        this process), and this objective's labels and sample weights in their row order."""
+        inputs = prepared(self.x, self._rows)
+        if self._in_order is None or self._in_order[0] is not inputs:
+            self._in_order = (inputs, inputs.sorted(self.y), inputs.sorted(self.weights))
+        return self._in_order
 
     def inputs64(self) -> Tensor:
         """The used samples' inputs in float64 (a new tensor unless they are kept so): the solver's."""
         return (self.x if self._rows is None else self.x[self._rows]).double()
 
-    def _value(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        return self.value_from_logits(torch.addmm(bias.to(x.dtype), x, weight.to(x.dtype).T), weight, bias)
-
-    def value_from_logits(self, logits: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        """f from the logits of the inputs ``x`` at (weight, bias): of the used samples, or of all inputs
-        (``self.x`` when large), whose used samples' rows are kept."""
-        if self._rows is not None and len(logits) != len(self.y):  # all inputs: keep the used samples' rows
-            logits = logits[self._rows]
-        value = (self.weights * _loss(self.loss, logits.double(), self.y)).sum()
+    def _value(self, x64: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        """f at (weight, bias) from the used samples' float64 inputs ``x64``, differentiable (the solver's)."""
+        value = (self.weights * _loss(self.loss, torch.addmm(bias, x64, weight.T), self.y)).sum()
         if self.weight_decay:
-            value = value + 0.5 * self.weight_decay * (weight.double().square().sum() + bias.double().square().sum())
+            value = value + 0.5 * self.weight_decay * (weight.square().sum() + bias.square().sum())
         return value
 
     @torch.no_grad()
@@ -127,8 +120,7 @@ class Objective:
 
         f is evaluated where the objective's samples are (the CPU): a model trained on a GPU is copied there.
         """
-        device = self.x.device
-        return float(self._value(self.x, params["weight"].detach().to(device), params["bias"].detach().to(device)))
+        return values([self], [params])[0]
 
     def value_and_grad64(self, params: dict[str, Tensor], x64: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor]]:
         """f and its gradient in float64 at ``params`` (on the float64 inputs ``x64``, made when not given)."""
@@ -157,19 +149,39 @@ def affine_rows(x: Tensor, weights: list[Tensor], biases: list[Tensor], rows: Op
 
 @torch.no_grad()
 def values(objectives: list[Objective], points: list[dict[str, Tensor]]) -> list[float]:
-    """``objectives[i](points[i])`` for every i, bit for bit, in one pass over inputs they share (the same
-    tensor ``x``: the trials of a stacked group, each with its own split's weights)."""
+    """``objectives[i](points[i])`` for every i (each within the float64 bound of ``blocked`` of its value
+    alone), in one pass over the inputs the objectives share (the trials of a stacked group: one
+    arrangement of the training inputs, each trial with its own split's weights)."""
     out: list[float] = [0.0] * len(objectives)
-    by_input: dict[int, list[int]] = {}
+    by_inputs: dict[tuple[int, str], list[int]] = {}
     for i, objective in enumerate(objectives):
-        by_input.setdefault(id(objective.x), []).append(i)
-    for members in by_input.values():
-        x = objectives[members[0]].x
-        weights = [points[i]["weight"].detach() for i in members]
-        biases = [points[i]["bias"].detach() for i in members]
-        for i, w, b, logits in zip(members, weights, biases, affine_rows(x, weights, biases)):
-            out[i] = float(objectives[i].value_from_logits(logits, w, b))
+        by_inputs.setdefault((id(objective.inputs()[0]), objective.loss), []).append(i)
+    for members in by_inputs.values():
+        inputs, y, _ = objectives[members[0]].inputs()
+        device = inputs.center.device
+        weight = torch.stack([points[i]["weight"].detach().to(device) for i in members])
+        bias = torch.stack([points[i]["bias"].detach().to(device) for i in members])
+        sample_weights = torch.stack([objectives[i].inputs()[2] for i in members], 1)  # (n, P)
+        loss = objectives[members[0]].loss
+        total = torch.zeros(len(members), dtype=torch.float64, device=device)
+        for start, stop, z in inputs.logits(weight, bias):
+            total += (_point_losses(loss, z, y[start:stop]) * sample_weights[start:stop]).sum(0)
+        for j, i in enumerate(members):
+            value = total[j]
+            decay = objectives[i].weight_decay
+            if decay:
+                value = value + 0.5 * decay * (weight[j].double().square().sum() + bias[j].double().square().sum())
+            out[i] = float(value)
     return out
+
+
+def _point_losses(loss: str, z: Tensor, y: Tensor) -> Tensor:
+    """Per-sample losses ``(rows, P)`` of P points from their float64 logits ``z`` ``(rows, P, outputs)``."""
+    if loss == "cross_entropy":
+        top = z.amax(2, keepdim=True)
+        total = torch.sub(z, top).exp_().sum(2).log_().add_(top.squeeze(2))  # logsumexp
+        return total.sub_(z.gather(2, y.view(-1, 1, 1).expand(-1, z.shape[1], 1)).squeeze(2))
+    return 0.5 * (z.squeeze(2) - y.unsqueeze(1)) ** 2
 
 
 def heterogeneity(objective: Objective, params: dict[str, Tensor]) -> float:

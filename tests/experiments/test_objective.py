@@ -37,7 +37,6 @@ def quadratic_closed_form(data, lam):
 def test_quadratic_optimum_excess_loss_and_g_star_equal_their_closed_forms(lam):
     data = Quadratic(dim=6, heterogeneity=1.5, samples=40).build(5, seed=3)
     obj = Objective(data, "squared", lam)
-    assert obj.exact  # a small problem is evaluated in float64 throughout
     theta, f_star, h, g_star = quadratic_closed_form(data, lam)
     found = solve(obj, (1, 6), tol=1e-10)
     assert found.converged and found.grad_norm <= 1e-10
@@ -158,15 +157,61 @@ def test_the_solver_is_deterministic_and_reports_the_true_gradient_norm():
     assert abs(hessian_path.value - found.value) <= 1e-14
 
 
-def test_a_float32_objective_of_a_large_problem_is_close_to_float64(monkeypatch):
-    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+def _exact_logits(x, weight, bias):
+    """Correctly rounded logits of float32 inputs: each product of two float32 numbers is a float64 number, and
+    math.fsum sums them exactly (an implementation independent of the blocked product)."""
+    import math
+
+    xs, ws, bs = x.double().tolist(), weight.double().tolist(), bias.double().tolist()
+    return torch.tensor([[math.fsum([*(a * b for a, b in zip(row, w)), c]) for w, c in zip(ws, bs)] for row in xs], dtype=torch.float64)
+
+
+def _logit_bound(x, weight, bias, columns):
+    """The float64 bound of a dot product of ``columns`` + 1 terms (``blocked``'s docstring), per logit:
+    gamma_(k+1) * (sum_j |x_j - c_j| |w_j| + |c . w + b|) <= gamma_(k+2) * (sum_j |x_j| |w_j| + 2 sum_j |c_j w_j| + |b|)."""
+    u = 2.0**-53
+    gamma = (columns + 2) * u / (1 - (columns + 2) * u)
+    return gamma * (x.double().abs() @ weight.double().abs().T + 2 * x.double().abs().amax(0) @ weight.double().abs().T + bias.double().abs())
+
+
+def test_the_blocked_logits_are_within_their_float64_bound_of_the_correctly_rounded_ones():
+    """The inputs as MNIST's: a common background value in most entries, float32; several points at once."""
+    from lit_slowcal.experiments.blocked import BlockedInputs
+
+    g = torch.Generator().manual_seed(5)
+    n, d, outputs = 300, 40, 3
+    background = torch.tensor(-0.4242129623889923)  # MNIST's normalised 0, a float32 number
+    x = torch.where(torch.rand(n, d, generator=g) < 0.8, background, torch.rand(n, d, generator=g) * 3 - 0.4).float()
+    inputs = BlockedInputs(x, rows=32)
+    assert torch.equal(inputs.center, torch.full((d,), float(background), dtype=torch.float64))
+    assert 0.2 < inputs.density < 1.0  # the blocks skip columns where every row holds the background
+    weight, bias = torch.randn(4, outputs, d, generator=g) * 0.3, torch.randn(4, outputs, generator=g)
+    z = torch.empty(n, 4, outputs, dtype=torch.float64)
+    for start, stop, block in inputs.logits(weight, bias):
+        z[start:stop] = block
+    xs = x[inputs.order]
+    for p in range(4):
+        exact = _exact_logits(xs, weight[p], bias[p])
+        error = (z[:, p] - exact).abs()
+        assert (error <= _logit_bound(xs, weight[p], bias[p], d)).all()
+        assert error.max() <= 1e-14 * exact.abs().max()
+        # A point's logits alone in the pass equal those it gets among others, within the same bound.
+        alone = torch.cat([block[:, 0].clone() for _, _, block in inputs.logits(weight[p : p + 1], bias[p : p + 1])])
+        assert ((alone - z[:, p]).abs() <= 2 * _logit_bound(xs, weight[p], bias[p], d)).all()
+
+
+def test_the_objective_is_float64_on_float32_inputs_and_reads_them_without_a_copy():
     data = Synthetic(dim=8, num_classes=4).build(3, seed=1)
-    cheap = Objective(data, "cross_entropy", 1e-3)
-    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 2**24)
-    exact = Objective(data, "cross_entropy", 1e-3)
-    assert not cheap.exact and exact.exact
+    obj = Objective(data, "cross_entropy", 1e-3)
+    assert data.train_x.dtype == torch.float32 and obj.x.data_ptr() == data.train_x.data_ptr()
     params = {"weight": torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), "bias": torch.zeros(4)}
-    assert abs(cheap(params) - exact(params)) <= 1e-6 * abs(exact(params))
+    x64 = data.train_x.double()
+    logits = x64 @ params["weight"].double().T
+    expected = float(
+        (torch.tensor(_weights(data)) * torch.nn.functional.cross_entropy(logits, data.train_y, reduction="none")).sum()
+        + 0.5e-3 * params["weight"].double().square().sum()
+    )
+    assert abs(obj(params) - expected) <= 1e-14 * abs(expected)
 
 
 def test_optimum_is_cached_by_its_inputs_and_the_second_call_does_not_solve(tmp_path, monkeypatch):
@@ -215,40 +260,39 @@ def test_a_cached_optimum_serves_looser_tolerances_and_starts_a_tighter_solve(tm
     assert optimum(obj, (3, 4), identity, tmp_path, tol=1e-9)[0].value == fine.value  # the better one replaced it
 
 
-def test_a_large_problem_with_samples_left_out_is_evaluated_on_its_inputs_without_a_copy(monkeypatch):
-    """The split leaves samples out (as MNIST's official split does): f reads the input tensor as it is
-    and keeps the used rows of the product, bitwise the product of the used rows alone."""
-    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+def test_a_problem_with_samples_left_out_is_evaluated_on_its_used_rows_without_copying_its_inputs():
+    """The split leaves samples out (as MNIST's official split may): f reads the input tensor as it is, on
+    the used samples' rows."""
     full = Synthetic(dim=8, num_classes=4).build(3, seed=1)
     shards = tuple(s[: len(s) * 2 // 3] for s in full.shards)  # a third of every shard unused
     data = ProblemData(full.train_x, full.train_y, shards, full.test_x, full.test_y)
     obj = Objective(data, "cross_entropy", 1e-3)
-    assert not obj.exact and obj.x.data_ptr() == data.train_x.data_ptr()
+    assert obj.x.data_ptr() == data.train_x.data_ptr()
     used = torch.cat(shards).sort().values
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         weight, bias = torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
-        logits = torch.addmm(bias, data.train_x[used], weight.T).double()  # the used rows alone, float32
+        logits = _exact_logits(data.train_x[used], weight, bias)  # the used rows alone, correctly rounded
         w = torch.tensor(_weights(data))[used]
         penalty = 0.5e-3 * (weight.double().square().sum() + bias.double().square().sum())
         expected = float((w * torch.nn.functional.cross_entropy(logits, data.train_y[used], reduction="none")).sum() + penalty)
-        assert obj({"weight": weight, "bias": bias}) == expected
+        assert abs(obj({"weight": weight, "bias": bias}) - expected) <= 1e-14 * expected
     assert torch.equal(obj.inputs64(), data.train_x[used].double())  # the solver's float64 inputs
 
 
-def test_values_of_several_objectives_in_one_pass_equal_each_call_bit_for_bit(monkeypatch):
-    # float32 inputs (as MNIST's). Two objectives share their inputs (one split, two points), a third has
-    # its own (another split); weight decay on one. affine_rows in blocks of 100 rows, the last one short.
-    monkeypatch.setattr(objective_module, "FLOAT64_LIMIT", 10)
+def test_values_of_several_objectives_in_one_pass_equal_each_alone_within_1e_12():
+    """Two objectives share their inputs (one split, two points), a third has its own split; weight decay on
+    one. And affine_rows, the test set's product of every trial, is each trial's float32 addmm bit for bit."""
     problem = Synthetic(dim=12, num_classes=5)
     one, other = problem.build(4, seed=1), problem.build(4, seed=2)
     objectives = [Objective(one, "cross_entropy"), Objective(one, "cross_entropy", 1e-3), Objective(other, "cross_entropy")]
-    objectives[1].x = objectives[0].x  # the stacked trials of one split share one copy
-    assert objectives[0].x.dtype == torch.float32 and objectives[2].x is not objectives[0].x
+    assert objectives[0].x.dtype == torch.float32
+    assert objectives[0].inputs()[0] is objectives[1].inputs()[0]  # one arrangement of the inputs for both
     g = torch.Generator().manual_seed(3)
     points = [{"weight": torch.randn(5, 12, generator=g), "bias": torch.randn(5, generator=g)} for _ in objectives]
     got = objective_module.values(objectives, points)
-    assert got == [o(p) for o, p in zip(objectives, points)]
+    alone = [o(p) for o, p in zip(objectives, points)]
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(got, alone))
     assert len(set(got)) == 3
     logits = objective_module.affine_rows(objectives[0].x, [p["weight"] for p in points], [p["bias"] for p in points], rows=100)
     for z, p in zip(logits, points):
@@ -290,3 +334,26 @@ def test_objectives_of_one_split_share_their_samples_on_the_device():
     assert len(shared) == 2
     assert a.x is b.x and a.y is b.y and a.weights is b.weights and c.weights is not a.weights
     assert [o(point) for o in (a, b, c)] == before
+
+
+def test_on_mnist_the_objective_of_many_points_in_one_pass_equals_each_alone_within_1e_12():
+    """The paper's setting: MNIST, the official split over M = 16. Points as trained models are (about the
+    size of the paper runs' weights); 20 in one pass, as the stacked trials compute them."""
+    from lit_slowcal.experiments.data import ProblemDataModule
+
+    data = ProblemDataModule(root="data", num_machines=16, split="official", dirichlet_alpha=0.1)
+    data.setup("fit")
+    objective = Objective(data.problem_samples(), "cross_entropy")
+    inputs = objective.inputs()[0]
+    assert 0.45 < inputs.density < 0.55  # half the dense product's work
+    g = torch.Generator().manual_seed(0)
+    points = [{"weight": torch.randn(10, 784, generator=g) * 0.05, "bias": torch.randn(10, generator=g) * 0.1} for _ in range(20)]
+    together = objective_module.values([objective] * 20, points)
+    x64 = objective.inputs64()  # the used samples' rows (the official split leaves some out)
+    for point, value in zip(points, together):
+        alone = objective(point)
+        assert abs(value - alone) <= 1e-12 * alone
+        # And both against a dense float64 product of the whole inputs (another summation order).
+        logits = torch.addmm(point["bias"].double(), x64, point["weight"].double().T)
+        dense = float((objective.weights * torch.nn.functional.cross_entropy(logits, objective.y, reduction="none")).sum())
+        assert abs(alone - dense) <= 1e-13 * dense

@@ -11,13 +11,11 @@ import pytest
 
 from lit_slowcal._lightning import LIGHTNING_INFO_LOGGERS
 from lit_slowcal.experiments import sweep as sw
+from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, differences
 from lit_slowcal.experiments.sweep.workers import WORKER_BYTES, choose_workers
 from test_stacked import REPO, grid_file
 
 GIB = 2**30
-# Values computed from the trained model's point rather than logged by training or the test (the exactness
-# contract: within 1e-12 relative of the single run); every other metric is bit for bit the single run's.
-DIAGNOSTICS = {"train_objective", "excess_loss", "f_star", "G_star", "optimum_grad_norm", "dispersion", "query_step", "iterate_step"}
 NOTE = "excess_loss: not logged: MNIST softmax regression without weight decay has no attained minimiser"
 
 
@@ -41,12 +39,10 @@ def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_th
         single = alone[key]
         assert r["stacked"] == 2 and "stacked" not in single  # stacked by default; one at a time with --no-stack
         assert r["status"] == single["status"] == "finished"
-        assert set(r["metrics"]) == set(single["metrics"]) and {"train_loss", "test_acc", "test_loss", "train_objective"} <= set(r["metrics"])
-        for name, value in r["metrics"].items():
-            if name in DIAGNOSTICS:
-                assert abs(value - single["metrics"][name]) <= 1e-12 * abs(single["metrics"][name]), (key, name)
-            else:
-                assert value == single["metrics"][name], (key, name)  # bit for bit: training and test
+        assert {"train_loss", "test_acc", "test_loss", "train_objective"} <= set(r["metrics"])
+        # The contract: training and test bit for bit, the diagnostics within 1e-12 relative.
+        assert differences(r["metrics"], single["metrics"]) == [], key
+        assert all(r["metrics"][k] == single["metrics"][k] for k in r["metrics"] if k not in DIAGNOSTICS), key
     assert len({r["metrics"]["test_loss"] for r in default.values()}) == 4  # four different trials
 
 
