@@ -147,7 +147,7 @@ def main() -> None:
         if not opts.no_alone:
             keep = {"num_machines": [16], "local_steps": [opts.subset]}
             one_at_a_time = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "alone.yaml")
-            alone = run_sweep(one_at_a_time, tmp / "alone.jsonl", workers=opts.workers)
+            alone = run_sweep(one_at_a_time, tmp / "alone.jsonl", "--no-stack", workers=opts.workers)
             sub = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, stacked_extra, "sub.yaml")
             stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device, workers=opts.workers)
             print_ratio(f"paper grid, M=16 K={opts.subset}", alone, stacked, tmp / "stacked.jsonl", tmp / "alone.jsonl")
@@ -169,7 +169,7 @@ def main() -> None:
                   f"{same}/{n}; largest relative differences: {differences(worst)}")  # fmt: skip
             if opts.full_alone:
                 alone_path = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "paper_alone.yaml")
-                alone = run_sweep(alone_path, tmp / "paper_alone.jsonl", workers=opts.workers)
+                alone = run_sweep(alone_path, tmp / "paper_alone.jsonl", "--no-stack", workers=opts.workers)
                 print_ratio(f"paper grid (M in {opts.machines})", alone, full, tmp / "paper.jsonl", tmp / "paper_alone.jsonl")
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB" + (f", the largest worker {workers:.0f} MiB" if opts.workers > 1 else "")

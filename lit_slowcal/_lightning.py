@@ -19,12 +19,26 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 __all__ = [
+    "LIGHTNING_INFO_LOGGERS",
     "KeepCommandLineModelArgs",
     "batches_done_in_epoch",
     "batches_started",
     "last_saved_step",
     "save_last_checkpoint",
 ]
+
+
+#: The loggers Lightning says its info lines through, by module name: ``rank_zero_info`` (the accelerators
+#: available, the litlogger tip, "`Trainer.fit` stopped") and the CUDA accelerator ("LOCAL_RANK: 0 -
+#: CUDA_VISIBLE_DEVICES"). Internal: the module paths are not an API. A sweep filters them to print each line
+#: once (``lit_slowcal.experiments.notes``); Lightning offers no switch for these lines but the loggers' level,
+#: which would silence them in a run alone too. The seed's line ("Seed set to 1") is left out: it names the
+#: trial's seed.
+LIGHTNING_INFO_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.pytorch.accelerators.cuda",
+)
 
 
 def batches_started(trainer: pl.Trainer) -> int:

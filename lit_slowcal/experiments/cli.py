@@ -54,6 +54,7 @@ from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, run_identity
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import MachinesModel
+from lit_slowcal.experiments.notes import say_lines
 from lit_slowcal.experiments.options import ConfigFile, OneLineErrorParser, add_options
 from lit_slowcal.experiments.resume import check_checkpoint, check_trains_more, last_checkpoint
 from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, run_loggers, run_name, run_version
@@ -283,7 +284,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             self.trainer, self.setting, self.shape.rounds, time.perf_counter() - self._start, self.datamodule.partition_png,
             getattr(self, "_wandb_offline", False),
         )  # fmt: skip
-        print("\n".join(lines), flush=True)
+        say_lines(lines)  # its note (no excess loss) as a note: once per sweep
 
 
 def diagnostics_callback(get: Callable[..., Any]) -> Diagnostics:

@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lit_slowcal._validation import check_int
+from lit_slowcal.experiments.notes import note
 from lit_slowcal.experiments.objective import Objective, heterogeneity
 from lit_slowcal.experiments.optimum import Optimum, optimum
 from lit_slowcal.simulated import SimulatedMachines
@@ -109,7 +110,11 @@ class Diagnostics(Callback):
             if trainer.is_global_zero:
                 print(line, flush=True)
 
-        metrics = self.prepare(trainer.datamodule, float(pl_module.hparams.get("weight_decay", 0.0)), say)
+        def say_note(line: str) -> None:
+            if trainer.is_global_zero:
+                note(line)
+
+        metrics = self.prepare(trainer.datamodule, float(pl_module.hparams.get("weight_decay", 0.0)), say, say_note)
         if not metrics:
             return
         for logger in trainer.loggers:
@@ -136,12 +141,19 @@ class Diagnostics(Callback):
 
     # -- the objective and its optimum ----------------------------------------------------------
 
-    def prepare(self, data: Any, weight_decay: float = 0.0, say: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+    def prepare(
+        self,
+        data: Any,
+        weight_decay: float = 0.0,
+        say: Optional[Callable[[str], None]] = None,
+        say_note: Optional[Callable[[str], None]] = None,
+    ) -> dict[str, float]:
         """Before training: the training objective of ``data`` (a ``ProblemDataModule``; its problem's samples
         and shards), its optimum x* (solved or read from the cache) and G_*. Returns the metrics logged
         at step 0 (``f_star``, ``G_star``, ``optimum_grad_norm``; none without an optimum); ``say``
-        prints the lines on it (``None``: ``print``)."""
-        say = say or _print
+        prints the lines on it (``None``: ``print``), ``say_note`` the note on why there is no excess loss,
+        the same for every run of the problem (``None``: ``notes.note``, printed once per sweep)."""
+        say, say_note = say or _print, say_note or note
         problem = getattr(data, "problem", None)
         samples = getattr(data, "problem_samples", None)
         if not self.measure_objective or problem is None or samples is None:  # (not a lit_slowcal data module)
@@ -154,7 +166,7 @@ class Diagnostics(Callback):
                 "without weight decay has no attained minimiser (f keeps falling as ||x|| grows), so there is no f*; "
                 "set --model.weight_decay=1e-4 (recommended: f is then strongly convex) to measure it"
             ).replace("  ", " ")
-            say(self.note)
+            say_note(self.note)
             return {}
         found, path = self._solve(data, problem, say)
         if not found.converged:
@@ -163,7 +175,7 @@ class Diagnostics(Callback):
                 f"after {found.iterations} Newton steps ({path}); f is not minimised there to that tolerance "
                 "(a looser --optimum_tol accepts it; a rerun goes on from it)"
             )
-            say(self.note)
+            say_note(self.note)
             return {}
         self.optimum = found
         self.g_star = heterogeneity(self.objective, found.params)

@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lit_slowcal.experiments.diagnostics import Diagnostics
+from lit_slowcal.experiments.notes import Note
 
 __all__ = ["diagnostics_lines", "summary_lines"]
 
@@ -50,5 +51,5 @@ def diagnostics_lines(trainer: Trainer, get: Callable[[str], float]) -> list[str
         line += f"   excess loss {get('excess_loss'):.4e}   f* {found.optimum.value:.6f}   G_* {found.g_star:.4f}"
     lines = [line]
     if found.note:
-        lines.append(f"  ({found.note})")
+        lines.append(Note(f"  ({found.note})"))  # the same for every run: once per sweep
     return lines

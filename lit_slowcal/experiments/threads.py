@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 from lit_slowcal._validation import is_int
+from lit_slowcal.experiments.notes import note
 
 __all__ = [
     "AUTO_MAX_THREADS",
@@ -79,6 +80,7 @@ __all__ = [
     "configure_threads",
     "parse_threads",
     "processes_per_node",
+    "usable_cpus",
     "world_size_of",
 ]
 
@@ -203,7 +205,8 @@ class _State:
     printed: Optional[int] = None  # the thread count last printed
 
 
-def _cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may use (its affinity where the system tells it)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -232,7 +235,7 @@ def configure_threads(setting: Setting, work: WorkSize, *, processes: int = 1, v
     """
     import torch
 
-    cpus = _cpus()
+    cpus = usable_cpus()
     environ = user_environ()
     choice = choose_threads(setting, work, cpus=cpus, processes=processes, environ=environ)
     if choice.threads is not None:
@@ -260,7 +263,7 @@ def configure_threads(setting: Setting, work: WorkSize, *, processes: int = 1, v
         else:  # what Lightning's launcher will set (CPUs / processes), torch's default otherwise
             threads = max(1, cpus // max(1, processes))
     if verbose and threads != _State.printed:
-        print(f"threads: {threads} ({choice.reason})", flush=True)
+        note(f"threads: {threads} ({choice.reason})")  # a sweep's trials: once per sweep
         _State.printed = threads
     return threads
 

@@ -297,3 +297,35 @@ def test_no_module_outside_lightning_py_uses_lightning_internals():
         for number, what in lightning_accesses(path.read_text()):
             offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {what}: {lines[number - 1].strip()}")
     assert not offenders, "Lightning internals outside lit_slowcal/_lightning.py:\n" + "\n".join(offenders)
+
+
+# --------------------------------------------------------------------- Lightning's info loggers
+
+
+def test_lightning_says_its_info_lines_through_the_loggers_lit_slowcal_filters(tmp_path):
+    """The accelerators, the litlogger tip and the end of fit come through ``LIGHTNING_INFO_LOGGERS`` (a sweep
+    prints each once), and the CUDA accelerator's line through the last of them."""
+    import logging
+
+    import lightning.pytorch.accelerators.cuda as cuda
+
+    said: list[tuple[str, str]] = []
+
+    class Record(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            said.append((record.name, record.getMessage()))
+            return False
+
+    record = Record()
+    loggers = [logging.getLogger(name) for name in _lightning.LIGHTNING_INFO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(record)
+    try:
+        fit(tiny_trainer(tmp_path, max_epochs=1), Tiny())
+    finally:
+        for logger in loggers:
+            logger.removeFilter(record)
+    rank_zero = "lightning.pytorch.utilities.rank_zero"
+    for start in ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_epochs=1` reached."):
+        assert [name for name, text in said if text.startswith(start)] == [rank_zero], (start, said, lightning.__version__)
+    assert cuda._log.name == "lightning.pytorch.accelerators.cuda" == _lightning.LIGHTNING_INFO_LOGGERS[2]

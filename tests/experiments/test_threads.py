@@ -141,7 +141,7 @@ def test_a_later_run_in_the_same_process_chooses_afresh(capsys, restore_threads)
     before = torch.get_num_threads()
     th.configure_threads("auto", DEFAULT_JOB)
     # OMP_NUM_THREADS=1 is this module's own export, not the user's: a large step gets more threads.
-    expected = max(1, min(AUTO_MAX_THREADS, th._cpus()))
+    expected = max(1, min(AUTO_MAX_THREADS, th.usable_cpus()))
     assert th.configure_threads("auto", BIG) == expected == torch.get_num_threads()
     assert os.environ["OMP_NUM_THREADS"] == str(expected)
     # 0: torch's default, i.e. what there was before this module changed anything.

@@ -1,9 +1,10 @@
 """``python -m lit_slowcal sweep SWEEP.yaml``: the sweep's command line (its options, ``main``).
 
 ``main`` reads the sweep file (``spec``) and expands it into trials (``trials``), checks every trial's arguments
-with the training CLI's own parser before anything runs (``checks``; with ``--workers``, forked workers check a
+with the training CLI's own parser before anything runs (``checks``; with several workers, forked workers check a
 share each), then hands the checked sweep to the runner (``runner``). Every trial runs with ``--threads`` torch
-threads (one by default), its online W&B run in one group per sweep.
+threads (one by default), its online W&B run in one group per sweep. Each note (a line the same for every
+trial: Lightning's, why there is no excess loss) is printed once per sweep (``notes.once_per_sweep``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.experiments.limits import available_memory
+from lit_slowcal.experiments.notes import once_per_sweep
 from lit_slowcal.experiments.sweep import checks
 from lit_slowcal.experiments.sweep.runner import run_sweep
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
-from lit_slowcal.experiments.sweep.workers import checking_pool
+from lit_slowcal.experiments.sweep.workers import checking_pool, choose_workers
+from lit_slowcal.experiments.threads import usable_cpus
 
 __all__ = ["main"]
 
@@ -61,8 +65,9 @@ def _bool(text: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lit_slowcal sweep",
-        description="Run a W&B sweep file here, without a W&B server: the trials run one after another in "
-        "this process, each is appended to a results file as it ends, and a rerun skips finished trials.",
+        description="Run a W&B sweep file here, without a W&B server: the trials that share a shape train "
+        "stacked, as one program per group, the others one at a time, in worker processes as the cores allow; "
+        "each is appended to a results file as it ends, and a rerun skips finished trials.",
     )
     p.add_argument("sweep", type=Path, help="W&B sweep YAML (method grid or random)")
     p.add_argument("--results", type=Path, help="JSON-lines results file (default: sweeps/results/<sweep stem>.jsonl)")
@@ -79,9 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stack",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="train the trials that differ only in model.lr, the seed and K as one vectorized program per group "
-        "(exact: each trial's results equal its single run's); the others run one at a time",
+        "(exact: each trial's results equal its single run's); the others run one at a time, each reason why "
+        "said once (default: --stack; --no-stack runs every trial one at a time)",
     )
     p.add_argument(
         "--stack-memory", type=float, metavar="GIB", help="memory budget of one stacked group in GiB (default: a "
@@ -90,10 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        default=1,
-        help="processes running trials (with --stack: groups) at once, each with --threads threads (default 1; "
-        "on a machine of its own, as many as its cores: --workers 2 --threads 1 on 2 cores); records, resume and "
-        "the table are the same",
+        help="processes running groups or trials at once, each with --threads threads (default: the cores this "
+        "process may use / --threads, no more than the trials nor than the memory holds, 1 for trials on a GPU; "
+        "printed); 1 runs every trial in this process; records, resume and the table are the same",
     )
     p.add_argument(
         "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
@@ -109,7 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if opts.stack_memory is not None:
             check_number("--stack-memory", opts.stack_memory)
-        check_int("--workers", opts.workers)
+        if opts.workers is not None:
+            check_int("--workers", opts.workers)
         check_int("--threads", opts.threads, minimum=0)
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
@@ -121,10 +128,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
         return 2
 
-    workers = min(opts.workers, len(trials))  # a dry run too: the workers share the check
+    # The workers that check the trials (a dry run too), and run them unless the runner picks fewer (memory, GPU).
+    machine = dict(cores=usable_cpus(), threads=opts.threads, available=available_memory())
+    workers = choose_workers(given=opts.workers, trials=len(trials), **machine).workers
     with contextlib.ExitStack() as scope:
         if not opts.dry_run:
             scope.enter_context(_sweep_environment(opts.threads, f"sweep-{sweep.name or opts.sweep.stem}"))
+        scope.enter_context(once_per_sweep())  # before the workers fork: they keep their notes for the sweep
         pool = scope.enter_context(checking_pool(workers, opts.threads))
         try:  # every trial, before the first runs
             arguments = [(p, trial_args(sweep, p, extra)) for p in trials]

@@ -2,13 +2,13 @@
 
 1. The trials the results file holds are skipped (failed and diverged ones are run again only with
    ``--retry-failed``).
-2. The others become units (``units``): with ``--stack``, the trials that differ only in ``model.lr``, the
-   seed and K train first, one group at a time, as one vectorized program each (``grouping``, ``stacked``),
-   each trial exactly as alone; the others one at a time (``single``).
-3. The units run here, one after another, or with ``--workers N`` in N processes (``workers``), longest
-   first. Every trial is recorded in the results file as its unit ends; a unit whose worker process dies
-   has its trials recorded as failed. Ctrl-C or SIGTERM stops the sweep, leaving the interrupted trial
-   unrecorded.
+2. The others become units (``units``): unless ``--no-stack``, the trials that differ only in ``model.lr``,
+   the seed and K train first, one group at a time, as one vectorized program each (``grouping``,
+   ``stacked``), each trial exactly as alone; the others one at a time (``single``).
+3. The units run here, one after another, or in N worker processes (``workers``: ``--workers N``, else as
+   many as the cores, the memory and the trials allow, printed with why), longest first. Every trial is
+   recorded in the results file as its unit ends; a unit whose worker process dies has its trials recorded
+   as failed. Ctrl-C or SIGTERM stops the sweep, leaving the interrupted trial unrecorded.
 4. The sweep ends with the counts of finished, diverged and failed trials and the markdown table (``table``).
 """
 
@@ -22,12 +22,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_slowcal.experiments.limits import available_memory
 from lit_slowcal.experiments.sweep import checks
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
 from lit_slowcal.experiments.sweep.trials import trial_key
 from lit_slowcal.experiments.sweep.units import Unit, pending, run_unit
-from lit_slowcal.experiments.sweep.workers import run_in_workers, worker_pool
+from lit_slowcal.experiments.sweep.workers import WorkerChoice, choose_workers, run_in_workers, worker_pool
+from lit_slowcal.experiments.threads import usable_cpus
 
 __all__ = ["run_sweep"]
 
@@ -83,22 +85,42 @@ class _SweepRun:
                 outcome = {"status": "failed", "error": message, "metrics": {}, "run_dir": None, "wall_time_s": 0.0}
                 self.record(params, identity, outcome, args, unit.label)
 
-    def units(self, workers: int) -> list[Unit]:
-        """The trials to run as units: with ``--stack``, the stacked groups first (balanced over the workers),
-        then the trials that run alone."""
-        alone = [(params, self.checked[trial_key(params)][0]) for params in self.todo]
-        units: list[Unit] = []
-        if self.opts.stack:  # see stacked.py: groups of trials as one program, the rest one at a time
-            from lit_slowcal.experiments.sweep.grouping import balance_groups, group_cost, group_title, plan_stacked
+    def plan(self) -> tuple[list[Any], list[tuple[dict[str, Any], list[str]]]]:
+        """The trials to run: stacked groups (unless ``--no-stack``; ``grouping.plan_stacked`` prints how many,
+        and why the others are not stacked, once per reason), and the trials that run alone ``(params, args)``."""
+        if not self.opts.stack:
+            return [], [(params, self.checked[trial_key(params)][0]) for params in self.todo]
+        from lit_slowcal.experiments.sweep.grouping import plan_stacked
 
-            self.results.refresh()  # another sweep writing the same file may have run some meanwhile
-            parsed = [(p, *self.checked[trial_key(p)]) for p in self.todo if self.pending(p)]
-            memory = self.opts.stack_memory
-            groups, alone = plan_stacked(parsed, int(memory * 2**30) if memory else None)
-            if workers > 1:
-                groups = balance_groups(groups, workers)
-            for g, group in enumerate(groups, 1):
-                units.append(Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group)))
+        self.results.refresh()  # another sweep writing the same file may have run some meanwhile
+        parsed = [(p, *self.checked[trial_key(p)]) for p in self.todo if self.pending(p)]
+        memory = self.opts.stack_memory
+        return plan_stacked(parsed, int(memory * 2**30) if memory else None)
+
+    def choose_workers(self, groups: list[Any], alone: list[tuple[dict[str, Any], list[str]]]) -> WorkerChoice:
+        """``--workers N``, or as many as the cores, the memory and the trials allow (``choose_workers``)."""
+        import torch
+
+        from lit_slowcal.experiments.sweep.grouping import trial_bytes, trial_device
+
+        trials = len(alone) + sum(map(len, groups))
+        configs = [g[0].config for g in groups]
+        if torch.cuda.is_available() and self.opts.workers is None:  # else no trial trains on a GPU
+            configs += [self.checked[trial_key(p)][1].get("fit").as_dict() for p, _ in alone]
+        return choose_workers(
+            given=self.opts.workers, cores=usable_cpus(), threads=self.opts.threads, available=available_memory(),
+            trials=trials, group_bytes=max((sum(trial_bytes(t.config) for t in g) for g in groups), default=0),
+            cuda=any(getattr(trial_device(c), "type", None) == "cuda" for c in configs),
+        )  # fmt: skip
+
+    def units(self, groups: list[Any], alone: list[tuple[dict[str, Any], list[str]]], workers: int) -> list[Unit]:
+        """The trials to run as units: the stacked groups first (balanced over the workers), then the trials
+        that run alone."""
+        from lit_slowcal.experiments.sweep.grouping import balance_groups, group_cost, group_title
+
+        if workers > 1 and groups:
+            groups = balance_groups(groups, workers)
+        units = [Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group)) for g, group in enumerate(groups, 1)]
         for i, (p, _) in enumerate(alone, 1):
             units.append(Unit(f"{i}/{len(alone)}", param_text(p), (p, *self.checked[trial_key(p)])))
         return units
@@ -112,11 +134,10 @@ class _SweepRun:
                 for params, identity, outcome, args in outcomes:
                     self.record(params, identity, outcome, args, label)
             return []
-        busy = min(workers, len(units))
         with contextlib.ExitStack() as scope:
             if pool is None:
-                pool = scope.enter_context(worker_pool(busy, self.opts.threads))
-            return run_in_workers(pool, busy, units, self.opts.threads, check, self.record, self.lost)
+                pool = scope.enter_context(worker_pool(min(workers, len(units)), self.opts.threads))
+            return run_in_workers(pool, units, check, self.record, self.lost)
 
     def summary(self, died: list[str]) -> int:
         """The counts and the table; 1 where a worker died (its trials are recorded as failed), else 0."""
@@ -162,7 +183,14 @@ def run_sweep(
         return 0
     run.start = time.perf_counter()
     try:
-        died = run.run_units(run.units(workers), pool, workers)
+        groups, alone = run.plan()
+        choice = run.choose_workers(groups, alone)
+        if groups or alone:
+            print(choice.line(), flush=True)
+        if pool is not None and choice.workers != workers:  # the pool that checked the trials: another size
+            pool.terminate()
+            pool = None
+        died = run.run_units(run.units(groups, alone, choice.workers), pool, choice.workers)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it
         print(
             f"\nsweep interrupted ({type(err).__name__}) after {run.ran} of {len(todo)} trials; they are in "

@@ -1,5 +1,10 @@
-"""The sweep's worker processes (``--workers N``): a process pool running units, longest first, each worker
-taking the next when it is done (``run_in_workers``), and noticing a worker that ends before its unit does.
+"""The sweep's worker processes: a process pool running units, longest first, each worker taking the next
+when it is done (``run_in_workers``), and noticing a worker that ends before its unit does.
+
+How many: ``--workers N``, else ``choose_workers``: the cores this process may use divided by ``--threads``,
+no more than the trials to run, nor than the memory available holds (a worker's own ``WORKER_BYTES`` plus its
+largest stacked group's), and one for trials that train on a GPU; printed in one line with why. One worker
+runs every trial in the sweep's process.
 
 Workers are forked on Linux (they start at once with what the sweep loaded, and share the check of the
 trials' arguments: ``checking_pool``), spawned elsewhere or once CUDA is in use here. Ctrl-C reaches the sweep
@@ -12,11 +17,69 @@ import contextlib
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
 from lit_slowcal.experiments.sweep.units import Unit, run_unit
 
-__all__ = ["checking_pool", "run_in_workers", "worker_pool"]
+__all__ = ["WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "run_in_workers", "worker_pool"]
+
+#: Memory a worker process takes besides its groups' (``grouping.trial_bytes``): the peak resident memory of a
+#: forked worker running a small group, 697 MiB (torch 2.14.1, Linux; ``python benchmarks/bench_worker_memory.py``:
+#: 405 MiB of it its own, the rest shared with the sweep), rounded up.
+WORKER_BYTES = 768 * 2**20
+
+
+@dataclass(frozen=True)
+class WorkerChoice:
+    """How many worker processes a sweep runs (1: every trial in the sweep's process), and why, in words."""
+
+    workers: int
+    reason: str
+
+    def line(self) -> str:
+        return f"workers: {self.workers} ({self.reason})"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def choose_workers(
+    *, cores: int, threads: int, available: Optional[int], trials: int, group_bytes: int = 0, cuda: bool = False,
+    per_worker: int = WORKER_BYTES, given: Optional[int] = None,
+) -> WorkerChoice:  # fmt: skip
+    """The workers of a sweep: ``given`` (``--workers N``), else a pure function of what it runs on.
+
+    Args:
+        given: ``--workers N`` (no more than the trials), or ``None``: chosen from the others.
+        cores: the CPU cores this process may use.
+        threads: torch threads per worker (``--threads``; 0: torch's default, every core).
+        available: bytes of memory available to the sweep (``limits.available_memory``; ``None``: unknown).
+        trials: trials to run (a stacked group can be split among workers down to one trial each).
+        group_bytes: the largest stacked group's ``trial_bytes`` (a lone trial's memory counts in ``per_worker``).
+        cuda: the trials train on a CUDA device: one process uses the GPU.
+        per_worker: a worker process's own memory (``WORKER_BYTES``).
+    """
+    how = "--workers N to set"
+    each = f"{threads} thread{'s' if threads > 1 else ''} each" if threads > 0 else "torch's default threads (every core) each"
+    if given is not None:
+        workers = max(1, min(given, trials))
+        return WorkerChoice(workers, f"--workers {given}" + (": every trial in this process" if workers == 1 else f", {each}"))
+    if cuda:
+        return WorkerChoice(1, f"the trials train on the GPU: one process; {how}")
+    by_cores = max(1, cores // threads) if threads > 0 else 1
+    need = per_worker + group_bytes
+    by_memory = by_cores if available is None else max(1, available // need)
+    workers = max(1, min(by_cores, by_memory, trials))
+    why = [f"{cores} core{'s' if cores > 1 else ''}, {each}"]
+    if by_memory < by_cores:
+        why.append(f"memory for {by_memory}: {_gib(need)} each of {_gib(available)} available")
+    if trials < min(by_cores, by_memory):
+        why.append(f"{trials} trial{'s' if trials > 1 else ''} to run")
+    return WorkerChoice(workers, "; ".join([*why, how]))
+
 
 # In a worker: the queue on which it tells the sweep which unit it starts (_run_in_worker); in the sweep: the
 # queue of its pool's workers (worker_pool), read by run_in_workers to tell which unit a lost worker ran.
@@ -31,15 +94,19 @@ def _worker_start(threads: int, started: Any = None) -> None:
     _started = started
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker inherits the sweep's handler)
+    in_worker()  # the notes go back to the sweep, which prints each once
     if threads > 0:
         torch.set_num_threads(threads)
 
 
 def _run_in_worker(check: tuple[str, bool], unit: Unit, index: int) -> Any:
-    """``run_unit`` in a worker, which first sends the unit's number ``index`` and its process id to the sweep."""
+    """``run_unit`` in a worker, which first sends the unit's number ``index`` and its process id to the sweep;
+    the notes it said (``notes``) come back with its outcomes."""
     if _started is not None:
         _started.put((index, os.getpid()))
-    return run_unit(check, unit)
+    with record_warnings() as warned:
+        label, outcomes = run_unit(check, unit)
+    return label, outcomes, kept() + warned
 
 
 def _forks() -> bool:
@@ -94,16 +161,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run_in_workers(
-    pool: Any, workers: int, units: list[Unit], threads: int, check: tuple[str, bool], record: Any, lost: Any
-) -> list[str]:
-    """Run ``units`` in the ``workers`` processes of ``pool``, longest first, each taking the next when it is done;
-    every trial is recorded here, as its unit ends. A unit whose worker process ends before it does (killed,
+def run_in_workers(pool: Any, units: list[Unit], check: tuple[str, bool], record: Any, lost: Any) -> list[str]:
+    """Run ``units`` in the processes of ``pool``, longest first, each taking the next when it is done;
+    every trial is recorded here, as its unit ends (the notes its worker said first, each printed once per
+    sweep). A unit whose worker process ends before it does (killed,
     out of memory) is given to ``lost(unit, message)`` (which records its trials as failed) and the others go
     on; returns those messages."""
     order = sorted(units, key=lambda u: -u.cost)  # stable: the lone trials, cost 0, keep the sweep's order
-    each = f"{threads} torch thread{'s' if threads > 1 else ''}" if threads > 0 else "torch's default threads"
-    print(f"workers: {workers} processes, each running one group or trial at a time with {each}", flush=True)
     waiting = {i: pool.apply_async(_run_in_worker, (check, unit, i)) for i, unit in enumerate(order)}
     running: dict[int, int] = {}  # unit -> the worker process running it
     messages: list[str] = []
@@ -113,7 +177,8 @@ def run_in_workers(
             if result.ready():
                 del waiting[i]
                 running.pop(i, None)
-                label, outcomes = result.get()
+                label, outcomes, notes = result.get()
+                say_again(notes)  # the ones not printed yet in this sweep
                 for params, identity, outcome, args in outcomes:
                     record(params, identity, outcome, args, label)
         while not _pool_started.empty():

@@ -1,4 +1,4 @@
-"""``sweep --stack``: trials stacked into one program give exactly their single runs' results."""
+"""``sweep`` (``--stack``, the default): trials stacked into one program give exactly their single runs' results."""
 
 import csv
 import json
@@ -180,14 +180,14 @@ def test_stacked_sweep_killed_between_groups_reruns_only_the_unfinished_trials(t
         run_group(group, *args)
 
     monkeypatch.setattr(stacked, "run_group", killed_in_second_group)
-    assert sw.main([str(path), "--results", str(results), "--stack"]) == 130
+    assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 130
     first = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["params"]["method"] for r in first] == ["slowcal", "slowcal"] and calls == [2, 2]
     out = capsys.readouterr().out
     assert "stacking: 4 trials in 2 groups (memory budget" in out and "method=slowcal M=4 K=4 b=1: 2 trials stacked" in out
 
     monkeypatch.setattr(stacked, "run_group", run_group)
-    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "4 trials, 2 already in" in out and "stacking: 2 trials in 1 groups" in out
     records = [json.loads(line) for line in results.read_text().splitlines()]
@@ -266,7 +266,7 @@ def test_linear_gradients_equal_autograds(b):
 
 
 def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monkeypatch, capfd):
-    # --workers 2: two processes, each a group (or, without --stack, a trial) at a time; every trial
+    # --workers 2: two processes, each a group (or, with --no-stack, a trial) at a time; every trial
     # recorded once, with the metrics of the same sweep run in one process. Forked workers (Linux) also
     # check the trials' arguments; spawned ones (elsewhere, or once CUDA is in use) only run them.
     from lit_slowcal.experiments.sweep import workers
@@ -274,7 +274,10 @@ def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monk
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
     runs = {}
-    variants = (("one", ["--stack"]), ("stacked", ["--stack", "--workers", "2"]), ("alone", ["--workers", "2"]), ("spawned", ["--workers", "2"]))
+    variants = (
+        ("one", ["--stack", "--workers", "1"]), ("stacked", ["--stack", "--workers", "2"]),
+        ("alone", ["--no-stack", "--workers", "2"]), ("spawned", ["--no-stack", "--workers", "2"]),
+    )  # fmt: skip
     for name, extra in variants:
         results = tmp_path / f"{name}.jsonl"
         with monkeypatch.context() as m:
@@ -286,7 +289,7 @@ def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monk
         runs[name] = {sw.trial_key(r["params"]): (r["status"], r["metrics"]) for r in records}
         out = capfd.readouterr().out
         if name != "one":
-            assert "workers: 2 processes, each running one group or trial at a time with 1 torch thread" in out
+            assert "workers: 2 (--workers 2, 1 thread each)" in out
     for name in ("stacked", "alone", "spawned"):  # by the contract: the diagnostics within 1e-12 relative
         assert runs[name].keys() == runs["one"].keys()
         for key, (status, metrics) in runs[name].items():
@@ -329,7 +332,7 @@ def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the
     monkeypatch.setattr(CSVLogger, "_get_next_version", lambda self: 0)  # what a concurrent lister saw
     path = grid_file(tmp_path, lrs=(0.01, 0.03, 0.1), seeds=(1,), methods=("slowcal",))
     results = tmp_path / "results.jsonl"
-    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 0
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["status"] for r in records] == ["finished"] * 3
     folders = [Path(r["run_dir"]) for r in records]
@@ -360,7 +363,7 @@ def test_a_stacked_sweep_reads_the_results_again_before_each_group(tmp_path, mon
             sw.ResultsFile(results).put({"params": params, "identity": identity, "status": "finished", "metrics": {"test_acc": 0.5}})
 
     monkeypatch.setattr(stacked, "run_group", with_another_sweep)
-    assert sw.main([str(path), "--results", str(results), "--stack"]) == 0
+    assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 0
     assert calls == [["slowcal", "slowcal"], ["local_sgd"]]
     assert "(1 already in" in capsys.readouterr().out
     records = [json.loads(line) for line in results.read_text().splitlines()]

@@ -393,7 +393,8 @@ def completed_run_folders(runs: Path) -> dict[tuple[str, float], list[Path]]:
 
 def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_path, monkeypatch, capsys):
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
-    cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(yaml_path), "--results", str(results)]
+    # One trial at a time, in the sweep's process: killed once the first is recorded, before the second is.
+    cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(yaml_path), "--results", str(results), "--no-stack", "--workers", "1"]
     env = clean_env(tmp_path)  # W&B on, offline (no account): every trial gets its own offline run
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -454,7 +455,7 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
         monkeypatch.delenv(key)
     torch_threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     yaml_path, results = tiny_sweep(tmp_path, lrs=(0.01, 1e38)), tmp_path / "results.jsonl"
-    args = [str(yaml_path), "--results", str(results), "--wandb=false"]
+    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"]  # each trial alone, here
     assert sw.main(args) == 0
     by_trial = {(r["params"]["method"], r["params"]["model.lr"]): r for r in read_records(results)}
     assert by_trial["slowcal", 0.01]["status"] == "finished"
@@ -575,7 +576,7 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     try:
-        assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == code
+        assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"]) == code
     finally:
         signal.signal(signal.SIGINT, sigint)
     assert "sweep interrupted" in capsys.readouterr().err
@@ -701,7 +702,7 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
 
     monkeypatch.setattr(single, "run_trial", killed)
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
-    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--workers", "2"]
+    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--workers", "2", "--no-stack"]
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(90)
     try:
@@ -769,7 +770,7 @@ def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_on
     assert "4 trials, 2 already in" in out
     assert "estimate: the 1 trials left take about " not in out  # 2 to run: not large
     results.unlink()
-    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false"]) == 0
+    assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     (estimate,) = [i for i, line in enumerate(lines) if line.startswith("estimate: the 3 trials left take about ")]
     assert lines[estimate - 1].startswith("[1/4] finished")
