@@ -185,11 +185,17 @@ def values(objectives: list[Objective], points: list[dict[str, Tensor]]) -> list
 
 
 def _point_losses(loss: str, z: Tensor, y: Tensor) -> Tensor:
-    """Per-sample losses ``(rows, P)`` of P points from their float64 logits ``z`` ``(rows, P, outputs)``."""
+    """Per-sample losses ``(rows, P)`` of P points from their float64 logits ``z`` ``(rows, P, outputs)``.
+
+    Cross-entropy is log sum_c exp(z_c - z_y), shifted by the label's logit (the terms stay below
+    exp(709) unless a logit exceeds the label's by 709: then by the largest, as logsumexp does)."""
     if loss == "cross_entropy":
-        top = z.amax(2, keepdim=True)
-        total = torch.sub(z, top).exp_().sum(2).log_().add_(top.squeeze(2))  # logsumexp
-        return total.sub_(z.gather(2, y.view(-1, 1, 1).expand(-1, z.shape[1], 1)).squeeze(2))
+        label = z.gather(2, y.view(-1, 1, 1).expand(-1, z.shape[1], 1))
+        out = torch.sub(z, label).exp_().sum(2).log_()
+        if not bool(torch.isfinite(out).all()):
+            top = z.amax(2, keepdim=True)
+            out = torch.sub(z, top).exp_().sum(2).log_().add_(top.squeeze(2)).sub_(label.squeeze(2))
+        return out
     return 0.5 * (z.squeeze(2) - y.unsqueeze(1)) ** 2
 
 
