@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "TrainingDiverged", "add_round_loss", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
+    "TrainingDiverged", "add_round_loss", "divergence", "diverged_trials", "epoch_mean", "epoch_value", "epoch_values",
     "evaluation_row", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row", "trial_status",
 ]  # fmt: skip
 
@@ -132,6 +132,11 @@ def epoch_value(value: Any, n: int = 1) -> float:
     """A value logged once in an epoch hook or step with batch size n, as Lightning gives it at the
     epoch's end: a Python number as a float32 tensor, a tensor in its dtype, ``epoch_mean``."""
     return float(epoch_mean(value if isinstance(value, Tensor) else torch.tensor(value), n))
+
+
+def epoch_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """Each of ``metrics`` as ``epoch_value`` gives it (one value logged once in the epoch)."""
+    return {k: epoch_value(v) for k, v in metrics.items()}
 
 
 def evaluation_row(logits: Tensor, y: Tensor, loss: str) -> dict[str, float]:

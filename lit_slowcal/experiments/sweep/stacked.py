@@ -1,54 +1,38 @@
-"""Stacked trials: a sweep's trials that share a shape train as one vectorized program (``--stack``).
+"""Stacked trials: a sweep's trials that share a shape train as one vectorized program (the sweep's default).
 
 A group of T trials that differ only in their learning rate, their seed and K (``grouping``) trains as
 T x M simulated machines in one process, one step at a time, without a Trainer:
 
-* every trial keeps its own parameters, ``(M, ...)`` tensors that are slices of one ``(T * M, ...)``
-  stack, so the forward and backward of all T trials are the single run's batched matmul on a
-  larger batch of machines (``MachinesModel.losses_of``; the loss is the sum over the
-  T * M machines, so every slice gets its own gradient). Autograd gives the gradient of the loss with
-  respect to the outputs; the linear layer's gradients are formed from it into buffers kept from step
-  to step (``_linear_grads``: autograd's values; allocating them afresh every step cost more than
-  computing them);
-* the trials are ordered by K into blocks of rows; one epoch is the same number of steps per
-  machine whatever K (one per b samples), so the blocks step together, and each block has its own
-  optimizer, built by the method's own factory (``Method.optimizer``) with one parameter group per
-  learning rate (a trial's update is the single run's elementwise update on its own slices), and
-  its own ``PeriodicAverager`` over its trials' ``SimulatedMachines`` (sync every K steps: each
-  trial's tensors averaged over its own M machines, the single run's ``mean(0)``; the optimizer's
-  ``pre_sync`` / ``post_sync`` on that block's state only). A block whose epoch has fewer steps
-  (``ceil`` of the rounds) stops stepping first;
-* each trial's steps draw the samples its single run draws (its data module's own split and
-  ``MachineStreams.indices``, its rounds' steps in order), gathered a few steps at a time into
-  preallocated buffers;
-* a block ends its round after its K-th step with the single run's own pieces of a round
-  (``lit_slowcal.experiments.rounds``, written over the trials: the finiteness check, the train-loss
-  log), and every ``eval_every`` rounds and after the last, an evaluation. The blocks due after a
-  step are evaluated together: their trials' averaged models on the test set and, for the training
-  objective, on the training set, each set read once for all of them (``objective.affine_rows``,
-  ``objective.values``), with the outputs swapped around it (``rounds.swap_outputs``) and the
-  metrics formed (``rounds.evaluation_row``) as the model does;
-* each trial has its single run's ``Diagnostics`` (training objective, optimum, per-round
-  diagnostics), driven through its trainer-free methods (``prepare``, ``attach``, ``start_round``,
-  ``evaluate``) on its own data module and model, with its block's averager (the sync pre-hook)
-  and optimizer (its hooks see the trial's own slices): the same rows and values.
+* every trial keeps its own parameters, ``(M, ...)`` slices of one ``(T * M, ...)`` stack: the forward
+  and backward of all T trials are the single run's batched matmul on more machines
+  (``MachinesModel.losses_of``); the linear layer's gradients are formed from autograd's gradient of
+  the outputs into buffers kept from step to step (``_linear_grads``: autograd's values);
+* the trials are ordered by K into blocks of rows that step together (one step per b samples whatever
+  K; a block whose epoch has fewer steps stops first), each block with its own optimizer, built by the
+  method's own factory with one parameter group per learning rate, and its own ``PeriodicAverager``
+  over its trials' ``SimulatedMachines`` (each trial averaged over its own M machines);
+* each trial's steps draw the samples its single run draws (its own split and ``MachineStreams``);
+* a block ends its rounds with the single run's own pieces of a round (``lit_slowcal.experiments.rounds``:
+  the finiteness check, the train-loss log) and evaluates every ``eval_every`` rounds and after the
+  last: its trials' averaged models on the test set, each trial's own product (``objective.affine_rows``);
+  their training objective waits until ``POINTS_PER_PASS`` evaluations need it (or the group ends) and
+  is one float64 pass over the training inputs for all of them (``objective.values``), and each trial's
+  rows are written in order as their values arrive;
+* each trial has its single run's ``Diagnostics``, driven through its trainer-free methods on its own
+  data module and model, with its block's averager and optimizer.
 
-The result is exact: on CPU every trial's metrics and parameters equal those of the same trial run
-alone, bit for bit (``tests/experiments/sweep/test_stacked.py`` checks every method of the registry). Each trial gets
-what a single run gets: its record in the results file (written when its group ends), its CSV log
-(``metrics.csv`` and ``config.yaml`` in its own version folder) and, when a trial's training loss
-or parameters become non-finite, the status ``diverged``; its slices are then frozen (dropped from
-the optimizer and the averaging) and the other trials go on.
+The result holds the exactness contract (``contract``): every trial's parameters, training and test
+metrics bit for bit those of the same trial run alone on CPU, its diagnostics within 1e-12 relative
+(``tests/experiments/sweep/test_stacked.py``, every method of the registry). Each trial gets what a single
+run gets: its record in the results file (when its group ends), its CSV log (``metrics.csv`` and
+``config.yaml`` in its own version folder), its own W&B run in the sweep's group (``stacked_trial``) and,
+when its training loss or parameters become non-finite, the status ``diverged`` (its slices frozen, the
+others going on).
 
-With W&B on, every trial gets its own W&B run in the sweep's group, written when its group ends
-(every logged row at its step; ``stacked_trial``).
-
-A group trains where its trials' single runs train (``trainer.accelerator``, one device): on the CPU,
-or on the first CUDA device with the training set, the sample indices, the parameters, the optimizer
-state, the evaluation and the objective all there; the initial points are drawn on the CPU as in the
-CPU run. On CUDA, float32 sums run in another order: the results are within 1e-6 relative of the CPU
-run rather than bit for bit, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). Which
-trials stack, and in which groups, is ``grouping``'s (its names are importable from here too).
+A group trains where its trials' single runs train: on the CPU, or on the first CUDA device with all its
+tensors there (the initial points drawn on the CPU). On CUDA, float32 sums run in another order: within
+1e-6 relative of the CPU run, the per-round diagnostics within 1e-4 (``tests/test_cuda.py``). Which trials
+stack, and in which groups, is ``grouping``'s (its names are importable from here too).
 """
 
 from __future__ import annotations
@@ -61,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, divergence, diverged_trials, epoch_value, evaluation_row, mean_train_loss, round_losses, swap_outputs,
+    add_round_loss, divergence, diverged_trials, epoch_values, evaluation_row, mean_train_loss, round_losses, swap_outputs,
     train_row, trial_status,
 )  # fmt: skip
 from lit_slowcal.experiments.sweep.grouping import (
@@ -79,6 +63,7 @@ __all__ = [
 #: Evaluations whose training objective is computed in one pass over the training inputs: enough columns
 #: for a fast product (MNIST on one CPU core: about 16 ms an evaluation at 64, 40 to 75 ms one at a time).
 POINTS_PER_PASS = 64
+
 
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
     """The rounds of its epoch a trial trains: ``rounds`` under its ``trainer.limit_train_batches``."""
@@ -396,22 +381,13 @@ class _Group:
             }
 
 
-def epoch_values(metrics: dict[str, Any]) -> dict[str, float]:
-    """``metrics`` as a single run's epoch-end ``log`` gives them (``rounds.epoch_value``)."""
-    return {k: epoch_value(v) for k, v in metrics.items()}
-
-
 def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> None:
-    """The gradients autograd gives the machines' linear layer (``SimulatedMachines``: ``weight`` ``(m, out, in)``
-    and ``bias`` ``(m, out)``, outputs ``baddbmm(bias, weight, x^T)^T``), from the loss's gradient with respect
-    to the outputs ``grad_logits`` ``(m, b, out)``, written into ``grad_weight`` and ``grad_bias``.
-
-    The weight's is ``torch.bmm(g, x)`` with ``g`` the outputs' gradient ``(m, out, b)``, as in the matmul's
-    backward. With one sample a machine (b = 1) its inner dimension is 1: every entry is the single
-    product ``g_i * x_j``, formed here by ``torch.mul`` (several times faster than many 10 x 1 x 784
-    matmuls on a CPU): the same value (a zero product keeps its sign, ``-0.0``, where the matmul's
-    ``0 + p`` gives ``+0.0``: they compare equal, and every sum or update they enter ends the same).
-    """
+    """The gradients autograd gives the machines' linear layer (``weight`` ``(m, out, in)``, ``bias`` ``(m, out)``,
+    outputs ``baddbmm(bias, weight, x^T)^T``) from the outputs' gradient ``grad_logits`` ``(m, b, out)``, written
+    into ``grad_weight`` and ``grad_bias``: ``bmm(g, x)`` as the matmul's backward; with b = 1 its inner size is 1
+    and each entry the single product ``g_i * x_j``, formed by ``torch.mul`` (several times faster on a CPU; the
+    same values: a zero product keeps its sign, ``-0.0`` where the matmul gives ``+0.0``, which compare equal and
+    leave every sum and update the same)."""
     g = grad_logits.transpose(1, 2)  # (m, out, b)
     if x.shape[1] == 1:
         torch.mul(g, x, out=grad_weight)
