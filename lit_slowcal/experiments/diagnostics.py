@@ -159,7 +159,7 @@ class Diagnostics(Callback):
         if not self.measure_objective or problem is None or samples is None:  # (not a lit_slowcal data module)
             return {}
         decay = float(weight_decay)
-        self.objective = Objective(samples(), problem.loss, decay)
+        self.objective = Objective(samples(), problem.loss, decay, image=getattr(problem, "image", None))
         if decay == 0 and not problem.attained_without_weight_decay:
             self.note = (
                 f"excess_loss: not logged: {problem.name} {'softmax regression' if problem.loss == 'cross_entropy' else ''} "

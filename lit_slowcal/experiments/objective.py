@@ -53,13 +53,16 @@ class Objective:
         data: the problem's samples and shards (all M machines).
         loss: ``cross_entropy`` or ``squared``.
         weight_decay: lambda; the penalty (lambda/2) ||x||^2 covers weight and bias.
+        image: ``(height, width)`` when each input is an image (``Problem.image``): the samples' order in the
+            product (``lit_slowcal.experiments.blocked``), not the value.
     """
 
-    def __init__(self, data: ProblemData, loss: str, weight_decay: float = 0.0) -> None:
+    def __init__(self, data: ProblemData, loss: str, weight_decay: float = 0.0, image: Optional[tuple[int, int]] = None) -> None:
         if loss not in LOSSES:
             raise ValueError(f"Invalid loss: {loss!r} (allowed: {', '.join(LOSSES)})")
         self.loss = loss
         self.weight_decay = float(weight_decay)
+        self.image = image
         self.shards = data.shards
         self.num_machines = len(data.shards)
         n = len(data.train_y)
@@ -106,7 +109,7 @@ class Objective:
     def inputs(self) -> tuple[BlockedInputs, Tensor, Tensor]:
         """The inputs arranged for the products (shared with every objective of these inputs in this process,
         whatever its split), and this objective's labels and sample weights in their row order."""
-        inputs = prepared(self.x)
+        inputs = prepared(self.x, self.image)
         if self._in_order is None or self._in_order[0] is not inputs:
             labels, weights = self._all
             self._in_order = (inputs, inputs.sorted(labels), inputs.sorted(weights))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ class Problem:
     attained_without_weight_decay: ClassVar[bool] = False
     input_dim: int
     num_outputs: int
+    #: ``(height, width)`` when each input is an image (its pixels row by row), else ``None``: the training
+    #: objective then orders the samples by the bounding boxes of their pixels (``lit_slowcal.experiments.blocked``).
+    image: ClassVar[Optional[tuple[int, int]]] = None
 
     @property
     def name(self) -> str:
@@ -107,6 +110,7 @@ class MNIST(Problem):
 
     input_dim = 784
     num_outputs = 10
+    image = (28, 28)
     #: The MNIST training set. An epoch covers all of it, whichever split leaves samples out of the shards.
     TRAIN_SIZE: ClassVar[int] = 60_000
 
