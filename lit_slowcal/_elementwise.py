@@ -59,6 +59,15 @@ class ElementwiseOptimizer(Optimizer):
                 self._update(p, p.grad, state, group)
         return loss
 
+    def _scratch(self, p: Tensor) -> Tensor:
+        """A buffer of ``p``'s shape kept between steps for an intermediate result (allocating a tensor of
+        stacked machines afresh every step costs more than the arithmetic on it). Not state: not checkpointed."""
+        buffers = self.__dict__.setdefault("_scratch_buffers", {})
+        key = (p.shape, p.dtype, p.device)
+        if key not in buffers:
+            buffers[key] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return buffers[key]
+
     def _stepped(self) -> Iterator[tuple[Tensor, dict, dict]]:
         """(parameter, its state, its group) for every parameter stepped at least once."""
         for group in self.param_groups:

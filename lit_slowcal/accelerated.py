@@ -160,7 +160,7 @@ class AcceleratedSGD(ElementwiseOptimizer):
             s = state["step"]
             x, x_ag = state["x"], state["x_ag"]
             # x^ag_{s+1} was computed from this machine's x_{s+1}; the average moves it by beta_s^-1 (xbar - x).
-            x_ag.add_(p - x, alpha=2.0 / (s + 1))
+            x_ag.add_(torch.sub(p, x, out=self._scratch(p)), alpha=2.0 / (s + 1))
             x.copy_(p)
             p.copy_(x_ag).lerp_(x, 2.0 / (s + 2))
             state["round_steps"] = 0

@@ -95,7 +95,8 @@ class Scaffold(ElementwiseOptimizer):
 
     def _update(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         """One local step: y <- y - lr (g + weight_decay y - c_i + c)."""
-        direction = grad - state["c_local"] + state["c"]
+        # The same two roundings as ``grad - c_i + c``, into a buffer kept between steps.
+        direction = torch.sub(grad, state["c_local"], out=self._scratch(p)).add_(state["c"])
         if group["weight_decay"] != 0:
             direction.add_(p, alpha=group["weight_decay"])
         p.add_(direction, alpha=-group["lr"])
