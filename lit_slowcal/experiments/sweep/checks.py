@@ -22,7 +22,7 @@ from lit_slowcal.experiments.sweep.trials import identity_digest, trial_key
 __all__ = ["LARGE_GRID", "CommandLine", "check_by_parts", "check_trials", "new_command_line", "results_file", "trial_identity_of"]
 
 #: Grids larger than this are checked by parts where that saves parses, say their size and the time of their check
-#: before it starts, and an estimate of their running time once a trial has run.
+#: before it starts, and an estimate of their running time once a group or a trial has run.
 LARGE_GRID = 100
 
 

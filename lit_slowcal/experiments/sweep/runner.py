@@ -45,6 +45,7 @@ class _SweepRun:
         self.results, self.results_path = results, results_path
         self.todo = [t for t in trials if self.pending(t)]
         self.ran, self.start = 0, time.perf_counter()
+        self.progress: Optional[_Progress] = None  # the units to run, for the estimate of the time left
 
     def get(self, params: dict[str, Any]) -> Optional[dict[str, Any]]:
         """The record of this very trial (its parameters and identity) in the results file, if any."""
@@ -63,7 +64,7 @@ class _SweepRun:
             print(f"  [{i}/{len(self.trials)}] {state:<20} {' '.join(self.checked[trial_key(params)][0])}")
 
     def record(self, params: dict[str, Any], identity: str, outcome: dict[str, Any], args: list[str], label: str) -> None:
-        """A trial's outcome into the results file, and its line; after the first of a large grid, an estimate."""
+        """A trial's outcome into the results file, and its line; once the first unit of a large grid ends, an estimate."""
         ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.results.put({"params": params, "identity": identity, **outcome, "args": args, "ended_at": ended})
         self.ran += 1
@@ -72,10 +73,10 @@ class _SweepRun:
         if outcome["error"]:
             line += f" ({outcome['error'].splitlines()[0][:200]})"
         print(line, flush=True)
-        left = len(self.todo) - 1
-        if self.ran == 1 and len(self.todo) > checks.LARGE_GRID:
-            spent = time.perf_counter() - self.start
-            print(f"estimate: the {left} trials left take about {spent * left / 60:.0f} min more at this pace", flush=True)
+        if self.progress is not None and self.progress.first_ended(label) and len(self.todo) > checks.LARGE_GRID:
+            left = len(self.todo) - self.ran
+            seconds = self.progress.seconds_left(time.perf_counter() - self.start)
+            print(f"estimate: the {left} trials left take about {_duration(seconds)} more at this pace", flush=True)
 
     def lost(self, unit: Unit, message: str) -> None:
         """Its worker died: the trials of ``unit`` that are still to run are recorded as failed with ``message``."""
@@ -123,6 +124,7 @@ class _SweepRun:
         units = [Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group)) for g, group in enumerate(groups, 1)]
         for i, (p, _) in enumerate(alone, 1):
             units.append(Unit(f"{i}/{len(alone)}", param_text(p), (p, *self.checked[trial_key(p)])))
+        self.progress = _Progress(units, workers)
         return units
 
     def run_units(self, units: list[Unit], pool: Any, workers: int) -> list[str]:
@@ -155,6 +157,39 @@ class _SweepRun:
             )
             return 1
         return 0
+
+
+class _Progress:
+    """The units of a sweep as they end, for one estimate of the time left once the first has ended: the units'
+    work is their costs (``group_cost``) where every unit has one, else their trials; the first unit ends after
+    about its own work on each of the ``workers`` at once (they started together, the longest first)."""
+
+    def __init__(self, units: list[Unit], workers: int) -> None:
+        costed = all(u.cost > 0 for u in units)
+        self.work = {u.label: (u.cost if costed else float(len(u.members()))) for u in units}
+        self.left = {u.label: len(u.members()) for u in units}  # its trials not recorded yet
+        self.workers = max(1, min(workers, len(units)))
+        self.first: Optional[str] = None
+
+    def first_ended(self, label: str) -> bool:
+        """A trial of unit ``label`` is recorded: whether that ends the first unit to end."""
+        if label not in self.left:
+            return False
+        self.left[label] -= 1
+        if self.left[label] or self.first is not None:
+            return False
+        self.first = label
+        return True
+
+    def seconds_left(self, spent: float) -> float:
+        """The time left, ``spent`` seconds after the units started, at the pace of the first to end."""
+        assert self.first is not None
+        done = min(sum(self.work.values()), self.workers * self.work[self.first])
+        return spent * (sum(self.work.values()) - done) / max(done, 1e-12)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def run_sweep(

@@ -880,3 +880,29 @@ def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_t
     assert lines[0] == f"sweep {tmp_path / 'big.yaml'}: 10000 trials; checking their arguments with the CLI first ..."
     assert "10000 trials, 0 already in" in lines[2] and len(lines) == 3 + 10000
     assert len(parses) == 1 + 100 + 100  # the first trial, each learning rate, each seed
+
+
+def test_the_estimate_of_the_time_left_weighs_the_units_by_their_cost_and_counts_the_workers():
+    from types import SimpleNamespace
+
+    from lit_slowcal.experiments.sweep.runner import _duration, _Progress
+    from lit_slowcal.experiments.sweep.units import Unit
+
+    def unit(label, trials, cost):
+        return Unit(label, label, [SimpleNamespace(params={}, identity=None, args=[])] * trials, cost)
+
+    # Four equal groups of 15 trials on 2 workers: the first ends with half the work left, 10 s more after 10 s.
+    progress = _Progress([unit(f"group {i}/4", 15, 4.0) for i in range(1, 5)], workers=2)
+    assert [progress.first_ended("group 2/4") for _ in range(15)] == [False] * 14 + [True]
+    assert progress.seconds_left(10.0) == pytest.approx(10.0)
+    assert not progress.first_ended("group 1/4")  # one estimate per sweep
+    # A large group and small ones (a stacked grid): the pace is the first group's cost, not its trials.
+    # Before, 15 trials of 225 at 21 s gave "88 min"; here 21 s x (100 - 2 x 20) / (2 x 20).
+    groups = [unit("group 1/3", 15, 20.0), unit("group 2/3", 15, 20.0), unit("group 3/3", 195, 60.0)]
+    progress = _Progress(groups, workers=2)
+    assert not any(progress.first_ended("group 1/3") for _ in range(14)) and progress.first_ended("group 1/3")
+    assert progress.seconds_left(21.0) == pytest.approx(31.5)
+    # Trials alone have no cost: each weighs one trial; one worker runs one unit at a time.
+    progress = _Progress([unit(f"{i}/4", 1, 0.0) for i in range(1, 5)], workers=1)
+    assert progress.first_ended("1/4") and progress.seconds_left(3.0) == pytest.approx(9.0)
+    assert (_duration(31.5), _duration(119.4), _duration(600.0)) == ("32 s", "119 s", "10 min")
