@@ -165,15 +165,16 @@ def values(objectives: list[Objective], points: list[dict[str, Tensor]]) -> list
     alone), in one pass over the inputs the objectives share (the trials of a stacked group: one
     arrangement of the training inputs, each trial with its own split's weights)."""
     out: list[float] = [0.0] * len(objectives)
+    arranged = [objective.inputs() for objective in objectives]  # (inputs, labels, sample weights) of each
     by_inputs: dict[tuple[int, str], list[int]] = {}
     for i, objective in enumerate(objectives):
-        by_inputs.setdefault((id(objective.inputs()[0]), objective.loss), []).append(i)
+        by_inputs.setdefault((id(arranged[i][0]), objective.loss), []).append(i)
     for members in by_inputs.values():
-        inputs, y, _ = objectives[members[0]].inputs()
+        inputs, y, _ = arranged[members[0]]
         device = inputs.center.device
         weight = torch.stack([points[i]["weight"].detach().to(device) for i in members])
         bias = torch.stack([points[i]["bias"].detach().to(device) for i in members])
-        sample_weights = torch.stack([objectives[i].inputs()[2] for i in members], 1)  # (n, P)
+        sample_weights = torch.stack([arranged[i][2] for i in members], 1)  # (n, P)
         loss = objectives[members[0]].loss
         total = torch.zeros(len(members), dtype=torch.float64, device=device)
         for start, stop, z in inputs.logits(weight, bias):
