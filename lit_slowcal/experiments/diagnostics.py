@@ -151,8 +151,9 @@ class Diagnostics(Callback):
         """Before training: the training objective of ``data`` (a ``ProblemDataModule``; its problem's samples
         and shards), its optimum x* (solved or read from the cache) and G_*. Returns the metrics logged
         at step 0 (``f_star``, ``G_star``, ``optimum_grad_norm``; none without an optimum); ``say``
-        prints the lines on it (``None``: ``print``), ``say_note`` the note on why there is no excess loss,
-        the same for every run of the problem (``None``: ``notes.note``, printed once per sweep)."""
+        prints the lines on it (``None``: ``print``), ``say_note`` those the same for every run of the problem or
+        split (``None``: ``notes.note``, printed once per sweep): why there is no excess loss, the optimum read
+        from the cache."""
         say, say_note = say or _print, say_note or note
         problem = getattr(data, "problem", None)
         samples = getattr(data, "problem_samples", None)
@@ -180,8 +181,9 @@ class Diagnostics(Callback):
         self.optimum = found
         self.g_star = heterogeneity(self.objective, found.params)
         how_exact = f"; f* exact to {found.grad_norm ** 2 / (2 * decay):.1e}" if decay > 0 else ""
-        how = f"read in {self.solve_seconds:.2f} s from {path}" if self.cached else f"solved in {found.seconds:.1f} s, cached in {path}"
-        say(
+        how = f"read from {path}" if self.cached else f"solved in {found.seconds:.1f} s, cached in {path}"
+        # Read from the cache, the line is the same for every run of this split: once per sweep (a note).
+        (say_note if self.cached else say)(
             f"optimum of {problem.describe()} split over M={data.num_machines} with seed {data.seed} (x* depends on the "
             f"split), weight decay {decay:g}: f* = {found.value:.10g}, ||grad f(x*)|| = {found.grad_norm:.1e} after {found.iterations} "
             f"Newton steps, {found.cg_iterations} CG iterations ({how}){how_exact}; G_* = {self.g_star:.6g}"

@@ -1,7 +1,8 @@
 """Notes: lines that say the same for every run of a sweep, printed once per sweep (``note``, ``once_per_sweep``).
 
 A run says such a line with ``note(line)`` (the logger ``lit_slowcal.experiments.notes``, printed on stdout
-as ``print`` would): why there is no excess loss, the threads it trains with; its summary restates the first
+as ``print`` would): why there is no excess loss, the optimum of its split read from the cache (the same for
+every run of that split), the threads it trains with; its summary restates the first
 (a ``Note`` among its lines, left out in a sweep: ``say_lines``). Lightning says its own through
 its loggers (``_lightning.LIGHTNING_INFO_LOGGERS``: the accelerators available, the litlogger tip, ``fit``
 stopped at ``max_epochs``). A run alone prints them all, as it always did.
@@ -11,7 +12,7 @@ A sweep runs many: inside ``once_per_sweep()`` a filter on those loggers passes 
 it keeps them and its unit returns them (``kept``) with the trials' outcomes, and the sweep says them again
 through the same loggers (``say_again``), where the filter passes the new ones. Its Python warnings come back
 the same way (``record_warnings``) and go through the sweep's warning filters, which show each once. A line
-that differs between trials (a trial's result, its error, its optimum) is printed as it comes.
+that differs between trials (a trial's result, its error, a solve of an optimum) is printed as it comes.
 """
 
 from __future__ import annotations

@@ -135,13 +135,22 @@ def _parse(args: list[str]) -> tuple[Any, Optional[str], Optional[str]]:
     return parsed, trial_identity_of(parsed), None
 
 
-def _leaf_key(name: str) -> bool:
-    """Whether the option ``name`` is one key of the parsed ``fit`` section and of a run's identity (``model.lr``,
-    ``checkpoint_every``), not a source of a linked setting: a value of it changes that key only."""
-    from lit_slowcal.experiments.options import PARSE_LINK_SOURCES
+def _own_keys(name: str) -> Optional[frozenset[str]]:
+    """The keys of the parsed configuration that a value of the option ``name`` sets, where they do not depend on any
+    other option: ``fit.<name>``, and the settings linked from it alone (``fit.seed_everything``: also
+    ``fit.data.seed`` and ``fit.model.seed``); ``None`` where they may (a source of a setting linked from several
+    options, as K with the method, or a setting another option sets too), or ``name`` is not one key of the ``fit``
+    section and of a run's identity (``model.lr``, ``checkpoint_every``, ``num_machines``)."""
+    from lit_slowcal.experiments.options import PARSE_LINKS
 
     parts = name.split(".")
-    return name not in PARSE_LINK_SOURCES and (len(parts) == 1 or (len(parts) == 2 and parts[0] in ("model", "data", "trainer")))
+    if not (len(parts) == 1 or (len(parts) == 2 and parts[0] in ("model", "data", "trainer"))):
+        return None
+    targets = [target for sources, target, _ in PARSE_LINKS if name == sources]
+    for sources, target, _ in PARSE_LINKS:
+        if (name in sources and not isinstance(sources, str)) or (target in targets and sources != name) or target == name:
+            return None
+    return frozenset(f"fit.{k}" for k in (name, *targets))
 
 
 def _parse_or_refuse(make_args: Any, params: dict[str, Any], what: str) -> Any:
@@ -151,46 +160,54 @@ def _parse_or_refuse(make_args: Any, params: dict[str, Any], what: str) -> Any:
     return config
 
 
-def _leaf_values(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any, candidates: list[str]) -> dict[str, Any]:
-    """Of the ``candidates``, the options each of whose values changes its own key of the configuration only:
-    name -> value's trial key -> (its parsed value, its dumped value)."""
+def _leaf_values(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any, candidates: dict[str, frozenset[str]]) -> tuple[dict[str, Any], Any]:
+    """Of the ``candidates`` (name -> its own keys, ``_own_keys``), the options each of whose values changes its own
+    keys of the configuration only: name -> value's trial key -> (its keys' parsed values, its dumped value); and
+    the first trial's parse."""
     first = trials[0][0]
-    base = dict(_parse_or_refuse(make_args, first, f"trial {param_text(first)}").items())
-    leaves: dict[str, dict[str, tuple[Any, Any]]] = {}
-    for n in candidates:
+    parsed = _parse_or_refuse(make_args, first, f"trial {param_text(first)}")
+    base = dict(parsed.items())
+    leaves: dict[str, dict[str, tuple[dict[str, Any], Any]]] = {}
+    for n, own in candidates.items():
         values = {trial_key({n: t[0][n]}): t[0][n] for t in trials}
         leaves[n] = {}
         for key, v in values.items():
             config = _parse_or_refuse(make_args, {**first, n: v}, f"{n}={v}")
-            changed = {k for k, x in config.items() if k not in base or base[k] != x} | (base.keys() - dict(config.items()).keys())
-            if not changed <= {f"fit.{n}"}:
+            flat = dict(config.items())
+            changed = {k for k, x in flat.items() if k not in base or base[k] != x} | (base.keys() - flat.keys())
+            if not changed <= own <= flat.keys():
                 break
-            leaves[n][key] = (config[f"fit.{n}"], json.loads(json.dumps(_get(_dumped_fit(config), n), default=str)))
+            dumped = json.loads(json.dumps(_get(_dumped_fit(config), n), default=str))
+            leaves[n][key] = ({k: config[k] for k in own}, dumped)
         else:
             continue
         del leaves[n]  # it changes other keys too: checked with the combinations
-    return leaves
+    return leaves, parsed
 
 
 def check_by_parts(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any) -> Optional[dict[str, Any]]:
     """``check_trials``'s result with fewer parses, or ``None`` where it would not save any.
 
-    A swept option that is one key of the configuration (``_leaf_key``; the check confirms that a value of it
-    changes that key only) is parsed value by value; the trials are parsed once per combination of the other
-    options' values; each trial's parse is its combination's with its own values of the first options set in.
+    A swept option whose value sets keys of the configuration that no other option's value changes (``_own_keys``:
+    one key, as ``model.lr``, or with the settings linked from it alone, as the seed; the check confirms that a
+    value of it changes those keys only) is parsed value by value; the trials are parsed once per combination of
+    the other options' values; each trial's parse is its combination's with its own values of the first options
+    set in.
     It is the parse of the trial's own arguments (``tests/experiments/sweep/test_sweep.py`` compares them).
     """
     from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
 
     names = list(trials[0][0])
-    candidates = [n for n in names if _leaf_key(n)]
+    candidates = {n: own for n in names if (own := _own_keys(n)) is not None}
     distinct = {n: {trial_key({n: t[0][n]}) for t in trials} for n in names}
     rest = {tuple(trial_key({n: t[0][n]}) for n in names if n not in candidates) for t in trials}
     if not candidates or 1 + sum(len(distinct[n]) for n in candidates) + len(rest) > len(trials) // 2:
         return None
-    leaves = _leaf_values(trials, make_args, candidates)
+    leaves, first = _leaf_values(trials, make_args, candidates)
     others = [n for n in names if n not in leaves]
-    combos: dict[tuple[str, ...], tuple[Any, dict[str, Any]]] = {}
+    combos: dict[tuple[str, ...], tuple[Any, dict[str, Any]]] = {
+        tuple(trial_key({n: trials[0][0][n]}) for n in others): (first, trial_identity(_dumped_fit(first)))
+    }
     checked: dict[str, Any] = {}
     for params, args in trials:
         combo = tuple(trial_key({n: params[n]}) for n in others)
@@ -200,8 +217,9 @@ def check_by_parts(trials: list[tuple[dict[str, Any], list[str]]], make_args: An
         config, identity = combos[combo]
         config, identity = config.clone(), dict(identity)
         for n, values in leaves.items():
-            parsed_value, dumped_value = values[trial_key({n: params[n]})]
-            config[f"fit.{n}"] = parsed_value
+            parsed_values, dumped_value = values[trial_key({n: params[n]})]
+            for k, parsed_value in parsed_values.items():
+                config[k] = parsed_value
             if n in identity:  # the identity's keys are the configuration's, flattened one level (model.lr)
                 identity[n] = dumped_value
         checked[trial_key(params)] = (args, config, identity_digest(identity, SEED_KEYS))

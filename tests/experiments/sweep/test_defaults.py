@@ -189,3 +189,26 @@ def test_a_fit_alone_still_prints_its_note_and_its_summary_line(tmp_path, monkey
     lines = capfd.readouterr().out.splitlines()
     assert sum(line.startswith(NOTE) for line in lines) == 1
     assert sum(line.startswith(f"  ({NOTE}") for line in lines) == 1  # in its summary, as before
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-stack", "--workers", "2"]], ids=["stacked", "alone-2-workers"])
+def test_an_optimum_read_from_the_cache_is_said_once_per_sweep(tmp_path, monkeypatch, capfd, flags):
+    """Every trial of a split reads the same x* from the cache: its line (f*, G_*, where it is cached) once per
+    sweep, not once per trial; the solve that filled the cache is said where it happens."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    extra = ("--data.problem=Quadratic", "--model.weight_decay=1e-4")
+    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"), extra=extra)
+    assert sw.main([str(path), "--results", str(tmp_path / "first.jsonl"), *flags]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    solved = [line for line in lines if line.startswith("optimum of ") and "solved in " in line]
+    read = [line for line in lines if line.startswith("optimum of ") and "read from " in line]
+    # 4 trials of one split: a solve (in each worker that needed x* before the other's was cached), the others read it
+    assert 1 <= len(solved) <= 2 and len(read) <= 1  # 2 workers (the 2 cores, or --workers 2)
+    assert sw.main([str(path), "--results", str(tmp_path / "second.jsonl"), *flags]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    (line,) = [line for line in lines if line.startswith("optimum of ")]
+    assert "read from " in line and "f* = " in line
+    first, second = records(tmp_path / "first.jsonl"), records(tmp_path / "second.jsonl")
+    assert len(first) == 4 and {k: r["metrics"] for k, r in first.items()} == {k: r["metrics"] for k, r in second.items()}
+    assert all(r["metrics"]["excess_loss"] > 0 for r in first.values())

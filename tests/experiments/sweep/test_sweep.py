@@ -835,15 +835,16 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
 
 
 def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
-    """Options that set one key of the configuration are parsed value by value, the others (sources of linked
-    settings: method, K, the seed) per combination: each trial's parse and identity are those of its own arguments."""
+    """Options whose values set keys no other option changes (one key: the rate; with the settings linked from it
+    alone: M, the seed) are parsed value by value, the others (sources of settings linked from several: the
+    method, K) per combination: each trial's parse and identity are those of its own arguments."""
     from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(checks, "_checker", command_line)
     params = {
         "method": {"values": ["slowcal", "minibatch_sgd"]}, "local_steps": {"values": [2, 8]},
-        "seed_everything": {"values": [1, 2]}, "model.lr": {"values": [0.01, 0.03, 0.1, 1]},
+        "seed_everything": {"values": [1, 2]}, "model.lr": {"values": [0.03, 1]}, "num_machines": {"values": [4, 8]},
         "model.weight_decay": {"values": [0.0, 0.001]}, "data.split": {"values": ["official", "balanced"]},
         "checkpoint_every": {"values": [0, 5]},
     }  # fmt: skip
@@ -854,7 +855,7 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
     parse = command_line.parse
     monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
     by_parts = checks.check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
-    assert by_parts is not None and len(parses) == 1 + (4 + 2 + 2 + 2) + 8  # the first trial, the values, the combinations
+    assert by_parts is not None and len(parses) == 1 + (2 + 2 + 2 + 2 + 2 + 2) + 3  # the first trial, the values, the other combinations
     monkeypatch.setattr(command_line, "parse", parse)
     for p, args in trials:
         own = parse(args)
