@@ -122,4 +122,4 @@ def test_the_cli_trains_the_quadratic_and_prints_the_optimum_in_its_summary(tmp_
     assert f"f* {f_star:.6f}   G_* {g_star:.4f}" in out and "solved in" in out
     assert not (tmp_path / "runs" / "slowcal_M4_K16_b1_seed1" / "version_0" / "class_distribution.png").exists()
     SlowcalCLI(args=args)  # the same problem again: x* comes from the cache
-    assert "s from" in capsys.readouterr().out
+    assert "(read from " in capsys.readouterr().out
