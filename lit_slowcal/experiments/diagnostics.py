@@ -84,7 +84,6 @@ class Diagnostics(Callback):
         self.optimum: Optional[Optimum] = None
         self.g_star: Optional[float] = None
         self.note: Optional[str] = None  # why there is no excess loss, when there is none
-        self.solve_seconds: Optional[float] = None
         self.cached: Optional[bool] = None
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []  # the optimizer's step hooks, set in the rounds that measure steps
@@ -194,8 +193,7 @@ class Diagnostics(Callback):
         """x* of the objective (cached on disk), with progress lines on a long solve."""
         identity = {"problem": problem.describe(), "num_machines": data.num_machines, "seed": data.seed}
         shape = (problem.num_outputs, problem.input_dim)
-        start = time.perf_counter()
-        shown = [start]
+        shown = [time.perf_counter()]
 
         def progress(iterations: int, value: float, grad_norm: float) -> None:
             if time.perf_counter() - shown[0] >= 30:  # a long solve (MNIST: minutes) says how far it is
@@ -209,7 +207,7 @@ class Diagnostics(Callback):
             )
 
         found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress, solving=solving)
-        self.cached, self.solve_seconds = cached, time.perf_counter() - start
+        self.cached = cached
         return found, path
 
     def evaluate(self, model: nn.Module, value: Optional[float] = None) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def _leaf_values(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any,
             if not changed <= own <= flat.keys():
                 break
             dumped = json.loads(json.dumps(_get(_dumped_fit(config), n), default=str))
-            leaves[n][key] = ({k: config[k] for k in own}, dumped)
+            leaves[n][key] = ({k: flat[k] for k in own}, dumped)
         else:
             continue
         del leaves[n]  # it changes other keys too: checked with the combinations

@@ -124,12 +124,12 @@ class _SweepRun:
         units = [Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group)) for g, group in enumerate(groups, 1)]
         for i, (p, _) in enumerate(alone, 1):
             units.append(Unit(f"{i}/{len(alone)}", param_text(p), (p, *self.checked[trial_key(p)])))
-        self.progress = _Progress(units, workers)
         return units
 
     def run_units(self, units: list[Unit], pool: Any, workers: int) -> list[str]:
         """Every unit, here or in the workers (``pool``, or a pool started now); the messages of lost workers."""
         check = (str(self.results_path), self.opts.retry_failed)
+        self.progress = _Progress(units, workers)
         if workers == 1 or len(units) <= 1:
             for unit in units:
                 label, outcomes = run_unit(check, unit)
@@ -167,6 +167,7 @@ class _Progress:
     def __init__(self, units: list[Unit], workers: int) -> None:
         costed = all(u.cost > 0 for u in units)
         self.work = {u.label: (u.cost if costed else float(len(u.members()))) for u in units}
+        self.total = sum(self.work.values())
         self.left = {u.label: len(u.members()) for u in units}  # its trials not recorded yet
         self.workers = max(1, min(workers, len(units)))
         self.first: Optional[str] = None
@@ -184,8 +185,8 @@ class _Progress:
     def seconds_left(self, spent: float) -> float:
         """The time left, ``spent`` seconds after the units started, at the pace of the first to end."""
         assert self.first is not None
-        done = min(sum(self.work.values()), self.workers * self.work[self.first])
-        return spent * (sum(self.work.values()) - done) / max(done, 1e-12)
+        done = min(self.total, self.workers * self.work[self.first])
+        return spent * (self.total - done) / max(done, 1e-12)
 
 
 def _duration(seconds: float) -> str:
