@@ -15,7 +15,6 @@ import math
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -24,7 +23,8 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, divergence, diverged_trials, mean_train_loss, round_losses, swap_outputs, test_loss, train_row,
+    add_round_loss, cross_entropy, divergence, diverged_trials, mean_train_loss, round_losses, swap_outputs, test_loss,
+    train_row,
 )  # fmt: skip
 from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
@@ -248,7 +248,7 @@ class MachinesModel(pl.LightningModule):
         """Each machine's mean loss over its batch, from its outputs: logits ``(m, b, classes)`` -> ``(m,)``."""
         if self.hparams.loss == "squared":
             return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
+        return cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
     def _last_round(self, batch_idx: int) -> bool:
         """Whether this batch is the last of the run's last epoch."""

@@ -147,10 +147,11 @@ class Objective:
 
 def affine_rows(x: Tensor, weights: list[Tensor], biases: list[Tensor], rows: Optional[int] = None) -> list[Tensor]:
     """``addmm(bias_i, x, weight_i.T)`` for every i, each equal to that one call bit for bit, with ``x`` read
-    once: in blocks of ``rows`` rows (default 2,048 on the CPU, where one block stays in cache for all of
-    them; all rows at once on a GPU). A row of a product does not depend on the other rows'."""
+    once: in blocks of ``rows`` rows (default 1,024 on the CPU, where one block stays in cache for all of
+    them: 7.0 ms a point for 3 points on MNIST's test set, against 8.0 ms in blocks of 2,048; all rows at once
+    on a GPU). A row of a product does not depend on the other rows'."""
     if rows is None:
-        rows = 2048 if x.device.type == "cpu" else max(1, len(x))
+        rows = 1024 if x.device.type == "cpu" else max(1, len(x))
     outs = [x.new_empty((len(x), w.shape[0])) for w in weights]
     for start in range(0, len(x), rows):
         block = x[start : start + rows]

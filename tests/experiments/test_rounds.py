@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from in_process import RUN, command
 from torch import nn
 
@@ -109,6 +110,38 @@ def test_test_loss_against_float64():
     out, target = torch.randn(50, 1, generator=g), torch.randn(50, generator=g)
     want = float(np.mean(0.5 * (out.double().numpy()[:, 0] - target.double().numpy()) ** 2))
     assert float(rounds.test_loss(out, target, "squared")) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("classes", [10, 2, 3])
+@pytest.mark.parametrize("n", [1, 17, 64, 240, 3072, 10000])
+def test_cross_entropy_is_torchs_with_its_gradient_and_each_samples_value_its_own(n, classes):
+    """``rounds.cross_entropy`` (classes along the first dimension) against ``F.cross_entropy``: values and
+    gradients bit for bit on an AVX-512 CPU (the machine the stored results come from), within float32
+    rounding on any other; the gradient laid out as torch's; and a sample's value and gradient do not depend on the samples beside it (what
+    makes the single run's and the stacked trials' losses the same), also where the count is not a
+    multiple of the padding."""
+    g = torch.Generator().manual_seed(n * classes)
+    exact = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    for scale in (0.01, 1.0, 30.0):
+        z = (torch.randn(n, classes, generator=g) * scale).requires_grad_()
+        y = torch.randint(0, classes, (n,), generator=g)
+        for reduction in ("none", "mean"):
+            got = rounds.cross_entropy(z, y, reduction)
+            want = F.cross_entropy(z, y, reduction=reduction)
+            (got_grad,) = torch.autograd.grad(got.sum(), z)
+            (want_grad,) = torch.autograd.grad(want.sum(), z)
+            assert got_grad.stride() == want_grad.stride()  # the layout the matmul's backward reads
+            if exact:
+                assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+        per_sample = rounds.cross_entropy(z, y, "none")
+        for part in (slice(0, 1), slice(n // 3, n), slice(n - 1, n)):
+            alone = rounds.cross_entropy(z[part], y[part], "none")
+            assert torch.equal(alone, per_sample[part])
+            stacked = torch.cat([z[part], z[part]])  # the same samples at other positions
+            assert torch.equal(rounds.cross_entropy(stacked, y[part].repeat(2), "none"), alone.repeat(2))
 
 
 def test_epoch_value_is_lightnings_float32_mean_of_one_logged_value():
