@@ -1,0 +1,92 @@
+"""Time the per-evaluation and per-step pieces a stacked sweep repeats, each against its former form in this process.
+
+On MNIST's 10,000 test images, one torch thread, each timing the best of ``--repeats`` runs of ``--calls`` calls:
+
+1. The test loss: ``rounds.cross_entropy`` (the classes along the first dimension) against ``F.cross_entropy``.
+2. A training step's cross-entropy, forward and backward, for the rows of one stacked step: 240 (T = 15 trials
+   of M = 16 machines, b = 1) and 3,072 (3 trials of Minibatch-SGD at M = 16, K = 64).
+3. The test product of 3 points (``objective.affine_rows``, the seeds of one K evaluated together) in blocks
+   of 1,024 rows (the default) against 2,048 (the former).
+
+Each line gives both times, their ratio, and whether the two give the same values bit for bit (and, for the
+cross-entropy, the same gradient and gradient layout).
+
+    python benchmarks/bench_evaluation.py [--calls 50] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lit_slowcal.experiments.mnist import load_mnist  # noqa: E402
+from lit_slowcal.experiments.objective import affine_rows  # noqa: E402
+from lit_slowcal.experiments.rounds import cross_entropy  # noqa: E402
+
+
+def best_ms(fn, calls: int, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return min(times)
+
+
+def line(name: str, new_ms: float, old_ms: float, same: bool) -> None:
+    print(f"{name:<46} {new_ms:8.3f} ms  vs {old_ms:8.3f} ms  ratio {new_ms / old_ms:5.2f}  same bits: {same}", flush=True)
+
+
+def with_grad(loss_fn, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = z.detach().requires_grad_()
+    loss = loss_fn(z, y)
+    (grad,) = torch.autograd.grad(loss.sum(), z)
+    return loss.detach(), grad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    _, _, test_x, test_y = load_mnist(ROOT / "data")
+    g = torch.Generator().manual_seed(0)
+    points = [(torch.randn(10, 784, generator=g) * 0.05, torch.randn(10, generator=g) * 0.1) for _ in range(3)]
+    logits = torch.addmm(points[0][1], test_x, points[0][0].T)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, one thread", flush=True)
+
+    new = lambda: cross_entropy(logits, test_y)  # noqa: E731
+    old = lambda: F.cross_entropy(logits, test_y)  # noqa: E731
+    same = torch.equal(new(), old())
+    line("test loss, 10,000 samples", best_ms(new, args.calls, args.repeats), best_ms(old, args.calls, args.repeats), same)
+
+    for rows in (240, 3072):
+        z, y = torch.randn(rows, 10, generator=g) * 3, torch.randint(0, 10, (rows,), generator=g)
+        ours = lambda: with_grad(lambda a, b: cross_entropy(a, b, "none"), z, y)  # noqa: E731
+        torchs = lambda: with_grad(lambda a, b: F.cross_entropy(a, b, reduction="none"), z, y)  # noqa: E731
+        (a, ga), (b, gb) = ours(), torchs()
+        same = torch.equal(a, b) and torch.equal(ga, gb) and ga.stride() == gb.stride()
+        line(f"training step's loss and gradient, {rows} rows", best_ms(ours, args.calls, args.repeats),
+             best_ms(torchs, args.calls, args.repeats), same)  # fmt: skip
+
+    weights, biases = [w for w, _ in points], [b for _, b in points]
+    blocks = {rows: (lambda rows=rows: affine_rows(test_x, weights, biases, rows=rows)) for rows in (1024, 2048)}
+    same = all(torch.equal(a, b) for a, b in zip(blocks[1024](), blocks[2048]()))
+    calls = max(1, args.calls // 5)
+    line("test product of 3 points, 1,024 vs 2,048 rows", best_ms(blocks[1024], calls, args.repeats),
+         best_ms(blocks[2048], calls, args.repeats), same)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
