@@ -3,8 +3,12 @@
 Not imported by ``import lit_slowcal``; it needs the experiment extras.
 """
 
+import gc
 import sys
 
+# The command's imports (torch, Lightning, the app) make millions of objects and no garbage: the collector is off
+# until they are done, and main() then freezes them (lit_slowcal.experiments.main._freeze).
+gc.disable()
 try:
     from lit_slowcal.experiments.main import main
 except ModuleNotFoundError as err:  # an extra of the experiment app is not installed
@@ -15,4 +19,4 @@ except ModuleNotFoundError as err:  # an extra of the experiment app is not inst
         )
     raise
 
-main()
+main(freeze_imports=True)
