@@ -14,10 +14,9 @@ T x M simulated machines in one process, one step at a time, without a Trainer:
 * each trial's steps draw the samples its single run draws (its own split and ``MachineStreams``);
 * a block ends its rounds with the single run's own pieces of a round (``lit_slowcal.experiments.rounds``:
   the finiteness check, the train-loss log) and evaluates every ``eval_every`` rounds and after the
-  last: its trials' averaged models. Their metrics on the test set and their training objective wait until
-  ``POINTS_PER_PASS`` evaluations need them (or the group ends): one pass over the test set for all of them,
-  each point's own product (``objective.affine_rows``), and one float64 pass over the training inputs
-  (``objective.values``); each trial's rows are written in order as their values arrive;
+  last: its trials' averaged models, whose test metrics and training objective wait until ``POINTS_PER_PASS``
+  evaluations need them (or the group ends): one pass over the test set (``objective.affine_rows``, each point's
+  own product) and one float64 pass over the training inputs (``objective.values``); rows written in order;
 * each trial has its single run's ``Diagnostics``, driven through its trainer-free methods on its own
   data module and model, with its block's averager and optimizer.
 
@@ -60,9 +59,8 @@ __all__ = [
 ]  # fmt: skip
 
 
-#: Evaluations whose test metrics and training objective are computed in one pass over the test set and one over
-#: the training inputs: enough for fast products (MNIST on one CPU core: the objective about 14 ms an evaluation at
-#: 64, 58 ms one at a time; the test product 5.7 ms a point at 64, 7.2 ms at 3).
+#: Evaluations computed in one pass over the test set and one over the training inputs (MNIST, one CPU core: the
+#: objective 14 ms an evaluation at 64, 58 ms alone; the test product 5.7 ms a point at 64, 7.2 ms at 3).
 POINTS_PER_PASS = 64
 
 
@@ -323,9 +321,8 @@ class _Group:
         self.written[i] = len(self.history[i])
 
     def _evaluate(self, due: list[tuple[_Block, int]]) -> None:
-        """The blocks ``due`` after their round r: every live trial's averaged model (its outputs swapped in around
-        it, as the single run's evaluation) and its diagnostics since the last evaluation. Its metrics on the test
-        set and its training objective wait for ``_score``, which computes them for many evaluations at once."""
+        """The blocks ``due`` after their round r: every live trial's averaged model (its outputs swapped in, as the
+        single run's evaluation) and diagnostics; its test metrics and training objective wait for ``_score``."""
         live = [(s, r, i) for s, r in due for i in s.members if self.active[i]]
         swap_outputs(s.optimizer for s, _ in due)
         with torch.no_grad():
@@ -341,10 +338,9 @@ class _Group:
             self._score()
 
     def _score(self) -> None:
-        """The evaluations waiting for it: their test metrics, in one pass over the test set (``affine_rows``: each
-        point's logits bit for bit those of its own product), and their training objective, in one pass over the
-        training inputs (``objective.values``), into their rows (the test metrics first, as the single run logs
-        them); then every trial's rows written."""
+        """The evaluations waiting: their test metrics in one pass over the test set (``affine_rows``: each point's
+        logits bit for bit its own product's), first in their rows as the single run logs them, and their training
+        objective in one pass over the training inputs (``objective.values``); then every trial's rows written."""
         from lit_slowcal.experiments.objective import affine_rows, values
 
         if self.unscored:
