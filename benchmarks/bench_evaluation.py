@@ -83,6 +83,7 @@ def main() -> None:
 
     weights, biases = [w for w, _ in points], [b for _, b in points]
     now = lambda: affine_rows(test_x, weights, biases, rows=1024)  # noqa: E731
+
     def before() -> list[torch.Tensor]:
         return [z for i in range(0, 63, 3) for z in affine_rows(test_x, weights[i : i + 3], biases[i : i + 3], rows=2048)]
 
@@ -90,6 +91,7 @@ def main() -> None:
     calls = max(1, args.calls // 25)
     line("test product a point: 64 a pass vs 3 a pass", best_ms(now, calls, args.repeats) / 64,
          best_ms(before, calls, args.repeats) / 63, same)  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

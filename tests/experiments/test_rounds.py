@@ -117,9 +117,9 @@ def test_test_loss_against_float64():
 def test_cross_entropy_is_torchs_with_its_gradient_and_each_samples_value_its_own(n, classes):
     """``rounds.cross_entropy`` (classes along the first dimension) against ``F.cross_entropy``: values and
     gradients bit for bit on an AVX-512 CPU (the machine the stored results come from), within float32
-    rounding on any other; the gradient laid out as torch's; and a sample's value and gradient do not depend on the samples beside it (what
-    makes the single run's and the stacked trials' losses the same), also where the count is not a
-    multiple of the padding."""
+    rounding on any other; the gradient laid out as torch's; and a sample's value and gradient do not depend
+    on the samples beside it (what makes the single run's and the stacked trials' losses the same), also
+    where the count is not a multiple of the padding."""
     g = torch.Generator().manual_seed(n * classes)
     exact = torch.backends.cpu.get_cpu_capability() == "AVX512"
     for scale in (0.01, 1.0, 30.0):
