@@ -310,6 +310,11 @@ def run(args: Optional[list[str]] = None) -> None:
     interrupted = "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last (from its last checkpoint)."
     try:
         SlowcalCLI(args=args)
+    except SIGTERMException:  # a SystemExit: caught before it
+        # Lightning stops at the end of the current round and raises SystemExit(None), i.e. status 0;
+        # a terminated job must not look like a finished one.
+        print("Stopped by SIGTERM. Continue with the same command and --ckpt_path last.", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
     except SystemExit as err:
         if isinstance(err.__context__, KeyboardInterrupt):  # Lightning exits with status 1 after a Ctrl-C
             print(interrupted, file=sys.stderr, flush=True)
@@ -318,11 +323,6 @@ def run(args: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:  # outside the trainer (while building it)
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + signal.SIGINT) from None
-    except SIGTERMException:
-        # Lightning stops at the end of the current round and raises SystemExit(None), i.e. status 0;
-        # a terminated job must not look like a finished one.
-        print("Stopped by SIGTERM. Continue with the same command and --ckpt_path last.", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 if __name__ == "__main__":

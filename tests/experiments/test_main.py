@@ -125,6 +125,34 @@ def test_ctrl_c_ends_fit_with_status_130_and_how_to_continue(tmp_path, capsys, m
     assert (tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt").is_file()  # what it continues from
 
 
+def test_sigterm_ends_fit_with_status_143_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process in round 2: Lightning finishes the round and raises its SIGTERMException
+    (a SystemExit of status 0), which the command turns into 143, as a scheduler expects of a terminated job."""
+    import os
+    import signal
+
+    rounds = []
+    step = MachinesModel.training_step
+
+    def terminated(self, batch, batch_idx):
+        rounds.append(batch_idx)
+        if batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler, installed for the fit, records it
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(MachinesModel, "training_step", terminated)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        code, err = command(capsys, "--checkpoint_every=1", run_dir=tmp_path / "runs")
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert code == 143, err[-2000:]
+    assert "Stopped by SIGTERM. Continue with the same command and --ckpt_path last." in err
+    assert rounds == [0, 1]  # stopped after the round it came in, not at the end of the run
+    checkpoint = torch.load(tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2 * 64  # two rounds of K = 64 steps: what it continues from
+
+
 ONE_LINE = [
     (["--model.lr=nan"], 2, "model.lr: 'nan' is not a number or null"),
     (["--data.problem=Foo"], 2, "data.problem: 'Foo' is not a problem (MNIST, Synthetic, Quadratic, or a Problem's import path) or null"),
