@@ -34,8 +34,13 @@ def check_checkpoint(path: str, identity: Mapping[str, Any], subcommand: str) ->
 
 
 def check_trains_more(path: str, step: int, shape: RunShape, max_epochs: Any, max_steps: Any) -> None:
-    """Refuse to resume at ``step`` a run whose ``max_epochs`` or ``max_steps`` are already reached."""
-    steps_per_epoch = shape.steps_per_epoch
+    """Refuse to resume at ``step`` a run whose ``max_epochs`` or ``max_steps`` are already reached.
+
+    An epoch is the rounds Lightning trains of it: all R, or fewer under ``trainer.limit_train_batches``
+    (which cannot change on resume)."""
+    steps_per_epoch = shape.trained_rounds * shape.steps_per_round
+    if steps_per_epoch == 0:  # limit_train_batches=0 trains nothing: the fit says so
+        return
     epochs_done = step // steps_per_epoch
     if is_int(max_epochs) and 0 <= max_epochs <= epochs_done:
         stop = f"{epochs_done} epoch(s) ({step} steps) and trainer.max_epochs is {max_epochs}"

@@ -117,6 +117,19 @@ def test_a_run_that_trains_nothing_fails_with_a_line(half_run, tmp_path, capsys,
     assert code == 1 and message in error_line(err)
 
 
+def test_a_finished_run_of_limited_epochs_is_refused_before_anything_is_built(tmp_path, capsys, no_training):
+    """Epochs of limit_train_batches=2 rounds (not R = 4): two of them finish the run, and its resume is refused
+    the way a run of whole epochs is, before the checkpoint is loaded."""
+    limited = ["--trainer.limit_train_batches=2", "--trainer.max_epochs=2"]
+    assert command(capsys, *limited, run_dir=tmp_path / "runs")[0] == 0
+    no_training.clear()
+    code, err = command(capsys, *limited, "--ckpt_path=last", run_dir=tmp_path / "runs")
+    assert code == 1 and not no_training
+    assert "its run has trained 2 epoch(s) (256 steps) and trainer.max_epochs is 2, so there is nothing to train. " \
+        "Pass --trainer.max_epochs=3 (or more)" in error_line(err)
+    assert "Restoring states" not in err
+
+
 def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_run, tmp_path, capsys):
     """A run of the same name with another learning rate, killed later, does not hide this run's checkpoint."""
     runs = tmp_path / "runs"
