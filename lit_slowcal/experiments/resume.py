@@ -5,15 +5,26 @@ a resumed fit has something left to train, and ``--ckpt_path last`` finds this r
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lit_slowcal._validation import is_int
-from lit_slowcal.checkpoint_io import read_checkpoint
+from lit_slowcal.checkpoint_io import CheckpointReadError, read_checkpoint
 from lit_slowcal.experiments.identity import allowed_on_resume, check_same_run
 from lit_slowcal.experiments.shape import RunShape
 
 __all__ = ["check_checkpoint", "check_trains_more", "last_checkpoint"]
+
+# The advice that ends a CheckpointReadError's message (left out of a note: the resume goes on).
+_READ_ADVICE = "Use another checkpoint file"
+
+
+def _rank_zero_note(line: str) -> None:
+    """``line`` on stderr, from the launching process only (DDP children parse the command again)."""
+    if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+        print(line, file=sys.stderr, flush=True)
 
 
 def check_checkpoint(path: str, identity: Mapping[str, Any], subcommand: str) -> int:
@@ -70,14 +81,23 @@ def last_checkpoint(run_dir: str, name: str, identity: Mapping[str, Any]) -> Pat
             f"--ckpt_path last: no checkpoint of run {name} in {folder}/version_*/checkpoints/ "
             f"(checkpoints are written every `checkpoint_every` rounds). Pass a checkpoint file instead."
         )
-    reasons = []
+    reasons, unreadable = [], []
     for path in found:
         why: Optional[str] = None
         try:
             check_same_run(path, read_checkpoint(path), identity)
-        except ValueError as err:  # another run of this name, or an unreadable file
+        except CheckpointReadError as err:  # damaged: it may have been this run's newest
+            why = str(err).split(f"{path}: ", 1)[-1].split(f" {_READ_ADVICE}", 1)[0]
+            unreadable.append(f"{path.relative_to(folder)} ({why})")
+        except ValueError as err:  # another run of this name
             why = str(err).split(": it is a different run: ", 1)[-1].split(" (only ", 1)[0]
         if why is None:
+            if unreadable:  # a resume from an older checkpoint than the newest file: never silently
+                _rank_zero_note(
+                    f"note: --ckpt_path last: skipped {len(unreadable)} newer checkpoint(s) that cannot be read: "
+                    f"{'; '.join(unreadable)}; resuming from {path.relative_to(folder)}, the newest readable one of "
+                    "this run (move the damaged file away to silence this, or pass a checkpoint file)"
+                )
             return path
         reasons.append(f"{path.relative_to(folder)} ({why})")
     raise ValueError(

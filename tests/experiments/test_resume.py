@@ -153,6 +153,23 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_r
     assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
 
 
+def test_ckpt_path_last_says_which_newer_checkpoint_it_could_not_read(half_run, tmp_path, capsys):
+    """A damaged newest last.ckpt is passed over for the newest readable one, with a note naming both."""
+    runs = tmp_path / "runs"
+    shutil.copytree(half_run / "runs", runs)
+    (runs / RUN / "version_1" / "checkpoints").mkdir(parents=True)
+    (runs / RUN / "version_1" / "checkpoints" / "last.ckpt").write_bytes(b"\x00" * 100)  # the newest
+    code, err = command(capsys, "--ckpt_path=last", "--trainer.max_steps=192", run_dir=runs)
+    assert code == 0, err[-3000:]
+    (note,) = [line for line in err.splitlines() if line.startswith("note: --ckpt_path last: ")]
+    assert "skipped 1 newer checkpoint(s) that cannot be read: version_1/checkpoints/last.ckpt (the file is damaged " \
+        "or not a PyTorch checkpoint (100 bytes" in note
+    assert "resuming from version_0/checkpoints/last.ckpt, the newest readable one of this run" in note
+    assert "Use another checkpoint file" not in note
+    resumed = torch.load(runs / RUN / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 192  # from version_0's step 128, one more round
+
+
 def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys, closes_the_process_group):
     runs = tmp_path / "runs"
     shutil.copytree(half_run / "runs", runs)
