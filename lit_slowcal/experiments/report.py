@@ -56,27 +56,86 @@ class Cell:
         return statistics.stdev(self.values) if self.n > 1 else 0.0
 
 
-def load_results(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a results file (one JSON object a line), each checked to be a whole trial record.
+class Record(dict):
+    """A trial record read from a results file, with where it was read (``where``: ``<file>, line <n>``)."""
+
+    where: str = ""
+
+
+def located(record: dict[str, Any], message: str) -> ValueError:
+    """``message`` about ``record``, preceded by the file and line it was read from (when it was read from one)."""
+    where = getattr(record, "where", "")
+    return ValueError(f"{where}: {message}" if where else message)
+
+
+def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The records of a results file (one JSON object a line), each checked to be a whole trial record, one per
+    trial: two records of one trial (its parameters and identity) with the same status and metrics count once
+    (files concatenated), with different ones are refused. Each is a ``Record`` that knows its line.
 
     Raises:
-        ValueError: naming the file and the line that is not JSON or not a trial record.
-    """
-    from lit_slowcal.experiments.sweep.results import check_record
+        ValueError: naming the file and the line that is not JSON or not a trial record, or the two lines of
+            one trial that disagree; or naming the file when it holds no record.
 
-    records = []
+    ``notes``: a list that gets a line saying how many repeated records were counted once, if any.
+    """
+    from lit_slowcal.experiments.sweep.results import check_record, duplicate_error, parse_line, same_values
+    from lit_slowcal.experiments.sweep.trials import record_key
+
+    records: dict[str, Record] = {}
+    lines: dict[str, int] = {}
+    repeated = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if raw.strip():
                 try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                    raise ValueError(f"{path}, line {n}: not JSON ({err}); remove or repair that line") from None
-                wrong = check_record(record)
+                    parsed = parse_line(raw)
+                except ValueError as err:
+                    raise ValueError(f"{path}, line {n}: {err}; remove or repair that line") from None
+                wrong = check_record(parsed)
                 if wrong is not None:
                     raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
-                records.append(record)
-    return records
+                record = Record(parsed)
+                record.where = f"{path}, line {n}"
+                # A record written before identities were stored: its arguments stand for its identity.
+                identity = record["identity"] if "identity" in record else json.dumps(record.get("args"))
+                key = record_key(record["params"], identity)
+                if key in records:
+                    if not same_values(records[key], record):
+                        raise duplicate_error(path, key, lines[key], n)
+                    repeated += 1
+                    continue
+                records[key], lines[key] = record, n
+    if not records:
+        raise ValueError(f"{path}: no trial records (the file is empty); give the results file a sweep wrote")
+    if repeated and notes is not None:
+        notes.append(f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once")
+    return list(records.values())
+
+
+def cell_of(record: dict[str, Any], needed: str) -> tuple[str, int, int]:
+    """``(method, M, K)`` of a record's parameters.
+
+    Raises:
+        ValueError: naming the record's file and line when one is missing or not of its type (``needed``: why
+            the caller needs them).
+    """
+    p = record["params"]
+    missing = [k for k in _KEYS if k not in p]
+    if missing:
+        raise located(record, f"a trial lacks {', '.join(missing)} in its params ({p}); {needed}")
+    if not isinstance(p["method"], str):
+        raise located(record, f"method is {p['method']!r}, expected a method's name")
+    return p["method"], _whole(record, "num_machines"), _whole(record, "local_steps")
+
+
+def _whole(record: dict[str, Any], name: str) -> int:
+    value = record["params"][name]
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise located(record, f"{name} is {value!r}, expected an integer")
+    return int(value)
 
 
 def _flags(args: Sequence[str]) -> dict[str, str]:
@@ -139,11 +198,8 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
     """
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for r in records:
-        p = r.get("params", {})
-        missing = [k for k in _KEYS if k not in p]
-        if missing:
-            raise ValueError(f"a trial lacks {', '.join(missing)} in its params ({p}); the report plots against M and K")
-        groups.setdefault((int(p["num_machines"]), int(p["local_steps"]), str(p["method"])), []).append(r)
+        method, m, k = cell_of(r, "the report plots against M and K")
+        groups.setdefault((m, k, method), []).append(r)
     cells = {}
     for key, rs in groups.items():
         for name in {k for r in rs for k in r["params"]} - {*_KEYS, _SEED}:
@@ -154,7 +210,7 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
                     f"{key[2]}: the report averages over seeds only; keep one value of {name}"
                 )
         _check_one_setting(key, rs)
-        values = [r["metrics"].get(metric) for r in rs if r.get("status") == "finished"]
+        values = [r.get("metrics", {}).get(metric) for r in rs if r.get("status") == "finished"]
         values = [float(v) for v in values if v is not None and math.isfinite(v)]
         if values:
             cells[key] = Cell(tuple(values))
@@ -213,13 +269,13 @@ def _save(fig: Any, path: str | Path) -> None:
 
 def split_cells(records: list[dict[str, Any]], metric: str) -> dict[int, Cell]:
     """``{M: Cell}`` of a per-split metric (``G_star``): one value per (M, seed), whatever K or the method."""
-    by_split: dict[tuple[int, Any], float] = {}
+    by_split: dict[tuple[int, str], float] = {}
     for r in records:
         p, v = r.get("params", {}), r.get("metrics", {}).get(metric)
         if r.get("status") == "finished" and v is not None and math.isfinite(v) and "num_machines" in p:
-            by_split.setdefault((int(p["num_machines"]), p.get(_SEED)), float(v))
+            by_split.setdefault((_whole(r, "num_machines"), json.dumps(p.get(_SEED), sort_keys=True)), float(v))
     cells: dict[int, list[float]] = {}
-    for (m, _), v in sorted(by_split.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    for (m, _), v in sorted(by_split.items()):
         cells.setdefault(m, []).append(v)
     return {m: Cell(tuple(vs)) for m, vs in cells.items()}
 
@@ -342,7 +398,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem
     try:
-        records = load_results(opts.results)
+        notes: list[str] = []
+        records = load_results(opts.results, notes)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr)
         acc = aggregate(records, "test_acc")
         loss = aggregate(records, "test_loss")
         excess = aggregate(records, "excess_loss")

@@ -57,7 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parser.parse_args(argv)
     try:
         check_criterion(opts.criterion)
-        choices = tune(load_results(opts.results), opts.criterion)
+        notes: list[str] = []
+        choices = tune(load_results(opts.results, notes), opts.criterion)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr)
         if opts.out is not None:
             if opts.out.parent != Path(""):
                 opts.out.parent.mkdir(parents=True, exist_ok=True)

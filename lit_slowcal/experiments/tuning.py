@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lit_slowcal.experiments.methods import METHODS
+from lit_slowcal.experiments.report import cell_of
 
 __all__ = ["Choice", "Win", "check_criterion", "tune", "winners"]
 
@@ -53,7 +54,7 @@ class Choice:
     records: tuple[dict[str, Any], ...]
 
     def values(self, metric: str) -> list[float]:
-        found = [r["metrics"].get(metric) for r in self.records]
+        found = [r.get("metrics", {}).get(metric) for r in self.records]
         return [float(v) for v in found if v is not None and math.isfinite(v)]
 
     def mean(self, metric: str) -> Optional[float]:
@@ -76,20 +77,31 @@ def check_criterion(criterion: str) -> str:
     return criterion
 
 
-def _lr(params: dict[str, Any]) -> float:
-    if _LR in params:
-        return float(params[_LR])
+def _lr(record: dict[str, Any]) -> float:
+    from lit_slowcal.experiments.report import located
+
+    params = record["params"]
+    value = params.get(_LR)
+    if value is not None and value != "null":  # null: the method's paper-config rate, as the CLI reads it
+        try:
+            lr = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else math.nan
+        except ValueError:
+            lr = math.nan
+        if not math.isfinite(lr):
+            raise located(record, f"{_LR} is {value!r}, expected a finite number")
+        return lr
     method = params["method"]
     if method in METHODS:
         return METHODS[method].paper_lr  # a trial without model.lr trains at its method's paper-config rate
-    raise ValueError(f"a trial of method {method!r} (not in the registry) lacks model.lr in its params ({params})")
+    raise located(record, f"a trial of method {method!r} (not in the registry) lacks model.lr in its params ({params})")
 
 
 def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> list[Choice]:
     """The best rate per (method, M, K) by the seeds' mean of ``criterion``, in the registry's order.
 
     Raises:
-        ValueError: for a test criterion, a record without method, num_machines or local_steps, a
+        ValueError: for a test criterion, a record without method, num_machines or local_steps (or with
+            one, or model.lr, not of its type: naming its file and line when it was read from one), a
             parameter other than the rate and the seed that varies within a cell, or a cell where
             no rate has every seed finished with the criterion.
     """
@@ -97,12 +109,8 @@ def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> l
     sign = -1.0 if criterion.endswith("acc") else 1.0  # minimised; accuracies maximised
     cells: dict[tuple[str, int, int], dict[float, list[dict[str, Any]]]] = {}
     for r in records:
-        p = r.get("params", {})
-        missing = [k for k in _CELL if k not in p]
-        if missing:
-            raise ValueError(f"a trial lacks {', '.join(missing)} in its params ({p}); tuning is per (method, M, K)")
-        key = (str(p["method"]), int(p["num_machines"]), int(p["local_steps"]))
-        cells.setdefault(key, {}).setdefault(_lr(p), []).append(r)
+        key = cell_of(r, "tuning is per (method, M, K)")
+        cells.setdefault(key, {}).setdefault(_lr(r), []).append(r)
     choices = []
     for (method, m, k), by_lr in cells.items():
         where = f"{method} M={m} K={k}"
@@ -116,7 +124,7 @@ def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> l
                 )
         scores = {}
         for lr, rs in by_lr.items():
-            values = [r["metrics"].get(criterion) for r in rs if r.get("status") == "finished"]
+            values = [r.get("metrics", {}).get(criterion) for r in rs if r.get("status") == "finished"]
             if len(values) == len(rs) and all(v is not None and math.isfinite(v) for v in values):
                 scores[lr] = statistics.fmean(float(v) for v in values)
         if not scores:

@@ -208,3 +208,28 @@ def test_a_line_that_is_json_but_not_a_whole_record_is_one_line_naming_file_and_
     assert err.count("\n") == 1 and f"{path}, line {n}: not a trial record: {message}" in err
     with pytest.raises(ValueError, match=f"line {n}: not a trial record"):  # the sweep reads it the same way
         sw.ResultsFile(path)
+
+
+def test_hand_edited_values_of_the_report_are_one_line_naming_the_file_and_line(tmp_path, capsys):
+    """Values the report reads besides the metrics: the seed (G_* per split), the wall time, M and K."""
+    path = tmp_path / "r.jsonl"
+    cases = [
+        ({"seed_everything": [1]}, {}, None),  # a list as the seed: one more split of its M, no traceback
+        ({}, {"wall_time_s": "12 s"}, "line 2: not a trial record: 'wall_time_s' is '12 s', expected a number or null"),
+        ({"num_machines": 16.5}, {}, "line 2: num_machines is 16.5, expected an integer"),
+        ({"local_steps": "4"}, {}, None),  # as the CLI reads it from a quoted YAML value
+    ]
+    for params, fields, message in cases:
+        records = [record("slowcal", 16, 4, s, 0.9, 0.3) for s in (1, 2)]
+        for r in records:
+            r["metrics"]["G_star"] = 2.0 + r["params"]["seed_everything"]
+        records[1]["params"].update(params)
+        records[1].update(fields)
+        del records[0]["metrics"]  # a record without metrics: none to average, no traceback
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert report.main([str(path), "--out", str(tmp_path / "out")]) == (2 if message else 0)
+        captured = capsys.readouterr()
+        if message:
+            assert captured.err.count("\n") == 1 and f"{path}, {message}" in captured.err
+        else:
+            assert "| 16 | 4 | 4.0000 ± 0.0000 | 0.9000 ± 0.0000 |" in captured.out  # G_* of the one split with it

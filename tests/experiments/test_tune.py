@@ -296,3 +296,83 @@ def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
             if r["status"] == "finished":
                 k = r["params"]["local_steps"]
                 assert (r["metrics"]["samples_seen"], r["metrics"]["round"]) == (512 * 16, 512 / k), r["params"]
+
+
+# ------------------------------------------------------------- one record per trial, hand-edited lines
+
+
+def test_a_results_file_concatenated_with_itself_counts_each_trial_once(tmp_path, capsys):
+    """Merging two machines' results by concatenation: a trial recorded twice with the same values is one seed,
+    as the sweep counts it; recorded twice with different values, it is refused, naming both lines."""
+    from lit_slowcal.experiments import sweep as sw
+
+    once, twice = write(tmp_path / "once.jsonl", RECORDS), write(tmp_path / "twice.jsonl", RECORDS + RECORDS)
+    assert app_main_exit(["tune", str(once), "--out", str(tmp_path / "once.csv")]) == 0
+    capsys.readouterr()
+    assert app_main_exit(["tune", str(twice), "--out", str(tmp_path / "twice.csv")]) == 0
+    assert (tmp_path / "twice.csv").read_text() == (tmp_path / "once.csv").read_text()
+    slowcal = read_csv(tmp_path / "twice.csv")[0]
+    assert (slowcal["n_seeds"], float(slowcal["excess_loss_std"])) == ("2", pytest.approx(0.03 / math.sqrt(2), abs=1e-15))
+    err = capsys.readouterr().err
+    assert err == f"note: {twice}: {len(RECORDS)} records repeat another of the same trial with the same status and metrics; each trial is counted once\n"
+    assert len(sw.ResultsFile(twice).records) == len(RECORDS)  # the sweep counts them so too
+
+    # A third seed out of a duplicate with another value: refused, the file and both lines named.
+    other = {**RECORDS[2], "metrics": {**RECORDS[2]["metrics"], "train_objective": 0.10}}
+    clash = write(tmp_path / "clash.jsonl", [*RECORDS, other])
+    assert app_main_exit(["tune", str(clash)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lit_slowcal tune: error: {clash}, lines 3 and {len(RECORDS) + 1}: two records of one trial (")
+    assert '"model.lr":0.01' in err and "with different status or metrics" in err
+    with pytest.raises(ValueError, match=f"lines 3 and {len(RECORDS) + 1}: two records of one trial"):
+        sw.ResultsFile(clash)
+
+
+def test_tune_of_an_empty_results_file_is_refused(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert app_main_exit(["tune", str(empty)]) == 2
+    assert capsys.readouterr().err == f"lit_slowcal tune: error: {empty}: no trial records (the file is empty); give the results file a sweep wrote\n"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r["params"].update(num_machines=[16]), "num_machines is [16], expected an integer"),
+        (lambda r: r["params"].update(local_steps=float("inf")), "local_steps is inf, expected an integer"),
+        (lambda r: r["params"].update({"model.lr": [0.01]}), "model.lr is [0.01], expected a finite number"),
+        (lambda r: r["params"].update({"model.lr": {"a": {"b": 1}}}), "model.lr is {'a': {'b': 1}}, expected a finite number"),
+        (lambda r: r["params"].pop("method"), "a trial lacks method in its params"),
+        (lambda r: r["params"].update(method=["slowcal"]), "method is ['slowcal'], expected a method's name"),
+        (lambda r: r["params"].update(deep=json.loads("[" * 40 + "]" * 40)), "not a trial record: nested more than 32 levels deep"),
+        (lambda r: r.update(wall_time_s=[1.5]), "not a trial record: 'wall_time_s' is [1.5], expected a number or null"),
+    ],
+)
+def test_a_hand_edited_record_is_one_line_naming_the_file_and_line(tmp_path, capsys, edit, message):
+    edited = json.loads(json.dumps(RECORDS[3]))
+    edit(edited)
+    path = write(tmp_path / "edited.jsonl", [*RECORDS[:3], edited, *RECORDS[4:]])
+    assert app_main_exit(["tune", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lit_slowcal tune: error: {path}, line 4: {message}"), err
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("[" * 100000 + "]" * 100000, "not a trial record: nested too deeply (at most 32 levels)"),
+        ('{"params": ' + "[" * 100000 + "]" * 100000 + ', "status": "finished"}', "not a trial record: nested too deeply"),
+    ],
+)
+def test_a_line_nested_too_deeply_is_one_line_for_tune_report_and_sweep(tmp_path, capsys, line, message):
+    from lit_slowcal.experiments import sweep as sw
+
+    path = write(tmp_path / "r.jsonl", RECORDS[:2])
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    assert app_main_exit(["tune", str(path)]) == 2
+    assert app_main_exit(["report", str(path), "--out", str(tmp_path / "out")]) == 2
+    for err in capsys.readouterr().err.splitlines():
+        assert f"{path}, line 3: {message}" in err
+    with pytest.raises(ValueError, match=f"line 3: {message[:20]}"):
+        sw.ResultsFile(path)

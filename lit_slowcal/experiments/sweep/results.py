@@ -12,6 +12,9 @@ it holds. A trial is its parameter dict and the identity of the run it made (``r
 digest of everything that defines the run, the sweep's fixed command and config included): a record
 of another identity (the same parameters with another command) is kept, and never taken for this
 trial's. A record written before identities were stored gets one from its ``args`` (``identify``).
+A file holds one record per trial; two records of one trial (files concatenated, as when merging two
+machines' results) count once where their values (status and metrics) are the same, and are refused,
+naming both lines, where they differ (``same_values``): the sweep, ``tune`` and ``report`` read a file alike.
 The file itself is only ever appended to, except for those replacements (which keep its permission
 bits). A results path that is a symbolic link is followed: the file it points to is the one updated.
 """
@@ -26,17 +29,68 @@ from typing import Any, Callable, Optional
 from lit_slowcal.experiments.sweep.trials import record_key
 from lit_slowcal.files import atomic_write, locked
 
-__all__ = ["ResultsFile"]
+__all__ = ["MAX_DEPTH", "ResultsFile", "check_record", "duplicate_error", "parse_line", "same_values"]
 
 
 #: The statuses a record may have.
 STATUSES = ("finished", "diverged", "failed")
+#: How deeply a record's values may nest (lists and objects in lists and objects): a trial's parameters are a
+#: few levels deep at most.
+MAX_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests (0 for a number or a string), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d + 1 > MAX_DEPTH:
+                return d + 1
+            deepest = max(deepest, d + 1)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def parse_line(line: bytes) -> Any:
+    """A results line's JSON value.
+
+    Raises:
+        ValueError: what is wrong with it (not text, not JSON, nested too deeply), without the file and line.
+    """
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not text ({err})") from None
+    except RecursionError:
+        raise ValueError(f"not a trial record: nested too deeply (at most {MAX_DEPTH} levels)") from None
+
+
+def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records of one trial say the same: the same status and metrics (their run folder, time and
+    error text may differ: the same trial run on two machines)."""
+    return a["status"] == b["status"] and json.dumps(a.get("metrics", {}), sort_keys=True) == json.dumps(
+        b.get("metrics", {}), sort_keys=True
+    )
+
+
+def duplicate_error(path: Any, key: str, first: int, second: int) -> ValueError:
+    """The refusal of two records of one trial that differ in status or metrics (lines ``first`` and ``second``)."""
+    trial, _, identity = key.rpartition("@")
+    return ValueError(
+        f"{path}, lines {first} and {second}: two records of one trial ({trial}, identity {identity}) with different "
+        "status or metrics; keep the one to count and remove the other"
+    )
 
 
 def check_record(record: Any) -> Optional[str]:
     """``None`` when ``record`` is a whole trial record as a sweep writes it, else what is wrong with it."""
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
+    if _depth(record) > MAX_DEPTH:
+        return f"nested more than {MAX_DEPTH} levels deep"
     if not isinstance(record.get("params"), dict):
         return f"'params' is {record.get('params')!r}, expected an object of the swept parameters"
     if record.get("status") not in STATUSES:
@@ -47,9 +101,12 @@ def check_record(record: Any) -> Optional[str]:
     for name, value in metrics.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"metric {name!r} is {value!r}, expected a number or null"
-    for name in ("identity", "error", "run_dir"):
+    for name in ("identity", "error", "run_dir", "ended_at"):
         if record.get(name) is not None and not isinstance(record[name], str):
             return f"{name!r} is {record[name]!r}, expected a string or null"
+    wall = record.get("wall_time_s")
+    if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float))):
+        return f"'wall_time_s' is {wall!r}, expected a number or null"
     if "args" in record and not (isinstance(record["args"], list) and all(isinstance(a, str) for a in record["args"])):
         return f"'args' is {record['args']!r}, expected a list of strings"
     return None
@@ -58,8 +115,9 @@ def check_record(record: Any) -> Optional[str]:
 class ResultsFile:
     """Finished trials, one JSON object a line, keyed by ``record_key(record["params"], identity)``.
 
-    ``records`` is what the file held when last read (``refresh``, and every ``put``), the last
-    record of a trial winning. ``identify(record)`` gives the identity of a record that stores none
+    ``records`` is what the file held when last read (``refresh``, and every ``put``): one record a trial (two
+    records of one trial with the same values count once, with different ones are refused: ``same_values``).
+    ``identify(record)`` gives the identity of a record that stores none
     (written before identities were stored; ``None``: unknown, it matches no trial that has one).
     """
 
@@ -79,6 +137,7 @@ class ResultsFile:
     def refresh(self) -> None:
         """Read the file again: trials that other processes recorded since are seen as done."""
         records: dict[str, dict[str, Any]] = {}
+        lines: dict[str, int] = {}
         if self.path.exists():
             with open(self.path, "rb") as f:
                 for n, line in enumerate(f, 1):
@@ -87,15 +146,17 @@ class ResultsFile:
                     if not line.strip():
                         continue
                     try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{self.path}, line {n}: not JSON ({err}); remove or repair that line") from None
-                    except UnicodeDecodeError as err:
-                        raise ValueError(f"{self.path}, line {n}: not text ({err}); remove or repair that line") from None
+                        record = parse_line(line)
+                    except ValueError as err:
+                        raise ValueError(f"{self.path}, line {n}: {err}; remove or repair that line") from None
                     wrong = check_record(record)
                     if wrong is not None:
                         raise ValueError(f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line")
-                    records[record_key(record["params"], self._identity(record))] = record
+                    key = record_key(record["params"], self._identity(record))
+                    if key in records and not same_values(records[key], record):
+                        raise duplicate_error(self.path, key, lines[key], n)
+                    records.setdefault(key, record)
+                    lines.setdefault(key, n)
         self.records = records
 
     def check_writable(self) -> None:
