@@ -47,7 +47,7 @@ evaluation batch (10,000 x 784 = 7.8e6 by default: 1 thread).
 
 The user's settings win: ``auto`` keeps torch's setting when ``OMP_NUM_THREADS`` or
 ``MKL_NUM_THREADS`` is set in the environment (the sweep runner sets ``OMP_NUM_THREADS``), and an
-explicit ``--threads N`` wins over everything; ``--threads 0`` leaves torch and Lightning their
+explicit ``--threads N`` (from 1 to 4 x the machine's CPUs, ``max_threads``) wins over everything; ``--threads 0`` leaves torch and Lightning their
 defaults (Lightning's launcher sets CPUs / processes threads when ``OMP_NUM_THREADS`` is unset).
 A chosen count is exported as ``OMP_NUM_THREADS`` too, so that Lightning's DDP launcher (which resets
 torch's threads unless it is set) and the processes it starts keep it. Nothing is restored when the
@@ -71,13 +71,16 @@ from lit_slowcal.experiments.notes import note
 __all__ = [
     "AUTO_MAX_THREADS",
     "AUTO_MIN_WORK",
+    "THREADS_PER_CPU",
     "THREADS_TYPE",
     "ThreadChoice",
     "ThreadsError",
     "WorkSize",
+    "check_thread_count",
     "choose_threads",
     "configure_run_threads",
     "configure_threads",
+    "max_threads",
     "parse_threads",
     "processes_per_node",
     "usable_cpus",
@@ -90,7 +93,22 @@ AUTO_MIN_WORK = 50_000_000
 AUTO_MAX_THREADS = 4
 #: Environment variables through which a user sets torch's threads; ``auto`` respects them.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-_ALLOWED = "auto, 0 for torch's default, or an integer >= 1"
+#: How many threads per CPU of the machine ``--threads N`` may ask for (``max_threads``).
+THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """The most threads ``--threads N`` may ask for: ``THREADS_PER_CPU`` x this machine's CPUs (``os.cpu_count()``).
+
+    More threads than CPUs never speed a step up (they take turns on the cores); up to 4 per CPU lets a run
+    split its ops as a machine with 4x the cores would (the same last bits). Far beyond, the threads cannot
+    even be started: 100,000 failed with "can't start new thread" in ``fit`` and crashed ``sweep`` (exit 139).
+    """
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def _allowed() -> str:
+    return f"auto, 0 for torch's default, or an integer from 1 to {max_threads()} ({THREADS_PER_CPU} x this machine's CPUs)"
 
 Setting = Union[str, int]
 
@@ -103,7 +121,7 @@ def parse_threads(value: Any) -> Setting:
     """``"auto"`` or an integer >= 0 from a command-line string or a config value.
 
     Raises:
-        ThreadsError: ``Invalid threads: '-1' (must be auto, 0 for torch's default, or an integer >= 1)``.
+        ThreadsError: ``Invalid threads: '-1' (must be auto, 0 for torch's default, or an integer from 1 to 8 (...))``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -112,9 +130,23 @@ def parse_threads(value: Any) -> Setting:
         number = value
     elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
         number = int(value)
-    if number is None or number < 0:
-        raise ThreadsError(f"Invalid threads: {value!r} (must be {_ALLOWED})")
+    if number is None or number < 0 or number > max_threads():
+        raise ThreadsError(f"Invalid threads: {value!r} (must be {_allowed()})")
     return number
+
+
+def check_thread_count(name: str, value: Any) -> int:
+    """``value`` if it is 0 (torch's default) or a count from 1 to ``max_threads()``: the sweep's ``--threads``.
+
+    Raises:
+        ThreadsError: ``Invalid --threads: 99999 (must be 0 for torch's default or an integer from 1 to 8 (...))``.
+    """
+    if not is_int(value) or not 0 <= value <= max_threads():
+        raise ThreadsError(
+            f"Invalid {name}: {value!r} (must be 0 for torch's default or an integer from 1 to {max_threads()} "
+            f"({THREADS_PER_CPU} x this machine's CPUs))"
+        )
+    return value
 
 
 class _ThreadsType:
@@ -126,7 +158,7 @@ class _ThreadsType:
         return parse_threads(value)
 
     def __repr__(self) -> str:
-        return "auto or int >= 0"
+        return f"auto or int from 0 to {max_threads()}"
 
 
 #: ``type=`` of the ``--threads`` argument: refuses a bad value with the message above, at parse time.

@@ -79,22 +79,25 @@ def test_evaluation_batches_are_described_without_machines():
 
 # ---- refusals ---------------------------------------------------------------------------------
 
-ALLOWED = "(must be auto, 0 for torch's default, or an integer >= 1)"
+ALLOWED = f"(must be auto, 0 for torch's default, or an integer from 1 to {4 * os.cpu_count()} (4 x this machine's CPUs))"
 
 
-@pytest.mark.parametrize("value", [-1, "-1", "x", "1.5", 1.5, "", True, None, "two"])
+@pytest.mark.parametrize("value", [-1, "-1", "x", "1.5", 1.5, "", True, None, "two", 4 * os.cpu_count() + 1, "100000"])
 def test_bad_values_are_refused_naming_the_field_and_what_is_allowed(value):
     with pytest.raises(ValueError) as info:
         th.parse_threads(value)
     assert str(info.value) == f"Invalid threads: {value!r} {ALLOWED}"
 
 
-@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("AUTO", "auto"), ("0", 0), (0, 0), ("4", 4), (2, 2)])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("auto", "auto"), ("AUTO", "auto"), ("0", 0), (0, 0), ("4", 4), (2, 2), (4 * os.cpu_count(), 4 * os.cpu_count())],
+)
 def test_good_values_parse(value, expected):
     assert th.parse_threads(value) == expected
 
 
-@pytest.mark.parametrize("args", [["--threads=-1"], ["--threads=x"], ["--threads", "1.5"]])
+@pytest.mark.parametrize("args", [["--threads=-1"], ["--threads=x"], ["--threads", "1.5"], ["--threads=100000"]])
 def test_the_cli_refuses_bad_values_before_anything_is_built(tmp_path, monkeypatch, capsys, restore_threads, args):
     from lit_slowcal.experiments.main import main
 
@@ -109,6 +112,18 @@ def test_the_cli_refuses_bad_values_before_anything_is_built(tmp_path, monkeypat
         "(`python -m lit_slowcal fit --help` lists the options)"
     ]
     assert not (tmp_path / "slowcal_M16_K16_b1_seed1").exists()
+
+
+@pytest.mark.parametrize("threads", [99999, 4 * os.cpu_count() + 1])
+def test_the_sweep_refuses_more_threads_than_the_machine_can_run_before_anything_starts(tmp_path, capsys, threads):
+    from lit_slowcal.experiments.sweep import main as sweep_main
+
+    code = sweep_main([str(tmp_path / "missing.yaml"), "--workers=1", f"--threads={threads}"])  # refused before the file
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lit_slowcal sweep: error: Invalid --threads: {threads} (must be 0 for torch's default or an integer from 1 to "
+        f"{4 * os.cpu_count()} (4 x this machine's CPUs))"
+    )
 
 
 def test_a_bad_value_in_a_config_file_is_refused(tmp_path, monkeypatch, capsys, restore_threads):

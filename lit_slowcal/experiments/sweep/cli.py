@@ -25,7 +25,7 @@ from lit_slowcal.experiments.sweep.runner import run_sweep
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
 from lit_slowcal.experiments.sweep.workers import checking_pool, choose_workers
-from lit_slowcal.experiments.threads import usable_cpus
+from lit_slowcal.experiments.threads import check_thread_count, usable_cpus
 
 __all__ = ["main"]
 
@@ -118,6 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.workers is not None:
             check_int("--workers", opts.workers)
         check_int("--threads", opts.threads, minimum=0)
+        check_thread_count("--threads", opts.threads)  # far too many threads crash the workers
         sweep = load_sweep(opts.sweep)
         trials = expand_trials(sweep, opts.count, opts.seed)
         checks.new_command_line()  # built before the workers fork: they check trials with it too
