@@ -19,7 +19,10 @@ from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import param_text
 from lit_slowcal.experiments.sweep.trials import identity_digest, trial_key
 
-__all__ = ["LARGE_GRID", "CommandLine", "check_by_parts", "check_trials", "new_command_line", "results_file", "trial_identity_of"]
+__all__ = [
+    "LARGE_GRID", "CommandLine", "check_by_parts", "check_distinct", "check_trials", "new_command_line", "results_file",
+    "trial_identity_of",
+]  # fmt: skip
 
 #: Grids larger than this are checked by parts where that saves parses, say their size and the time of their check
 #: before it starts, and an estimate of their running time once a group or a trial has run.
@@ -260,3 +263,28 @@ def check_trials(
             raise ValueError(f"trial {param_text(params)}: the CLI refuses it: {error}")
         checked[trial_key(params)] = (trial, config, identity)
     return checked
+
+
+def check_distinct(trials: list[dict[str, Any]], checked: dict[str, Any]) -> None:
+    """Refuse two trials that are one run: their values differ only in how they are written (``1e-2`` and
+    ``0.01``, ``true`` and ``True``): the same identity, and no parameter between them outside the identity (a
+    parameter that does not change a run's results, as ``eval_every``, makes two trials of one identity).
+
+    Raises:
+        ValueError: naming both trials' differing values.
+    """
+    from lit_slowcal.experiments.identity import RESULT_SETTINGS, may_change_on_resume
+
+    seen: dict[str, dict[str, Any]] = {}
+    for params in trials:
+        identity = checked[trial_key(params)][2]
+        other = seen.setdefault(identity, params)
+        if other is params:
+            continue
+        differ = [n for n in params if trial_key({n: params[n]}) + type(params[n]).__name__ != trial_key({n: other[n]}) + type(other[n]).__name__]
+        if all(not may_change_on_resume(n) or n in RESULT_SETTINGS for n in differ):
+            shown = ", ".join(f"{n} {other.get(n)!r} and {params[n]!r}" for n in differ)
+            raise ValueError(
+                f"the trials {param_text(other)} and {param_text(params)} are one run: the CLI reads {shown} alike "
+                "(YAML reads 1e-2 without a dot as text); list each value once"
+            )

@@ -143,6 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if len(trials) > checks.LARGE_GRID:  # say what takes the time before it does
                 print(f"sweep {opts.sweep}: {len(trials)} trials; checking their arguments with the CLI first ...", flush=True)
             checked = checks.check_trials(arguments, pool, workers, lambda p: trial_args(sweep, p, extra))
+            checks.check_distinct(trials, checked)
             if len(trials) > checks.LARGE_GRID:
                 print(f"checked the arguments of {len(trials)} trials in {time.perf_counter() - start:.1f} s", flush=True)
         except ValueError as err:

@@ -208,6 +208,13 @@ def _parse_param(name: Any, spec: Any) -> Param:
 def _check_spec(where: str, distribution: str, s: dict[str, Any]) -> None:
     if "values" in s and (not isinstance(s["values"], list) or not s["values"]):
         raise ValueError(f"{where}.values: expected a non-empty list, got {s['values']!r}")
+    if s.get("value", ...) is None or None in s.get("values", ()):
+        # W&B's agent passes every value as --name=str(value): null would reach the CLI as the text None.
+        key = "value" if "value" in s else "values"
+        raise ValueError(
+            f"{where}.{key}: null cannot be passed to the CLI (the W&B agent writes it as --{where.removeprefix('parameters.')}=None, the "
+            "text None); write it quoted, 'null', to give the option null, or leave the parameter out for its default"
+        )
     if "probabilities" in s:
         p = s["probabilities"]
         if (

@@ -907,3 +907,38 @@ def test_the_estimate_of_the_time_left_weighs_the_units_by_their_cost_and_counts
     progress = _Progress([unit(f"{i}/4", 1, 0.0) for i in range(1, 5)], workers=1)
     assert progress.first_ended("1/4") and progress.seconds_left(3.0) == pytest.approx(9.0)
     assert (_duration(31.5), _duration(119.4), _duration(600.0)) == ("32 s", "119 s", "10 min")
+
+
+def test_a_null_value_is_refused_saying_how_to_pass_null(tmp_path, capsys):
+    """null reaches the CLI as the text None (as the W&B agent formats it): refused, with how to pass null."""
+    path, results = tmp_path / "grid.yaml", tmp_path / "r.jsonl"
+    path.write_text(yaml.safe_dump(config({"model.lr": {"values": [0.01, None]}, "local_steps": {"value": 2}})))
+    assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"lit_slowcal sweep: error: {path}: parameters.model.lr.values: null cannot be passed to the CLI (the W&B agent "
+        "writes it as --model.lr=None, the text None); write it quoted, 'null', to give the option null, or leave the "
+        "parameter out for its default\n"
+    )
+    path.write_text(yaml.safe_dump(config({"model.lr": {"values": [0.01, "null"]}})))
+    assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].endswith("--model.lr=null")
+
+
+def test_two_spellings_of_one_value_are_one_run_refused_before_any_trial(tmp_path, capsys):
+    """1e-2 (text to YAML) beside 0.01, or 1 beside 1.0, are one run: refused, naming both."""
+    path, results = tmp_path / "grid.yaml", tmp_path / "r.jsonl"
+    path.write_text("method: grid\nparameters:\n  model.lr: {values: [0.01, 1e-2]}\n  local_steps: {values: [2, 4]}\n"
+                    f"command: {json.dumps(COMMAND)}\n")  # fmt: skip
+    assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "lit_slowcal sweep: error: the trials local_steps=2 model.lr=0.01 and local_steps=2 model.lr=1e-2 are one run: "
+        "the CLI reads model.lr 0.01 and '1e-2' alike (YAML reads 1e-2 without a dot as text); list each value once\n"
+    )
+    path.write_text(yaml.safe_dump(config({"model.lr": {"values": [1, 1.0]}, "eval_every": {"values": [1, 2]}})))
+    assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 2
+    assert "the CLI reads model.lr 1 and 1.0 alike" in capsys.readouterr().err
+    # Values that differ in a setting that does not change the run's results (eval_every) stay two trials.
+    path.write_text(yaml.safe_dump(config({"model.lr": {"value": 0.01}, "eval_every": {"values": [1, 2]}})))
+    assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 0
+    assert "2 trials, 0 already in" in capsys.readouterr().out
+    assert not results.exists()
