@@ -275,13 +275,21 @@ def _averaging_weight(
     return alpha_next / (total + alpha_sum_error), total, alpha_sum_error
 
 
+#: weight_power must stay below this: alpha_1 = 2^p is float64's largest power of two below it.
+_MAX_WEIGHT_POWER = 1024
+
+
 def _check_options(options: dict) -> None:
     lr = options["lr"]
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"Invalid lr: {lr} (must be finite and >= 0)")
     weight_power = options["weight_power"]
-    if not (math.isfinite(weight_power) and weight_power >= 0):
-        raise ValueError(f"Invalid weight_power: {weight_power} (must be finite and >= 0)")
+    if not (math.isfinite(weight_power) and 0 <= weight_power < _MAX_WEIGHT_POWER):
+        # alpha_1 = 2^p, the weight of the first step's average, overflows float64 from p = 1024.
+        raise ValueError(
+            f"Invalid weight_power: {weight_power} (must be finite, >= 0 and < {_MAX_WEIGHT_POWER}: the first "
+            f"step's weight 2^p overflows float64 beyond; a run of T steps needs (T+1)^p and its sum finite too)"
+        )
     gamma = options["gamma"]
     if gamma is not None and not 0 < gamma <= 1:
         raise ValueError(f"Invalid gamma: {gamma} (must be in (0, 1] or None)")

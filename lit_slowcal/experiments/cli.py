@@ -45,7 +45,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_slowcal._lightning import KeepCommandLineModelArgs
-from lit_slowcal._validation import check_int, check_number
+from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
@@ -200,6 +200,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         shape = self.shape = self.run_shape(world_size_of(self.setting("trainer") or {}))
         if self.subcommand == "fit" and self._resumed_step:
             check_trains_more(self.setting("ckpt_path"), self._resumed_step, shape, *self._training_limits())
+        if self.subcommand == "fit":
+            self._check_method_over(self._run_steps(shape))
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
         elif trainer_config.get("logger") is False and trainer_config.get("default_root_dir") is None:
@@ -217,6 +219,25 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def _training_limits(self) -> tuple[Any, Any]:
         return self.setting("trainer.max_epochs"), self.setting("trainer.max_steps")
+
+    def _run_steps(self, shape: RunShape) -> Optional[int]:
+        """The optimizer steps the fit ends at (``None``: no end): its epochs' trained rounds, at most ``max_steps``."""
+        max_epochs, max_steps = self._training_limits()
+        if max_epochs is None and max_steps in (None, -1):
+            max_epochs = 1000  # Lightning's default then
+        steps = max_epochs * shape.trained_rounds * shape.steps_per_round if is_int(max_epochs) and max_epochs >= 0 else None
+        if is_int(max_steps) and max_steps >= 0:
+            steps = max_steps if steps is None else min(steps, max_steps)
+        return steps
+
+    def _check_method_over(self, steps: Optional[int]) -> None:
+        """The method's options that depend on the run's length (SLowcal's weight_power), before training."""
+        if steps is None:
+            return
+        try:
+            get_method(self.setting("method")).optimizer([torch.zeros(1, requires_grad=True)], self.model.hparams, steps=steps)
+        except ValueError as err:
+            raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
 
     def _callbacks(self, trainer_config: Any, shape: RunShape) -> list[Any]:
         """The configured callbacks, and the run's identity, last.ckpt and diagnostics callbacks unless given."""

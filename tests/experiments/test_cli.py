@@ -127,6 +127,15 @@ BAD_INPUT = [
     (["--data.split=plain"], ["Invalid data.split: 'plain' (allowed: official, balanced, dirichlet)"]),
     (["--model.weight_power=-1"], ["weight_power: -1"]),
     (["--model.gamma=1.5"], ["gamma: 1.5", "(0, 1]"]),
+    (["--model.weight_power=1e6"], ["Invalid model.weight_power: 1000000.0 (must be finite, >= 0 and < 1024: the first "
+                                    "step's weight 2^p overflows float64 beyond"]),
+    (["--model.weight_power=86"], ["Invalid model.weight_power: 86.0 (must be from 0 to 85.75 for this run's 3760 "
+                                   "optimizer steps: beyond it the weights alpha_t = (t+1)^p and their sum overflow)"]),
+    (["--model.weight_power=400", "--model.scale_lr_by_weight=true"],
+     ["Invalid model.weight_power: 400.0 (must be from 0 to 11.33 for this run's 3760 optimizer steps at lr 0.01 with "
+      "scale_lr_by_weight (lr (t+1)^p must fit float32)"]),
+    (["--model.weight_power=17", "--model.scale_lr_by_weight=true", "--trainer.limit_train_batches=10",
+      "--trainer.max_epochs=2"], ["Invalid model.weight_power: 17.0 (must be from 0 to 16.17 for this run's 320 "]),
     (["--num_machines=3", "--trainer.devices=2"], ["num_machines = 3", "not divisible", "processes (2"]),
     (["--trainer.strategy=periodic_averaging", "--trainer.strategy.sync_every=8"],
      ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"]),
@@ -134,8 +143,9 @@ BAD_INPUT = [
     (["--data.root={empty}"], ["missing from", "MNIST/raw", "train-images-idx3-ubyte.gz", "data.root"]),
     (["--data.root={size}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "100 bytes, expected 60008"]),
     (["--data.root={magic}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "magic number 2051, expected 2049"]),
-    (["--threads=-1"], ["Invalid threads: '-1'", "auto", "0 for torch's default", ">= 1"]),
-    (["--threads=x"], ["Invalid threads: 'x'", "auto", "0 for torch's default", ">= 1"]),
+    (["--threads=-1"], ["Invalid threads: '-1'", "auto", "0 for torch's default", "from 1 to"]),
+    (["--threads=x"], ["Invalid threads: 'x'", "auto", "0 for torch's default", "from 1 to"]),
+    (["--threads=100000"], ["Invalid threads: '100000'", "auto", "0 for torch's default", "from 1 to"]),
 ]
 
 

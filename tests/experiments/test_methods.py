@@ -232,3 +232,47 @@ def test_server_options_of_the_local_methods():
         METHODS["local_sgd"].optimizer(params, hparams(outer="sgd", outer_lr=-1))
     with pytest.raises(ValueError, match=r"Invalid outer: 'sgd' with method scaffold \(SCAFFOLD's server step is SGD at model.server_lr\)"):
         METHODS["scaffold"].optimizer(params, hparams(outer="sgd"))
+
+
+# -- SLowcal's weight_power: the float64 weights (t+1)^p and their sum stay finite over the run ------
+
+
+def _train(power: float, steps: int, scale: bool = False, lr: float = 0.01) -> tuple[float, bool]:
+    """``steps`` SlowcalSGD steps at ``power``: its float64 sum of weights and whether x stayed finite."""
+    from lit_slowcal.optimizer import SlowcalSGD
+
+    x = torch.zeros(3, requires_grad=True)
+    opt = SlowcalSGD([x], lr=lr, weight_power=power, scale_lr_by_weight=scale)
+    for _ in range(steps):
+        x.grad = torch.full((3,), 1e-30)
+        opt.step()
+    return opt.state[x]["alpha_sum"] + opt.state[x]["alpha_sum_error"], bool(torch.isfinite(x).all())
+
+
+@pytest.mark.parametrize("power", [1e6, 1024.0, float("inf")])
+def test_slowcal_sgd_refuses_a_weight_power_whose_first_weight_overflows(power):
+    from lit_slowcal.optimizer import SlowcalSGD
+
+    with pytest.raises(ValueError) as info:
+        SlowcalSGD([torch.zeros(1, requires_grad=True)], lr=0.1, weight_power=power)
+    assert str(info.value).startswith(f"Invalid weight_power: {power} (must be finite, >= 0 and < 1024: the first step's")
+    assert _train(1023.99, 1)[0] == 1 + 2.0**1023.99  # just below: the first step's sum is finite
+
+
+@pytest.mark.parametrize(("steps", "scale", "lr", "bound"), [
+    (2, False, 0.01, 646.06), (10, False, 0.01, 295.98), (256, False, 0.01, 127.71), (3760, False, 0.01, 85.75),
+    (10, True, 0.01, 40.53), (256, True, 0.01, 16.83), (3760, True, 0.01, 11.33), (3760, True, 1e3, 9.93),
+])  # fmt: skip
+def test_max_weight_power_is_where_the_arithmetic_overflows(steps, scale, lr, bound):
+    from lit_slowcal.experiments.methods import max_weight_power
+
+    p = max_weight_power(steps, lr, scale)
+    assert bound <= p < bound + 0.01
+    total, finite = _train(p * (1 - 1e-12), steps, scale, lr)
+    assert total < float("inf") and finite
+    try:  # 0.05% above: the run's arithmetic fails, raising or leaving a non-finite sum or x
+        total, finite = _train(p * 1.0005, steps, scale, lr)
+        failed = not (total < float("inf") and finite)
+    except (OverflowError, RuntimeError):
+        failed = True
+    assert failed
