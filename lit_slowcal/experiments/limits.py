@@ -41,6 +41,11 @@ def round_bytes(machines: int, steps_per_round: int, batch_size: int, features: 
     return 2 * samples * (4 * features + 8 + 8)
 
 
+def _size(nbytes: int) -> str:
+    """``150.3 GiB``, or ``1.5 MiB`` below a tenth of a GiB."""
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def check_round_fits(
     machines: int, steps_per_round: int, batch_size: int, features: int, available: Optional[int] = None
 ) -> None:
@@ -52,12 +57,19 @@ def check_round_fits(
     available = available_memory() if available is None else available
     need = round_bytes(machines, steps_per_round, batch_size, features)
     if available is not None and need > available:
-        per_step = max(1, available // (2 * machines * steps_per_round * (4 * features + 16)))
+        per_step = available // round_bytes(machines, steps_per_round, 1, features)  # the largest batch that fits
+        if per_step >= 1:
+            advice = f"Use a batch_size of at most {per_step} per step, fewer machines or fewer local_steps."
+        else:  # not even one sample per step: only fewer machines or steps help
+            fit = available // round_bytes(1, steps_per_round, 1, features)
+            advice = (
+                f"Not even 1 sample per step fits: at most {fit} machines do with {steps_per_round} steps per round. "
+                "Use fewer machines (or more nodes) or fewer local_steps, or free memory."
+            )
         raise ValueError(
             f"A round does not fit in memory: {machines} machines x {steps_per_round} steps x {batch_size} samples "
-            f"per step x {features} features need {need / _GIB:.1f} GiB (with the next round, fetched ahead), and "
-            f"{available / _GIB:.1f} GiB are available. Use a batch_size of at most {per_step} per step, fewer "
-            f"machines or fewer local_steps."
+            f"per step x {features} features need {_size(need)} (with the next round, fetched ahead), and "
+            f"{_size(available)} are available. {advice}"
         )
 
 

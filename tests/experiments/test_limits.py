@@ -12,6 +12,10 @@ LIMITS = [
     (["--num_machines=16", "--local_steps=16", "--batch_size=100000"], 20 * 2**30,
      "A round does not fit in memory: 16 machines x 16 steps x 100000 samples per step x 784 features need 150.3 GiB "
      "(with the next round, fetched ahead), and 20.0 GiB are available. Use a batch_size of at most 13306 per step"),
+    (["--num_machines=16", "--local_steps=16", "--batch_size=1"], 500_000,  # b is 1 already: no smaller batch helps
+     "A round does not fit in memory: 16 machines x 16 steps x 1 samples per step x 784 features need 1.5 MiB (with "
+     "the next round, fetched ahead), and 0.5 MiB are available. Not even 1 sample per step fits: at most 4 machines do "
+     "with 16 steps per round. Use fewer machines (or more nodes) or fewer local_steps, or free memory."),
     (["--num_machines=16", "--local_steps=16", "--batch_size=20000"], 2**40,
      "Invalid batch_size: each machine takes 20000 samples per step, more than any machine's shard of the split "
      "(16 machines, Dirichlet alpha=0.1, official) holds: 944 to 10190 samples (machine 7). Use a per-step batch of "
