@@ -57,7 +57,7 @@ from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.notes import say_lines
 from lit_slowcal.experiments.options import ConfigFile, OneLineErrorParser, add_options
 from lit_slowcal.experiments.resume import check_checkpoint, check_trains_more, last_checkpoint
-from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, run_loggers, run_name, run_version
+from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, run_dir_error, run_loggers, run_name, run_version
 from lit_slowcal.experiments.shape import RunShape, per_step_batch
 from lit_slowcal.experiments.summary import summary_lines
 from lit_slowcal.experiments.threads import configure_run_threads, world_size_of
@@ -102,6 +102,12 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
         try:
             super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        except OSError as err:  # a full disk, a file for a folder: say --run_dir and the path
+            config = getattr(self, "config", None)
+            error = run_dir_error(err, self.setting("run_dir") if config is not None else None)
+            if error is None:
+                raise
+            raise error from err
         finally:
             # Runs started later in this process (a sweep) pick their own version folder. With
             # run=False the caller trains later, and its DDP children still need the variable.

@@ -12,8 +12,10 @@ server answers within ``WANDB_INIT_TIMEOUT`` seconds, else offline with one line
 
 from __future__ import annotations
 
+import errno
 import netrc
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
@@ -21,8 +23,8 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
 __all__ = [
-    "RUN_VERSION_ENV", "claim_version", "flat_config", "run_loggers", "run_name", "run_version", "start_wandb",
-    "wandb_logged_in",
+    "RUN_VERSION_ENV", "claim_version", "flat_config", "run_dir_error", "run_loggers", "run_name", "run_version",
+    "start_wandb", "wandb_logged_in",
 ]  # fmt: skip
 
 #: The run's version folder, chosen by the launching process and inherited by its DDP children.
@@ -65,6 +67,31 @@ def run_version(run_dir: str | Path, name: str) -> tuple[int, bool]:
     number = claim_version(run_dir, name)
     os.environ[RUN_VERSION_ENV] = str(number)
     return number, True
+
+
+def run_dir_error(err: OSError, run_dir: Any) -> Optional[OSError]:
+    """``err``, a failure to write under ``run_dir``, as one line naming ``--run_dir``, the path and what is wrong
+    (a full disk with the space left, a file where a folder must be); ``None`` for a failure elsewhere."""
+    if not run_dir or not isinstance(err, OSError) or err.errno is None:
+        return None
+    root = Path(str(run_dir)).absolute()
+    paths = [Path(str(f)).absolute() for f in (err.filename2, err.filename) if f is not None]
+    path = next((f for f in paths if f == root or root in f.parents), None)
+    if path is None:
+        return None
+    what = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        existing = next((p for p in (path, *path.parents) if p.exists()), root)
+        free = shutil.disk_usage(existing).free
+        what = (f"the disk is full ({free / 2**20:.1f} MiB free there): free space or pass another --run_dir, then "
+                "continue with the same command and --ckpt_path last")  # fmt: skip
+    elif err.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocking = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            what = f"{blocking} is not a folder: pass a folder (it is created if missing)"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        what = f"{what}: pass a --run_dir this user may write to"
+    return OSError(f"--run_dir {run_dir}: cannot write {path}: {what}")
 
 
 def flat_config(config: Any) -> dict[str, Any]:

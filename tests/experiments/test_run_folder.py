@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from in_process import RUN, command
+from in_process import RUN, command, error_line
 
 from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, claim_version, run_name, run_version, start_wandb
 
@@ -90,3 +90,35 @@ def test_without_a_logger_every_output_stays_in_the_run_folder(tmp_path, capsys,
     code, err = command(capsys, "--trainer.logger=false", "--ckpt_path=last", "--trainer.max_epochs=2", run_dir=Path("runs"))
     assert code == 0, err[-2000:]
     assert torch.load(tmp_path / "runs" / RUN / "version_2" / "checkpoints" / "last.ckpt")["global_step"] == 2 * 4 * 64
+
+
+def test_a_run_dir_that_is_not_a_folder_is_one_line_naming_it(tmp_path, capsys, no_training):
+    (tmp_path / "a_file").write_text("")
+    for run_dir, blocking in ((Path("/dev/null"), "/dev/null"), (tmp_path / "a_file" / "runs", str(tmp_path / "a_file"))):
+        code, err = command(capsys, run_dir=run_dir)
+        assert code == 1 and error_line(err) == (
+            f"lit_slowcal: error: --run_dir {run_dir}: cannot write {run_dir / RUN / 'version_0'}: {blocking} is not a "
+            "folder: pass a folder (it is created if missing) (LIT_SLOWCAL_DEBUG=1 shows the traceback)"
+        )
+    assert not no_training
+
+
+def test_a_full_disk_mid_run_is_one_line_naming_run_dir_the_file_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    from lit_slowcal.experiments.model import MachinesModel
+
+    target = tmp_path / "runs" / RUN / "version_0" / "checkpoints" / ".last.ckpt.tmp"
+
+    def disk_full(self, batch, batch_idx):  # what a write into the run folder meets on a full disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/elsewhere", None, str(target))  # shutil.copy's
+
+    monkeypatch.setattr(MachinesModel, "training_step", disk_full)
+    code, err = command(capsys, run_dir=tmp_path / "runs")
+    line = error_line(err)
+    assert code == 1 and line.startswith(
+        f"lit_slowcal: error: --run_dir {tmp_path / 'runs'}: cannot write {target}: the disk is full ("
+    ), line
+    assert "MiB free there): free space or pass another --run_dir, then continue with the same command and " \
+        "--ckpt_path last" in line
