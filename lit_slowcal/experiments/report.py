@@ -80,7 +80,6 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
     ``notes``: a list that gets a line saying how many repeated records were counted once, if any.
     """
     from lit_slowcal.experiments.sweep.results import check_record, duplicate_error, parse_line, same_values
-    from lit_slowcal.experiments.sweep.trials import record_key
 
     records: dict[str, Record] = {}
     lines: dict[str, int] = {}
@@ -97,12 +96,10 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
                     raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
                 record = Record(parsed)
                 record.where = f"{path}, line {n}"
-                # A record written before identities were stored: its arguments stand for its identity.
-                identity = record["identity"] if "identity" in record else json.dumps(record.get("args"))
-                key = record_key(record["params"], identity)
+                key = _trial_of(record)
                 if key in records:
                     if not same_values(records[key], record):
-                        raise duplicate_error(path, key, lines[key], n)
+                        raise duplicate_error(path, record, lines[key], n)
                     repeated += 1
                     continue
                 records[key], lines[key] = record, n
@@ -111,6 +108,19 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
     if repeated and notes is not None:
         notes.append(f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once")
     return list(records.values())
+
+
+def _trial_of(record: dict[str, Any]) -> str:
+    """Which trial a record is: its run's identity (two spellings of one value, ``1e-2`` and ``0.01``, are one
+    run) and its parameters that are not part of it (``eval_every``); a record written before identities were
+    stored: its parameters and its arguments."""
+    from lit_slowcal.experiments.identity import RESULT_SETTINGS, may_change_on_resume
+    from lit_slowcal.experiments.sweep.trials import record_key
+
+    params = record["params"]
+    if record.get("identity") is None:
+        return record_key(params, json.dumps(record.get("args")))
+    return record_key({k: v for k, v in params.items() if may_change_on_resume(k) and k not in RESULT_SETTINGS}, record["identity"])
 
 
 def cell_of(record: dict[str, Any], needed: str) -> tuple[str, int, int]:
@@ -155,16 +165,19 @@ def _flags(args: Sequence[str]) -> dict[str, str]:
     return flags
 
 
-def _check_one_setting(key: tuple[int, int, str], records: list[dict[str, Any]]) -> None:
+def _check_one_setting(
+    key: tuple[int, int, str], records: list[dict[str, Any]], varies: Sequence[str] = (), averages: str = "the report averages"
+) -> None:
     """Refuse a point whose records were run with different settings (not only another seed): by their stored
-    identities (``sweep.trials.setting_of``), and by their arguments."""
+    identities (``sweep.trials.setting_of``; not when a setting ``varies`` among them), and by their arguments
+    (but the options that ``varies`` names)."""
     from lit_slowcal.experiments.sweep.trials import setting_of
 
     where = f"M={key[0]}, K={key[1]}, {key[2]}"
-    advice = "the report averages over seeds only; give each setting its own results file (sweep --results) or remove the old records"
+    advice = f"{averages} over seeds only; give each setting its own results file (sweep --results) or remove the old records"
     by_args: dict[str, dict[str, str]] = {}
     for r in records:
-        flags = _flags(r.get("args") or [])
+        flags = {k: v for k, v in _flags(r.get("args") or []).items() if k not in varies}
         by_args.setdefault(json.dumps(flags, sort_keys=True), flags)
     if len(by_args) > 1:
         first, *others = by_args.values()
@@ -173,7 +186,7 @@ def _check_one_setting(key: tuple[int, int, str], records: list[dict[str, Any]])
         shown = "; ".join(f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4])
         raise ValueError(f"the trials at {where} were run with different command lines ({shown}): {advice}")
     settings = {setting_of(r["identity"]) for r in records if r.get("identity")}
-    if len(settings) > 1:
+    if len(settings) > 1 and not varies:
         raise ValueError(
             f"the trials at {where} were run with different settings (the same arguments, {len(settings)} identities: "
             f"a config file changed in between?): {advice}"

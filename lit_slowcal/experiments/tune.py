@@ -57,6 +57,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parser.parse_args(argv)
     try:
         check_criterion(opts.criterion)
+        for option, path in (("--out", opts.out), ("--floats", opts.floats)):
+            if path is not None and path.is_dir():
+                raise ValueError(f"Invalid {option}: {path} is a folder; give a file's path")
+        if opts.docs is not None and opts.docs.exists() and not opts.docs.is_dir():
+            raise ValueError(f"Invalid --docs: {opts.docs} is a file; give a folder (made if missing)")
         notes: list[str] = []
         choices = tune(load_results(opts.results, notes), opts.criterion)
         for line in notes:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lit_slowcal.experiments.methods import METHODS
-from lit_slowcal.experiments.report import cell_of
+from lit_slowcal.experiments.report import _check_one_setting, cell_of
 
 __all__ = ["Choice", "Win", "check_criterion", "tune", "winners"]
 
@@ -115,6 +115,10 @@ def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> l
     for (method, m, k), by_lr in cells.items():
         where = f"{method} M={m} K={k}"
         trials = [r for rs in by_lr.values() for r in rs]
+        # One setting per cell but the rate (by the records' arguments), and per rate but the seed (their identities).
+        _check_one_setting((m, k, method), trials, varies=(_LR,), averages="tuning compares rates averaged")
+        for rs in by_lr.values():
+            _check_one_setting((m, k, method), rs, averages="tuning compares rates averaged")
         for name in {n for r in trials for n in r["params"]} - {*_CELL, _LR, _SEED}:
             values = {json.dumps(r["params"].get(name)) for r in trials}
             if len(values) > 1:

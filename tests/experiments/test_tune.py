@@ -376,3 +376,44 @@ def test_a_line_nested_too_deeply_is_one_line_for_tune_report_and_sweep(tmp_path
         assert f"{path}, line 3: {message}" in err
     with pytest.raises(ValueError, match=f"line 3: {message[:20]}"):
         sw.ResultsFile(path)
+
+
+def test_records_of_one_cell_run_with_another_command_are_refused_and_one_run_counts_once(tmp_path, capsys):
+    """Results files of two commands merged: a cell whose rates (or seeds) were run with other settings is
+    refused, as the report refuses it; one run recorded under two spellings of its rate (one identity) counts once."""
+    base = ["fit", "--config", "configs/paper.yaml", "--method=slowcal", "--num_machines=16", "--local_steps=4"]
+    records = [json.loads(json.dumps(r)) for r in RECORDS[:4]]
+    for r in records:
+        seed, lr = r["params"]["seed_everything"], r["params"]["model.lr"]
+        r["args"] = [*base, f"--seed_everything={seed}", f"--model.lr={lr}", "--model.weight_decay=1e-4"]
+    records[3]["args"][-1] = "--model.weight_decay=0"  # lr 0.01, seed 2: another objective
+    path = write(tmp_path / "merged.jsonl", records)
+    assert app_main_exit(["tune", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the trials at M=16, K=4, slowcal were run with different command lines" in err
+    assert "--model.weight_decay 1e-4 in one, 0 in another" in err and "tuning compares rates averaged over seeds only" in err
+    # The same arguments, identities of two settings at one rate (a config file edited between two sweeps).
+    for i, r in enumerate(records):
+        r["args"][-1] = "--model.weight_decay=1e-4"
+        r["identity"] = f"{'ab'[i == 3] * 16}-{i:08d}"
+    write(path, records)
+    assert app_main_exit(["tune", str(path)]) == 2
+    assert "were run with different settings (the same arguments, 2 identities" in capsys.readouterr().err
+    # One setting per rate (identities differ between rates only): tuned; the rate written 1e-2 is that run again.
+    for r in records:
+        r["identity"] = f"{str(r['params']['model.lr']) * 2}-{r['params']['seed_everything']:08d}"
+    again = {**json.loads(json.dumps(records[2])), "params": {**records[2]["params"], "model.lr": "1e-2"}}
+    write(path, [*records, again])
+    assert app_main_exit(["tune", str(path), "--out", str(tmp_path / "t.csv")]) == 0
+    (row,) = read_csv(tmp_path / "t.csv")
+    assert (row["lr"], row["n_seeds"], float(row["train_objective_mean"])) == ("0.01", "2", pytest.approx(0.26, abs=1e-15))
+    assert "1 record repeats another of the same trial" in capsys.readouterr().err
+
+
+def test_output_paths_of_the_wrong_kind_are_one_line_naming_the_option(tmp_path, capsys):
+    results = write(tmp_path / "grid.jsonl", RECORDS)
+    assert app_main_exit(["tune", str(results), "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"lit_slowcal tune: error: Invalid --out: {tmp_path} is a folder; give a file's path\n"
+    assert app_main_exit(["tune", str(results), "--docs", str(results)]) == 2
+    assert capsys.readouterr().err == f"lit_slowcal tune: error: Invalid --docs: {results} is a file; give a folder (made if missing)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.jsonl"]

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.limits import available_memory
 from lit_slowcal.experiments.notes import once_per_sweep
-from lit_slowcal.experiments.sweep import checks
+from lit_slowcal.experiments.sweep import checks, output
 from lit_slowcal.experiments.sweep.runner import run_sweep
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
@@ -108,7 +108,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lit_slowcal sweep SWEEP.yaml [--results PATH] [--count N] [--dry-run] [--retry-failed] [--wandb=false]``."""
+    """``python -m lit_slowcal sweep SWEEP.yaml [--results PATH] [--count N] [--dry-run] [--retry-failed] [--wandb=false]``.
+
+    When the reader of its output ends (``| head -1``), the sweep stops quietly with status 141, as after SIGPIPE
+    (``output``): the trials recorded stay, the one running is not recorded.
+    """
+    with output.guarded():
+        try:
+            return _main(argv)
+        except output.OutputClosed:
+            return output.EXIT_STATUS
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     opts = _parser().parse_args(argv)
     results_path = opts.results or Path("sweeps") / "results" / f"{opts.sweep.stem}.jsonl"
     extra = [] if opts.wandb is None else [f"--wandb={str(opts.wandb).lower()}"]

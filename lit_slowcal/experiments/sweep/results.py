@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lit_slowcal.experiments.sweep.trials import record_key
+from lit_slowcal.experiments.sweep.trials import record_key, trial_key
 from lit_slowcal.files import atomic_write, locked
 
 __all__ = ["MAX_DEPTH", "ResultsFile", "check_record", "duplicate_error", "parse_line", "same_values"]
@@ -76,12 +76,12 @@ def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def duplicate_error(path: Any, key: str, first: int, second: int) -> ValueError:
+def duplicate_error(path: Any, record: dict[str, Any], first: int, second: int) -> ValueError:
     """The refusal of two records of one trial that differ in status or metrics (lines ``first`` and ``second``)."""
-    trial, _, identity = key.rpartition("@")
+    identity = f", identity {record['identity']}" if record.get("identity") else ""
     return ValueError(
-        f"{path}, lines {first} and {second}: two records of one trial ({trial}, identity {identity}) with different "
-        "status or metrics; keep the one to count and remove the other"
+        f"{path}, lines {first} and {second}: two records of one trial ({trial_key(record['params'])}{identity}) with "
+        "different status or metrics; keep the one to count and remove the other"
     )
 
 
@@ -154,7 +154,7 @@ class ResultsFile:
                         raise ValueError(f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line")
                     key = record_key(record["params"], self._identity(record))
                     if key in records and not same_values(records[key], record):
-                        raise duplicate_error(self.path, key, lines[key], n)
+                        raise duplicate_error(self.path, record, lines[key], n)
                     records.setdefault(key, record)
                     lines.setdefault(key, n)
         self.records = records

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
+from lit_slowcal.experiments.sweep import output
 from lit_slowcal.experiments.sweep.units import Unit, run_unit
 
 __all__ = ["WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "run_in_workers", "worker_pool"]
@@ -95,6 +96,7 @@ def _worker_start(threads: int, started: Any = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker inherits the sweep's handler)
     in_worker()  # the notes go back to the sweep, which prints each once
+    output.in_worker()  # its reader gone, the sweep stops at its own next line
     if threads > 0:
         torch.set_num_threads(threads)
 

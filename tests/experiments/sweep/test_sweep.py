@@ -942,3 +942,23 @@ def test_two_spellings_of_one_value_are_one_run_refused_before_any_trial(tmp_pat
     assert sw.main([str(path), "--results", str(results), "--dry-run"]) == 0
     assert "2 trials, 0 already in" in capsys.readouterr().out
     assert not results.exists()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_sweep_whose_reader_ends_stops_quietly_keeping_what_it_recorded(tmp_path, workers):
+    """``sweep ... | head``: once the reader is gone the sweep stops as at SIGPIPE (status 141, no error line),
+    and no trial is recorded as failed for it."""
+    yaml_path, results = tiny_sweep(tmp_path, methods=("slowcal",), lrs=(0.01, 0.1, 0.03)), tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(yaml_path), "--results", str(results), "--wandb=false",
+           "--no-stack", "--workers", workers]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    while not lines or not lines[-1].startswith(b"[1/3]"):  # a trial has started: then the reader ends
+        lines.append(proc.stdout.readline().lstrip(b"\n"))
+        assert lines[-1] or proc.poll() is None, lines
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=300)[1].decode()
+    assert proc.returncode == 141, stderr
+    assert "Broken pipe" not in stderr and "Traceback" not in stderr and "error" not in stderr
+    records = read_records(results) if results.exists() else []
+    assert all(r["status"] == "finished" for r in records) and len(records) < 3
