@@ -54,6 +54,83 @@ def _load_cli_names(module: ModuleType) -> None:
     # Strategy: loading lit_slowcal.strategy makes `--trainer.strategy=periodic_averaging
     # --trainer.strategy.sync_every=8` resolve to the class of that name.
     importlib.import_module("lit_slowcal.strategy")
+    cli = module.LightningCLI
+    if not getattr(cli.parse_arguments, "_keeps_strategy_init_args", False):
+        cli.parse_arguments = _keeping_strategy_init_args(cli.parse_arguments)
+
+
+def _strategy_kind(value: Any) -> Any:
+    """``"popen"`` or ``"spawn"`` for a ``trainer.strategy`` value naming ``PeriodicAveragingStrategy`` (a registered
+    name, a class name or import path, or a ``class_path`` spec); else ``None``."""
+    name = value if isinstance(value, str) else getattr(value, "class_path", None)
+    if not isinstance(name, str):
+        return None
+    last = name.strip().rsplit(".", 1)[-1]
+    return {"periodic_averaging": "popen", "PeriodicAveragingStrategy": "popen", "periodic_averaging_spawn": "spawn"}.get(last)
+
+
+def _strategy_names(argv: list[str]) -> list[tuple[int, int]]:
+    """``(index, count)`` of each ``--trainer.strategy=NAME`` (or ``--trainer.strategy NAME``) in ``argv`` naming ours."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--trainer.strategy="):
+            value, count = arg.split("=", 1)[1], 1
+        elif arg == "--trainer.strategy" and i + 1 < len(argv):
+            value, count = argv[i + 1], 2
+        else:
+            continue
+        if _strategy_kind(value) is not None:
+            found.append((i, count))
+    return found
+
+
+def _keeping_strategy_init_args(parse_arguments: Callable[..., None]) -> Callable[..., None]:
+    """``LightningCLI.parse_arguments``, keeping a config's ``trainer.strategy`` init args when the command line
+    names the same strategy again.
+
+    ``Trainer(strategy=...)`` takes a string or a Strategy, and jsonargparse parses a bare name as the string:
+    ``--trainer.strategy=periodic_averaging`` replaced a config's ``{class_path: periodic_averaging, init_args:
+    {sync_every: 20, outer_optimizer: ...}}`` whole, and a following ``--trainer.strategy.sync_every=20`` started
+    a new one with every other init arg at its default (``outer_optimizer`` None), without a word. Naming the
+    class the config already has now keeps its init args, as jsonargparse does for a class given by its path.
+    """
+
+    def parse(self: Any, parser: Any, args: Any) -> None:
+        parse_arguments(self, parser, args)
+        if args is not None and not isinstance(args, (list, tuple)):  # a dict or Namespace: no command line
+            return
+        argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        names = _strategy_names(argv)
+        if not names:
+            return
+        kinds = {_strategy_kind(argv[i + c - 1].split("=", 1)[-1]) for i, c in names}
+        dropped = {j for i, c in names for j in range(i, i + c)}
+        config = _parse_quietly(parser, [a for j, a in enumerate(argv) if j not in dropped])
+        if config is None:
+            return
+        subcommand = config.get("subcommand")  # parse_arguments comes before LightningCLI sets self.subcommand
+        kept = config.get(f"{subcommand}.trainer.strategy" if subcommand else "trainer.strategy")
+        if hasattr(kept, "class_path") and {_strategy_kind(kept)} == kinds:
+            self.config = config  # else the config had no strategy of this kind: the name chooses it, as before
+
+    parse._keeps_strategy_init_args = True  # type: ignore[attr-defined]
+    return parse
+
+
+def _parse_quietly(parser: Any, argv: list[str]) -> Any:
+    """``parser.parse_args(argv)``, or ``None`` where it fails (nothing printed: the first parse stands)."""
+    import contextlib
+    import io
+
+    exit_on_error = getattr(parser, "exit_on_error", True)
+    try:
+        parser.exit_on_error = False
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return parser.parse_args(argv)
+    except (Exception, SystemExit):
+        return None
+    finally:
+        parser.exit_on_error = exit_on_error
 
 
 _HOOKS: dict[str, Callable[[ModuleType], None]] = {
