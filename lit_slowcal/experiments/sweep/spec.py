@@ -95,6 +95,15 @@ class Param:
     distribution: str
     spec: dict[str, Any]
 
+    def grid_size(self) -> int:
+        """How many values a grid search takes (as ``grid_values`` lists them, repeats included), without listing them."""
+        d, s = self.distribution, self.spec
+        if d == "int_uniform":
+            return s["max"] - s["min"] + 1
+        if d == "q_uniform":
+            return max(0, math.ceil((s["max"] - s["min"]) / s["q"]))
+        return len(self.grid_values())
+
     def grid_values(self) -> list[Any]:
         """The values a grid search takes, as W&B's grid search enumerates them."""
         d, s = self.distribution, self.spec

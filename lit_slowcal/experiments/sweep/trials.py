@@ -16,13 +16,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import random
 from typing import Any, Optional, Sequence
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.sweep.spec import Sweep
 
-__all__ = ["expand_trials", "identity_digest", "record_key", "setting_of", "trial_args", "trial_key"]
+__all__ = ["MAX_TRIALS", "expand_trials", "identity_digest", "record_key", "setting_of", "trial_args", "trial_key"]
+
+#: The most trials a sweep expands (each is parsed by the CLI before any runs: about 0.03 s a trial, less by parts).
+MAX_TRIALS = 1_000_000
 
 
 def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> list[dict[str, Any]]:
@@ -30,12 +34,19 @@ def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> l
 
     Grid: the product of every parameter's distinct values, the first name varying slowest. Random: draws
     from ``random.Random(seed)``, one value per parameter in name order; identical draws are kept
-    once. ``count`` (default: ``run_cap``) keeps the first ``count`` trials; random needs one.
+    once. ``count`` (default: ``run_cap``) keeps the first ``count`` trials; random needs one. A grid of
+    more than ``MAX_TRIALS`` trials (over a range of a billion integers), or as many draws, is refused before any
+    is listed.
     """
     if count is not None:
         check_int("--count", count)
     limit = count if count is not None else sweep.run_cap
     names = sweep.param_names
+    if sweep.method == "grid" and math.prod(p.grid_size() for p in sweep.params) > MAX_TRIALS:
+        shown = " x ".join(f"{p.grid_size():,} values of {p.name}" for p in sweep.params)
+        raise ValueError(f"method: grid: {shown}: more trials than a sweep runs here ({MAX_TRIALS:,}); narrow the grid")
+    if sweep.method == "random" and limit is not None and limit > MAX_TRIALS:
+        raise ValueError(f"method: random: {limit:,} draws, more trials than a sweep runs here ({MAX_TRIALS:,}); draw fewer")
     if sweep.method == "grid":  # a value listed twice makes one trial, not two
         grid = itertools.product(*(_distinct(p.grid_values()) for p in sweep.params))
         return [dict(zip(names, values)) for values in itertools.islice(grid, limit)]

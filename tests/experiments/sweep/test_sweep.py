@@ -962,3 +962,21 @@ def test_a_sweep_whose_reader_ends_stops_quietly_keeping_what_it_recorded(tmp_pa
     assert "Broken pipe" not in stderr and "Traceback" not in stderr and "error" not in stderr
     records = read_records(results) if results.exists() else []
     assert all(r["status"] == "finished" for r in records) and len(records) < 3
+
+
+def test_a_grid_or_a_draw_too_large_to_list_is_refused_at_once():
+    """A grid over a billion integers was listed whole (memory exhausted, even with --count 2): refused, with its size."""
+    huge = sw.parse_sweep(config({"local_steps": {"min": 1, "max": 10**9}, "model.lr": {"values": [0.1, 0.01]}}))
+    start = time.perf_counter()
+    for count in (None, 2):
+        with pytest.raises(ValueError) as err:
+            sw.expand_trials(huge, count)
+        assert str(err.value) == (
+            "method: grid: 1,000,000,000 values of local_steps x 2 values of model.lr: more trials than a sweep runs here "
+            "(1,000,000); narrow the grid"
+        )
+    draws = sw.parse_sweep(config({"model.lr": {"min": 0.001, "max": 0.1}}, method="random"))
+    with pytest.raises(ValueError, match=r"method: random: 100,000,000 draws, more trials than a sweep runs here \(1,000,000\)"):
+        sw.expand_trials(draws, 10**8)
+    assert time.perf_counter() - start < 1
+    assert len(sw.expand_trials(sw.parse_sweep(config({"local_steps": {"min": 1, "max": 10**6}})), 3)) == 3
