@@ -417,3 +417,13 @@ def test_output_paths_of_the_wrong_kind_are_one_line_naming_the_option(tmp_path,
     assert app_main_exit(["tune", str(results), "--docs", str(results)]) == 2
     assert capsys.readouterr().err == f"lit_slowcal tune: error: Invalid --docs: {results} is a file; give a folder (made if missing)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.jsonl"]
+
+
+def test_two_records_of_one_trial_within_float_rounding_are_the_same_values(tmp_path, capsys):
+    """The same trial stacked and alone (or on two machines) agrees within 1e-12 in its diagnostics: counted once."""
+    close = {**RECORDS[0], "metrics": {**RECORDS[0]["metrics"], "train_objective": 0.30 * (1 + 1e-12)}, "run_dir": "elsewhere"}
+    far = {**RECORDS[0], "metrics": {**RECORDS[0]["metrics"], "train_objective": 0.30 * (1 + 1e-6)}}
+    assert app_main_exit(["tune", str(write(tmp_path / "close.jsonl", [*RECORDS, close]))]) == 0
+    assert "| slowcal | 16 | 4 | 0.01 | no | 2 | 0.26 |" in capsys.readouterr().out
+    assert app_main_exit(["tune", str(write(tmp_path / "far.jsonl", [*RECORDS, far]))]) == 2
+    assert f"lines 1 and {len(RECORDS) + 1}: two records of one trial" in capsys.readouterr().err

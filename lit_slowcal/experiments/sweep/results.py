@@ -22,6 +22,7 @@ bits). A results path that is a symbolic link is followed: the file it points to
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,6 +38,9 @@ STATUSES = ("finished", "diverged", "failed")
 #: How deeply a record's values may nest (lists and objects in lists and objects): a trial's parameters are a
 #: few levels deep at most.
 MAX_DEPTH = 32
+#: How close (relative) two records' metrics of one trial must be to say the same: the stacked and the lone run
+#: of a trial agree within 1e-12 (the exactness contract), two CPUs' float sums about as closely.
+SAME_METRICS = 1e-9
 
 
 def _depth(value: Any) -> int:
@@ -69,11 +73,13 @@ def parse_line(line: bytes) -> Any:
 
 
 def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two records of one trial say the same: the same status and metrics (their run folder, time and
-    error text may differ: the same trial run on two machines)."""
-    return a["status"] == b["status"] and json.dumps(a.get("metrics", {}), sort_keys=True) == json.dumps(
-        b.get("metrics", {}), sort_keys=True
-    )
+    """Whether two records of one trial say the same: the same status and metrics, each within ``SAME_METRICS``
+    relative (their run folder, time and error text may differ: the same trial stacked and alone, or run on two
+    machines)."""
+    ma, mb = a.get("metrics", {}), b.get("metrics", {})
+    if a["status"] != b["status"] or ma.keys() != mb.keys():
+        return False
+    return all(x == y or (x is not None and y is not None and math.isclose(x, y, rel_tol=SAME_METRICS)) for x, y in ((ma[k], mb[k]) for k in ma))
 
 
 def duplicate_error(path: Any, record: dict[str, Any], first: int, second: int) -> ValueError:
