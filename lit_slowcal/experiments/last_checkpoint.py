@@ -35,6 +35,11 @@ class LastCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if 0 <= trainer.max_steps <= trainer.global_step and trainer.global_step != last_saved_step(self):
+                # The round that reaches max_steps ends training, often mid-epoch: written now, as the round's
+                # own checkpoint. Written at on_train_end instead, it would record the epoch as completed (the
+                # fit loop counts it done when max_steps stops it), and the resume would skip its other rounds.
+                save_last_checkpoint(self, trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

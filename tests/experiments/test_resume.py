@@ -153,6 +153,23 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_r
     assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_the_epoch(half_run, tmp_path, capsys):
+    """Stopped by max_steps after 2 of 4 rounds with the default checkpoint_every (10 rounds): its last.ckpt is the
+    round's, not the one written after the fit loop counted the epoch done, so the resume trains rounds 3 and 4
+    and ends where the uninterrupted run ends (it used to train nothing: "The run trained nothing")."""
+    runs = tmp_path / "runs"
+    assert command(capsys, "--trainer.max_steps=128", run_dir=runs)[0] == 0
+    stopped = torch.load(runs / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert (stopped["global_step"], stopped["epoch"]) == (128, 0)
+    code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    full = torch.load(half_run / "full" / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == full["global_step"] == 256
+    for key, value in full["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+
 def test_ckpt_path_last_says_which_newer_checkpoint_it_could_not_read(half_run, tmp_path, capsys):
     """A damaged newest last.ckpt is passed over for the newest readable one, with a note naming both."""
     runs = tmp_path / "runs"
