@@ -102,6 +102,11 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         kwargs["trainer_defaults"] = {**defaults, **kwargs.get("trainer_defaults", {})}
         try:
             super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        except MisconfigurationException as err:  # Lightning's refusal of a trainer setting, when fit starts
+            message = " ".join(str(err).split()).replace(
+                " or switch to automatic optimization.", " (every method steps its own optimizer, K steps per round)."
+            )
+            raise ValueError(f"Invalid trainer setting: {message}") from err
         except OSError as err:  # a full disk, a file for a folder: say --run_dir and the path
             config = getattr(self, "config", None)
             error = run_dir_error(err, self.setting("run_dir") if config is not None else None)
@@ -145,6 +150,8 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         # dump holds each subcommand's section (as the sweep takes a trial's identity).
         dumped = json.loads(self.parser.dump(self.config, format="json", skip_unset=False, skip_validation=True))
         self.identity = run_identity(dumped[self.subcommand] if self.subcommand else dumped)
+        if self.subcommand and get("run_dir") == "":
+            raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
             raise ValueError("--ckpt_path is empty: pass a checkpoint file, or last for this run's newest checkpoint")
         if self.subcommand in ("validate", "test", "predict") and get("ckpt_path") is None:
@@ -208,6 +215,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             check_trains_more(self.setting("ckpt_path"), self._resumed_step, shape, *self._training_limits())
         if self.subcommand == "fit":
             self._check_method_over(self._run_steps(shape))
+            self._note_max_steps(shape)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
         elif trainer_config.get("logger") is False and trainer_config.get("default_root_dir") is None:
@@ -235,6 +243,19 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if is_int(max_steps) and max_steps >= 0:
             steps = max_steps if steps is None else min(steps, max_steps)
         return steps
+
+    def _note_max_steps(self, shape: RunShape) -> None:
+        """Say where a ``max_steps`` that is not a whole number of rounds stops the run: after the round reaching it."""
+        max_steps, per_round = self.setting("trainer.max_steps"), shape.steps_per_round
+        if is_int(max_steps) and max_steps > 0 and max_steps % per_round:
+            stop = -(-max_steps // per_round) * per_round
+            if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+                print(
+                    f"note: trainer.max_steps={max_steps} is not a whole number of rounds ({per_round} optimizer steps "
+                    f"each): training stops after the round that reaches it, at step {stop}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _check_method_over(self, steps: Optional[int]) -> None:
         """The method's options that depend on the run's length (SLowcal's weight_power), before training."""

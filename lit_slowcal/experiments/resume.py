@@ -30,6 +30,11 @@ def _rank_zero_note(line: str) -> None:
 def check_checkpoint(path: str, identity: Mapping[str, Any], subcommand: str) -> int:
     """The step ``path``'s run stopped at; refuses a file that is not a Lightning checkpoint or is of
     another run. A path that is not a local file (remote, ``best``, missing) is Lightning's to resolve: 0."""
+    if "://" not in path and Path(path).is_dir():
+        raise ValueError(
+            f"--ckpt_path {path}: it is a folder, not a checkpoint file: pass a file, e.g. a run's "
+            "<run_dir>/<run name>/version_<n>/checkpoints/last.ckpt, or last for this run's newest"
+        )
     if "://" in path or not Path(path).is_file():
         return 0
     checkpoint = read_checkpoint(path)

@@ -140,6 +140,12 @@ BAD_INPUT = [
     (["--trainer.strategy=periodic_averaging", "--trainer.strategy.sync_every=8"],
      ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"]),
     (["--data.derived=1"], ["unrecognized arguments: --data.derived=1"]),
+    (["--trainer.gradient_clip_val=1.0"], ["Invalid trainer setting: Automatic gradient clipping is not supported for "
+                                           "manual optimization. Remove `Trainer(gradient_clip_val=1.0)` (every method "
+                                           "steps its own optimizer, K steps per round)."]),
+    (["--trainer.accumulate_grad_batches=2"], ["Invalid trainer setting: Automatic gradient accumulation is not "
+                                               "supported for manual optimization. Remove"]),
+    (["--run_dir="], ["Invalid run_dir: '' (must be a folder; . for the current one)"]),
     (["--data.root={empty}"], ["missing from", "MNIST/raw", "train-images-idx3-ubyte.gz", "data.root"]),
     (["--data.root={size}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "100 bytes, expected 60008"]),
     (["--data.root={magic}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "magic number 2051, expected 2049"]),

@@ -160,6 +160,8 @@ ONE_LINE = [
     (["--config={tmp}/empty.yaml"], 2, "--config {tmp}/empty.yaml: the file is empty"),
     (["--config={tmp}/binary.yaml"], 2, "--config {tmp}/binary.yaml: not a text file"),
     (["--ckpt_path="], 1, "--ckpt_path is empty: pass a checkpoint file, or last"),
+    (["--ckpt_path={tmp}"], 1, "--ckpt_path {tmp}: it is a folder, not a checkpoint file: pass a file, e.g. a run's "
+     "<run_dir>/<run name>/version_<n>/checkpoints/last.ckpt, or last for this run's newest"),
 ]  # fmt: skip
 
 

@@ -170,6 +170,13 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_the_epoch(half
         assert torch.equal(resumed["state_dict"][key], value), key
 
 
+def test_max_steps_between_rounds_says_where_the_run_stops(tmp_path, capsys):
+    code, err = command(capsys, "--trainer.max_steps=100", run_dir=tmp_path / "runs")
+    assert code == 0 and "note: trainer.max_steps=100 is not a whole number of rounds (64 optimizer steps each): " \
+        "training stops after the round that reaches it, at step 128" in err
+    assert torch.load(tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == 128
+
+
 def test_ckpt_path_last_says_which_newer_checkpoint_it_could_not_read(half_run, tmp_path, capsys):
     """A damaged newest last.ckpt is passed over for the newest readable one, with a note naming both."""
     runs = tmp_path / "runs"
