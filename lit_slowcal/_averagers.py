@@ -19,7 +19,8 @@ from lit_slowcal.averaging import PeriodicAverager, buffer_owners
 
 __all__ = ["CHECKPOINT_KEY", "AveragerSet"]
 
-#: Where a checkpoint holds the averagers' schedules: a list, one per optimizer in the strategy's order.
+#: Where a checkpoint holds the averagers' states (the schedule, every process's per-machine optimizer
+#: state): a list, one per optimizer in the strategy's order.
 CHECKPOINT_KEY = "periodic_averaging"
 
 
@@ -97,7 +98,11 @@ class AveragerSet:
         self.averagers = {}
 
     def _schedules(self, optimizers: Sequence[Optimizer]) -> Optional[list[dict[str, Any]]]:
-        """Every optimizer's schedule, in order (what a checkpoint holds); ``None`` before all have averagers."""
+        """Every optimizer's averager state, in order, with every process's per-machine optimizer state
+        (``PeriodicAverager.gather_state_dict``: a collective, called on every rank as the strategies'
+        saves are): what a checkpoint holds, on rank 0; ``None`` before all have averagers, and on the
+        other ranks."""
         if not optimizers or not all(id(o) in self.averagers for o in optimizers):
             return None
-        return [self.averagers[id(o)].state_dict() for o in optimizers]
+        states = [self.averagers[id(o)].gather_state_dict() for o in optimizers]
+        return None if any(state is None for state in states) else states  # type: ignore[misc]

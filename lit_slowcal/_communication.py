@@ -16,6 +16,7 @@ module (or optimizer state of the parameter's shape) holds one slice per machine
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
@@ -37,7 +38,8 @@ if dist.is_available():
 
 __all__ = [
     "all_modules", "average", "averaged_tensors", "broadcast_module", "buckets", "buffer_owners", "check_same_point",
-    "floats_sent", "machines_per_process", "world_size",
+    "check_unsharded", "floats_sent", "gather_ints", "gather_objects", "is_averaged", "machines_per_process", "rank",
+    "world_size",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -76,7 +78,7 @@ def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[li
     seen: set[int] = set()
     for m in module.modules():
         for b in m.buffers(recurse=False):
-            if id(b) in seen or not b.is_floating_point():
+            if id(b) in seen or not is_averaged(b):
                 continue
             seen.add(id(b))
             index, node = 0, m
@@ -92,11 +94,66 @@ def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[li
     return out
 
 
+def check_unsharded(modules: Modules, optimizer: Optimizer) -> None:
+    """Refuse, in one line, a model sharded over processes (FSDP2 / tensor parallel DTensors, FSDP1), whose
+    local tensors are shards that an average over processes would mix with other shards."""
+    names = {id(t): name for module in ([modules] if isinstance(modules, nn.Module) else modules) for name, t in (*module.named_parameters(), *module.named_buffers())}
+    dtensor = _dtensor_type()
+    if dtensor is not None:
+        tensors = [p for g in optimizer.param_groups for p in g["params"]]
+        tensors += [t for module in ([modules] if isinstance(modules, nn.Module) else modules) for t in (*module.parameters(), *module.buffers())]
+        for t in tensors:
+            if isinstance(t, dtensor):
+                raise ValueError(
+                    f"PeriodicAverager: {names.get(id(t), 'a parameter of the optimizer')!r} is a DTensor sharded over a "
+                    f"device mesh (placements {tuple(t.placements)}: FSDP2's fully_shard or tensor parallel); sharded "
+                    "models are not supported: average a model every process holds whole (one process per machine, as with DDP)"
+                )
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in all_modules(modules)):
+        raise ValueError(
+            "PeriodicAverager: the model is wrapped in FullyShardedDataParallel (FSDP1), whose parameters are shards; "
+            "sharded models are not supported: average a model every process holds whole (one process per machine, as with DDP)"
+        )
+
+
+def _dtensor_type() -> Optional[type]:
+    """``DTensor`` where torch.distributed has it (loaded only if torch already loaded it: no DTensor exists otherwise)."""
+    if not dist.is_available():
+        return None
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
+
+
 def world_size(process_group: Optional[Any]) -> int:
     """Processes of ``process_group`` (1 without an initialised process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(process_group)
+
+
+def rank(process_group: Optional[Any]) -> int:
+    """This process's rank in ``process_group`` (0 without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(process_group)
+
+
+def is_averaged(t: Tensor) -> bool:
+    """Whether a synchronisation averages ``t``: a floating-point or complex tensor."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def gather_objects(obj: Any, dst: int, process_group: Optional[Any]) -> Optional[list[Any]]:
+    """Every rank's ``obj`` (picklable, CPU tensors), in rank order, on group rank ``dst``; ``None`` on the others."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    mine = rank(process_group) == dst
+    out: Optional[list[Any]] = [None] * world_size(process_group) if mine else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=process_group)
+    return out
 
 
 def broadcast_module(
@@ -119,18 +176,41 @@ def broadcast_module(
                     dist.broadcast(t, src=src_rank, group=process_group)
 
 
-def check_same_point(optimizer: Optimizer, counts: tuple[int, int], process_group: Optional[Any], advice: str) -> None:
-    """All ranks at the same (steps, backward passes) ``counts`` (one small all-gather on the device of
-    the optimizer's parameters), or one ``RuntimeError`` on every rank that ends with ``advice``."""
+def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Optional[Any]) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (one small all-gather of int64 on the device of the optimizer's parameters)."""
     device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
     if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size(process_group))]
     dist.all_gather(everyone, mine, group=process_group)
-    counts = [tuple(int(v) for v in t.tolist()) for t in everyone]
-    if len(set(counts)) > 1:
-        ranks = ", ".join(f"rank {r}: {s} steps, {b} backward passes" for r, (s, b) in enumerate(counts))
+    return [tuple(int(v) for v in t.tolist()) for t in everyone]
+
+
+def check_same_point(
+    optimizer: Optimizer,
+    counts: tuple[int, int],
+    process_group: Optional[Any],
+    advice: str,
+    setup: Optional[dict[str, int]] = None,
+) -> None:
+    """All ranks at the same (steps, backward passes) ``counts`` and, where given, with the same ``setup``
+    (one small all-gather), or one ``RuntimeError`` on every rank: for a setup, naming what differs; for
+    counts, ending with ``advice``."""
+    names = list(setup or {})
+    everyone = gather_ints(optimizer, [*counts, *(setup or {}).values()], process_group)
+    differ = [i for i, name in enumerate(names) if len({values[2 + i] for values in everyone}) > 1]
+    if differ:
+        what = "; ".join(
+            f"{names[i]} (" + ", ".join(f"rank {r}: {values[2 + i]}" for r, values in enumerate(everyone)) + ")" for i in differ
+        )
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks were set up differently: {what}; every rank must build the averager alike "
+            "(the same sync_every, machines per process, participation and its seed, outer optimizer, and model and "
+            "optimizer state to average), and nothing was averaged."
+        )
+    if len({values[:2] for values in everyone}) > 1:
+        ranks = ", ".join(f"rank {r}: {v[0]} steps, {v[1]} backward passes" for r, v in enumerate(everyone))
         raise RuntimeError(
             f"PeriodicAverager: the ranks reached this synchronisation at different points ({ranks}); "
             "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
@@ -156,7 +236,7 @@ def averaged_tensors(
     out: Tensors = []
 
     def add(t: Tensor, owner: Tensor) -> None:
-        if id(t) not in seen and t.is_floating_point():
+        if id(t) not in seen and is_averaged(t):
             seen.add(id(t))
             out.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
 
@@ -173,9 +253,9 @@ def averaged_tensors(
 
 
 def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union[int, float]:
-    """Floats one machine sends in a synchronisation of ``tensors`` (one machine's slice of each) when M > 1;
-    with S < M participants, what they send per machine on average."""
-    floats = sum(t[0].numel() if s else t.numel() for t, s in tensors)
+    """Floats one machine sends in a synchronisation of ``tensors`` (one machine's slice of each) when M > 1
+    (a complex number is two); with S < M participants, what they send per machine on average."""
+    floats = sum((t[0].numel() if s else t.numel()) * (2 if t.is_complex() else 1) for t, s in tensors)
     if participants == num_machines:
         return floats
     return floats * participants / num_machines

@@ -71,6 +71,8 @@ def check_options(
     """
     checked = check_participation(participation)
     seed = check_int("participation_seed", participation_seed, minimum=0)
+    if seed >= 2**63:
+        raise ValueError(f"Invalid participation_seed: {seed} (must be an integer >= 0 and < 2**63)")
     if checked is not None and not getattr(optimizer, "supports_participation", True):
         raise ValueError(
             f"Invalid participation: {participation!r} ({type(optimizer).__name__} keeps per-machine state that "
@@ -100,7 +102,7 @@ def participant_weights(num_machines: int, participants: int, seed: int, round_i
     M, S = num_machines, participants
     if S == M:
         return None
-    g = torch.Generator().manual_seed(seed * 1_000_003 + round_index)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + round_index) % 2**64)  # the generator takes 64 bits
     weights = torch.zeros(M, dtype=torch.float64)
     weights[torch.randperm(M, generator=g)[:S]] = 1.0 / S
     return weights

@@ -57,6 +57,7 @@ tensors travel in buckets, one all-reduce each, at most two in flight (``lit_slo
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -66,7 +67,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _communication, _server
+from lit_slowcal import _communication, _machine_state, _server
 from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffer_owners, machines_per_process
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._server import check_participation
@@ -137,6 +138,7 @@ class PeriodicAverager:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"Invalid optimizer: {optimizer!r} (a torch.optim.Optimizer)")
         self.optimizer = optimizer
+        _communication.check_unsharded(self.modules, optimizer)
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
             raise ValueError(f"Invalid average_state: {average_state!r} (a sequence of state key names)")
@@ -152,6 +154,7 @@ class PeriodicAverager:
         self.floats_communicated = 0  # per machine, over all synchronisations; 0 with one machine
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
+        self._setup_checked = False  # the ranks compared their set-up (before the first average)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -223,7 +226,14 @@ class PeriodicAverager:
         self.floats_communicated = self.num_syncs * self.floats_per_sync()
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule (and, with an outer optimizer, the round's start and the outer optimizer's state)."""
+        """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
+        keeps tensors a synchronisation leaves per machine, e.g. AdamW's moments; see
+        ``lit_slowcal._machine_state``) and, with an outer optimizer, the round's start and the outer
+        optimizer's state.
+
+        Local: it holds this process's machines only. A single file for all processes is
+        ``gather_state_dict()``'s.
+        """
         state: dict[str, Any] = {
             "steps": self.steps,
             "num_syncs": self.num_syncs,
@@ -232,9 +242,51 @@ class PeriodicAverager:
         }
         if self.outer is not None:
             state["outer"] = _server.state_dict(self.outer, self.global_params)
+        own = _machine_state.local_state(self.optimizer, self._averaged_keys())
+        if own:  # absent where the optimizer keeps no tensor per machine (SGD without momentum, SlowcalSGD)
+            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {self.rank: own}}
+        return state
+
+    def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
+        """``state_dict()`` with every process's per-machine state, on group rank ``dst`` (``None`` on the
+        others). A collective: every rank calls it. Save what rank ``dst`` gets; every rank then resumes
+        its own machines' state from it with ``load_state_dict``::
+
+            state = averager.gather_state_dict()       # on every rank
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "averager": state}, path)
+            ...
+            optimizer.load_state_dict(saved["optimizer"])  # first: it holds rank 0's per-machine state
+            averager.load_state_dict(saved["averager"])    # then each rank's own
+        """
+        state = self.state_dict()
+        if self.world_size == 1:
+            return state
+        mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
+        own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
+        ranks = _communication.gather_objects((self.rank, own), dst, self.process_group)  # on every rank, even with none
+        if ranks is None:
+            return None
+        if any(per for _, per in ranks):
+            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": dict(ranks)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` or ``gather_state_dict()`` returned: the schedule, this process's
+        per-machine optimizer state (call it after the optimizer's own ``load_state_dict``, whose state
+        it completes) and the server's state.
+
+        Raises ``ValueError`` (one line) for per-machine state this process cannot take (another
+        number of processes with state that differs between them; see ``lit_slowcal._machine_state``)
+        and for an outer optimizer's state given to an averager without one.
+        """
+        if "outer" in state and self.outer is None:
+            raise ValueError(
+                "Cannot load the averager's state: it holds an outer optimizer's state (the round's start and its "
+                "moments) and this averager has no outer_optimizer; build it with the same outer_optimizer"
+            )
+        saved = state.get(_machine_state.KEY)
+        own = None if saved is None else _machine_state.select(saved, self.rank, self.world_size)
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
         # States saved before the key existed come from schedules that synchronised every K only.
@@ -243,6 +295,8 @@ class PeriodicAverager:
         self.floats_communicated = floats if isinstance(floats, float) else int(floats)
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
+        if own is not None:
+            _machine_state.load(self.optimizer, own)
 
     def _count_backward(self, _: Tensor) -> None:
         self.backward_passes += 1
@@ -284,6 +338,11 @@ class PeriodicAverager:
     def world_size(self) -> int:
         """Processes averaged over (1 without an initialised process group)."""
         return _communication.world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group (0 without an initialised process group)."""
+        return _communication.rank(self.process_group)
 
     @property
     def machines_per_process(self) -> int:
@@ -337,9 +396,9 @@ class PeriodicAverager:
         With several processes it first checks that every rank is at the same point of the schedule
         (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
         """
-        if self.check_schedule and self.world_size > 1:  # every rank at the same step, or one error on all
-            counts = (self.steps, self.backward_passes)
-            _communication.check_same_point(self.optimizer, counts, self.process_group, self.skip_advice)
+        if self.world_size > 1 and (self.check_schedule or not self._setup_checked):
+            # Every rank at the same step (and, the first time, set up alike), or one error on all.
+            self.check_setup(counts=self.check_schedule)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
         pre = getattr(self.optimizer, "pre_sync", None)
@@ -356,6 +415,37 @@ class PeriodicAverager:
             post()
         self.num_syncs += 1
         self.last_sync_step = self.steps
+
+    def setup_fingerprint(self) -> dict[str, int]:
+        """What every rank must agree on before anything is averaged, as integers (names as the options)."""
+        tensors = self._tensors()
+        shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(s)}" for t, s in tensors)
+        return {
+            "sync_every": self.sync_every,
+            "machines per process": self.machines_per_process,
+            "participation (S)": self.participants,
+            "participation_seed": self.participation_seed,
+            "outer_optimizer": int(self.outer is not None),
+            "averaged tensors": len(tensors),
+            "their shapes and dtypes (crc32)": zlib.crc32(shapes.encode()),
+            "averaged state keys (crc32)": zlib.crc32(",".join(self._averaged_keys()).encode()),
+            "optimizer (crc32 of its class)": zlib.crc32(type(self.optimizer).__qualname__.encode()),
+        }
+
+    def check_setup(self, counts: bool = False) -> None:
+        """With several processes, check in one small all-gather (a collective: every rank calls it) that
+        every rank built the averager alike (``setup_fingerprint``: K, the machines, participation, the
+        outer optimizer, the shapes and dtypes of what is averaged), and with ``counts`` that every rank
+        is at the same step; raise one ``RuntimeError`` on every rank naming what differs.
+
+        ``sync()`` does it before the first average; the Trainer strategy at the start of ``fit``.
+        """
+        if self.world_size == 1:
+            return
+        setup = None if self._setup_checked else self.setup_fingerprint()
+        point = (self.steps, self.backward_passes) if counts else (0, 0)
+        _communication.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
+        self._setup_checked = True
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.
@@ -376,11 +466,14 @@ class PeriodicAverager:
         ``tensors``: ``_tensors()`` where the caller has it already."""
         return _server.parameters(self.optimizer, self._tensors() if tensors is None else tensors)
 
+    def _averaged_keys(self) -> tuple[str, ...]:
+        """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
+        return tuple(dict.fromkeys((*getattr(self.optimizer, "averaged_state", ()), *self.average_state)))
+
     def _tensors(self) -> Tensors:
         """The floating tensors to average (``_communication.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state``, the buffers."""
-        keys = tuple(dict.fromkeys((*getattr(self.optimizer, "averaged_state", ()), *self.average_state)))
-        return _communication.averaged_tensors(self.modules, self.optimizer, keys, self.buffers)
+        return _communication.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
 
     def _average(self, tensors: Tensors, weights: Optional[Tensor] = None) -> None:
         """Replace every tensor by its average over the machines (``_communication.average``)."""

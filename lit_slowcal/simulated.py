@@ -118,7 +118,7 @@ class SimulatedMachines(nn.Module):
         """Parameters and floating buffers averaged over the machines (the parameter server's x)."""
         state = {name: p.detach().mean(0) for name, p in self.stacked_parameters().items()}
         for name, b in self.stacked_buffers().items():
-            state[name] = b.mean(0) if b.is_floating_point() else b[0]
+            state[name] = b.mean(0) if b.is_floating_point() or b.is_complex() else b[0]
         return state
 
     def forward_averaged(self, *inputs: Tensor) -> Any:

@@ -196,6 +196,10 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         super().on_train_start()
         self._direct = self._direct_steps()
         self._create_averagers()
+        # Every rank built alike, checked now: Lightning runs a collective of its own every step (its
+        # SIGTERM broadcast), so ranks whose first synchronisations fall on other steps would hang.
+        for averager in self.averagers.values():
+            averager.check_setup()
 
     def on_train_end(self) -> None:
         # fit returns one model: the machines' average, the same on every rank.

@@ -200,6 +200,7 @@ def test_state_dict_resume_and_bad_values():
     for _ in range(10):
         averager.step()
     other = PeriodicAverager(machines, optimizer, sync_every=4, start_step=10)
+    # SGD without momentum keeps no state of its own on a machine: the schedule alone.
     assert other.state_dict() == averager.state_dict() == {"steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8}
     with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
         PeriodicAverager(machines, optimizer, sync_every=0)

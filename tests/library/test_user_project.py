@@ -181,3 +181,59 @@ def test_a_gradscaler_skip_on_one_rank_is_caught_attached_and_harmless_counted_p
     assert_same(ranks[0]["explicit"]["final"], ranks[1]["explicit"]["final"], "model")
     w = [{k: v for k, v in r["explicit"]["w"].items() if k.endswith(".w")} for r in ranks]
     assert_same(w[0], w[1], "SlowcalSGD's w")
+
+
+INNER = ("adamw", "diloco", "momentum", "scaffold")
+
+
+@pytest.fixture(scope="module")
+def per_machine(tmp_path_factory):
+    """A small character-level transformer on 2 processes, K = 5, 3 epochs of 6 steps, checkpoints at
+    steps 6 and 12 (mid-round); for each inner optimizer, the fit and the same fit resumed from step 6."""
+    out = tmp_path_factory.mktemp("per_machine")
+    ranks = run("per_machine", out, *INNER)
+    return {"ranks": ranks, "out": out}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_a_resume_on_two_processes_restores_every_machines_own_optimizer_state(per_machine, inner):
+    """AdamW's moments (plain averaging and DiLoCo), SGD's momentum and SCAFFOLD's control variates stay
+    per machine; a checkpoint holds every rank's, and the resumed run ends bit-identical to the whole one."""
+    ranks = per_machine["ranks"]
+    # The state is per machine indeed: the two ranks held different state when the checkpoint was written.
+    assert _max_diff(ranks[0][inner, "whole"]["saved"][6], ranks[1][inner, "whole"]["saved"][6]) > 1e-3
+    for rank in ranks:
+        whole, resumed = rank[inner, "whole"], rank[inner, "resumed"]
+        assert whole["global_step"] == resumed["global_step"] == 18
+        assert_same(whole["saved"][6], resumed["first_step"], f"{inner}: this rank's optimizer state after the resume")
+        assert_same(whole["final"], resumed["final"], f"{inner}: final model of the resumed run")
+        assert_same(whole["optimizer"], resumed["optimizer"], f"{inner}: final optimizer state of the resumed run")
+
+
+def test_per_machine_state_of_two_processes_is_refused_on_one(per_machine):
+    """2 -> 1: AdamW's moments differ between the two saved processes and belong to no machine of a
+    one-process run: the resume is refused in one line before training (the Trainer and the averager)."""
+    import lightning.pytorch as L
+    from user_project import CharData, CharLM
+
+    from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy
+
+    ckpt = per_machine["out"] / "adamw" / "whole" / "epoch=0.ckpt"
+    saved = torch.load(ckpt, weights_only=True)  # plain data: readable without running code
+    assert sorted(saved["periodic_averaging"][0]["per_machine"]["ranks"]) == [0, 1]
+    model = CharLM("adamw")
+    optimizer = model.configure_optimizers()
+    optimizer.load_state_dict(saved["optimizer_states"][0])
+    with pytest.raises(ValueError, match=r"^Cannot resume the per-machine optimizer state \(exp_avg, exp_avg_sq\) of 2 processes on 1: it differs"):
+        PeriodicAverager(model, optimizer, sync_every=5).load_state_dict(saved["periodic_averaging"][0])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, strategy=PeriodicAveragingStrategy(sync_every=5), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, reload_dataloaders_every_n_epochs=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"of 2 processes on 1: it differs between the saved processes"):
+        trainer.fit(CharLM("adamw"), CharData(), ckpt_path=ckpt)

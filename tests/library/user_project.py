@@ -194,8 +194,89 @@ def gradscaler(out: Path, argv: list[str]) -> None:
     mp.start_processes(_scaled_loop, args=(str(out), port), nprocs=2, start_method="fork")
 
 
+class CharLM(L.LightningModule):
+    """A small character-level transformer (embedding, one encoder layer, tied-free head) with an inner
+    optimizer that keeps state per machine: AdamW (plain or DiLoCo), SGD with momentum, or SCAFFOLD."""
+
+    def __init__(self, inner: str) -> None:
+        super().__init__()
+        self.inner = inner
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(12, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 12)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.block(self.embed(x))).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        from lit_slowcal import Scaffold
+
+        if self.inner in ("adamw", "diloco"):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.inner == "momentum":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return Scaffold(self.parameters(), lr=0.05)
+
+
+class CharData(L.LightningDataModule):
+    """6 batches of 4 sequences of 9 characters an epoch, this rank's own (its characters skewed by the
+    rank), drawn from the (rank, epoch) seed: a resumed epoch gets the same."""
+
+    def train_dataloader(self):
+        rank, epoch = self.trainer.global_rank, self.trainer.current_epoch
+        g = torch.Generator().manual_seed(1000 * rank + epoch)
+        weights = torch.arange(1, 13, dtype=torch.float64) ** (1.0 if rank == 0 else -1.0)
+        text = torch.multinomial(weights, 6 * 4 * 10, replacement=True, generator=g).view(6, 4, 10)
+        return Batches((t[:, :-1], t[:, 1:]) for t in text)
+
+
+class StateRecorder(Callback):
+    """This rank's optimizer state when each checkpoint is written, and at the first step of the fit
+    (after the strategy restored a resumed run's state)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, dict] = {}
+        self.first_step = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saved[trainer.global_step] = optimizer_tensors(trainer.optimizers[0])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.first_step is None:
+            self.first_step = optimizer_tensors(trainer.optimizers[0])
+
+
+def per_machine(out: Path, argv: list[str]) -> None:
+    """For each inner optimizer: a fit of 3 epochs (K = 5, 6 steps an epoch, a checkpoint at every
+    epoch's end: steps 6 and 12, both mid-round), and the same fit resumed from step 6, in one launch."""
+    result = {}
+    for inner in argv:
+        outer = (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)) if inner == "diloco" else None
+        for name, ckpt in (("whole", None), ("resumed", out / inner / "whole" / "epoch=0.ckpt")):
+            recorder = StateRecorder()
+            trainer = L.Trainer(
+                accelerator="cpu", devices=2, max_epochs=3,
+                strategy=PeriodicAveragingStrategy(sync_every=5, outer_optimizer=outer, process_group_backend="gloo"),
+                callbacks=[recorder, ModelCheckpoint(dirpath=out / inner / name, filename="{epoch}", save_top_k=-1)],
+                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, reload_dataloaders_every_n_epochs=1,
+            )  # fmt: skip
+            model = CharLM(inner)
+            trainer.fit(model, CharData(), ckpt_path=ckpt)
+            result[inner, name] = {
+                "final": snapshot(model),
+                "optimizer": optimizer_tensors(trainer.optimizers[0]),
+                "saved": recorder.saved,
+                "first_step": recorder.first_step,
+                "global_step": trainer.global_step,
+            }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     scenario, out, rest = sys.argv[1], Path(sys.argv[2]), [a for a in sys.argv[3:] if a != "--"]
     out.mkdir(parents=True, exist_ok=True)
-    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler}[scenario](out, rest)
+    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine}[scenario](out, rest)
