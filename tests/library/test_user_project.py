@@ -237,3 +237,14 @@ def test_per_machine_state_of_two_processes_is_refused_on_one(per_machine):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"of 2 processes on 1: it differs between the saved processes"):
         trainer.fit(CharLM("adamw"), CharData(), ckpt_path=ckpt)
+
+
+def test_trainer_ranks_with_different_k_stop_with_one_error_before_the_first_step(tmp_path):
+    """Lightning broadcasts a SIGTERM flag every step, so ranks averaging at different steps hung in
+    mismatched collectives (over 900 s). The set-up is compared when training starts instead."""
+    ranks = run("different_k", tmp_path)
+    for rank in ranks:
+        kind, message = rank["outcome"]
+        assert kind == "RuntimeError", rank
+        assert message.startswith("PeriodicAverager: the ranks were set up differently: sync_every (rank 0: 10, rank 1: 20);")
+        assert rank["global_step"] == 0 and rank["seconds"] < 60

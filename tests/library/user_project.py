@@ -275,8 +275,29 @@ def per_machine(out: Path, argv: list[str]) -> None:
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 
+def different_k(out: Path, argv: list[str]) -> None:
+    """K = 10 on rank 0 and 20 on rank 1: the fit must stop on both ranks with one error, not hang."""
+    import os
+    import time
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    start = time.monotonic()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_epochs=1,
+        strategy=PeriodicAveragingStrategy(sync_every=10 if rank == 0 else 20, process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(CharLM("momentum"), CharData())
+        outcome = ("finished", "")
+    except RuntimeError as err:
+        outcome = ("RuntimeError", str(err))
+    torch.save({"outcome": outcome, "seconds": time.monotonic() - start, "global_step": trainer.global_step}, out / f"rank{rank}.pt")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     scenario, out, rest = sys.argv[1], Path(sys.argv[2]), [a for a in sys.argv[3:] if a != "--"]
     out.mkdir(parents=True, exist_ok=True)
-    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine}[scenario](out, rest)
+    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine, "different_k": different_k}[scenario](out, rest)
