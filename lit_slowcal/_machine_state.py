@@ -103,8 +103,10 @@ def select(saved: dict[str, Any], rank: int, world_size: int) -> Optional[PerPar
     )
 
 
-def load(optimizer: Optimizer, state: PerParam) -> None:
-    """Put ``state`` into the optimizer's state, each tensor cast as ``Optimizer.load_state_dict`` casts it."""
+def load(optimizer: Optimizer, state: PerParam, averaged: Sequence[str] = ()) -> None:
+    """Put ``state`` into the optimizer's state, each tensor cast as ``Optimizer.load_state_dict`` casts it;
+    a per-machine tensor (not under ``averaged``) that ``state`` does not hold is removed: this machine
+    held none at the save (the optimizer's own load gave it rank 0's)."""
     params = _params(optimizer)
     if state and max(state) >= len(params):
         raise ValueError(
@@ -125,3 +127,11 @@ def load(optimizer: Optimizer, state: PerParam) -> None:
                     f"{tuple(value.shape)} and the optimizer's has {tuple(current.shape)}"
                 )
             target[key] = value.clone(memory_format=torch.preserve_format)
+    for index, p in enumerate(params):
+        current = optimizer.state.get(p)
+        if not current:
+            continue
+        for key in [k for k, v in current.items() if k not in averaged and isinstance(v, Tensor) and k not in state.get(index, {})]:
+            del current[key]
+        if not current:  # a parameter this machine never stepped: no state at all, as before the save
+            del optimizer.state[p]

@@ -159,6 +159,7 @@ class PeriodicAverager:
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
         self._hooks: list[Any] = []
+        self._reload_hook: Optional[RemovableHandle] = None  # per-machine state put back after an optimizer load
         self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
         participation, participation_seed, factory = _server.check_options(
             optimizer, participation, participation_seed, outer_optimizer
@@ -194,6 +195,7 @@ class PeriodicAverager:
             scaler.update()
             averager.step()  # counted on every machine, skipped or not
         """
+        self._drop_reload_hook()  # training goes on: a later optimizer load is the loop's own
         self.steps += 1
         if self.steps % self.sync_every:
             return False
@@ -273,8 +275,9 @@ class PeriodicAverager:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` or ``gather_state_dict()`` returned: the schedule, this process's
-        per-machine optimizer state (call it after the optimizer's own ``load_state_dict``, whose state
-        it completes) and the server's state.
+        per-machine optimizer state (best after the optimizer's own ``load_state_dict``, whose state it
+        completes; an optimizer loaded after it, before the next step, gets it put back) and the server's
+        state.
 
         Raises ``ValueError`` (one line) for per-machine state this process cannot take (another
         number of processes with state that differs between them; see ``lit_slowcal._machine_state``)
@@ -296,7 +299,17 @@ class PeriodicAverager:
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
         if own is not None:
-            _machine_state.load(self.optimizer, own)
+            keys = self._averaged_keys()
+            _machine_state.load(self.optimizer, own, keys)
+            # The optimizer's own load_state_dict, if it comes after (the other order), gives this rank
+            # rank 0's per-machine state: this rank's is put back after it, until the next step.
+            self._drop_reload_hook()
+            self._reload_hook = self.optimizer.register_load_state_dict_post_hook(lambda o: _machine_state.load(o, own, keys))
+
+    def _drop_reload_hook(self) -> None:
+        if self._reload_hook is not None:
+            self._reload_hook.remove()
+            self._reload_hook = None
 
     def _count_backward(self, _: Tensor) -> None:
         self.backward_passes += 1
@@ -322,6 +335,7 @@ class PeriodicAverager:
     def remove_hooks(self) -> None:
         """Detach, and remove the gradient hook that counts backward passes (the averager is done)."""
         self.detach()
+        self._drop_reload_hook()
         if self._backward_hook is not None:
             self._backward_hook.remove()
             self._backward_hook = None

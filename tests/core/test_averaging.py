@@ -389,3 +389,84 @@ def test_plain_torch_loop_resume_on_two_processes_restores_every_machines_adamw_
         whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
         assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")
         assert_equal(whole["optimizer"], resumed["optimizer"], f"rank {rank}'s final optimizer state")
+
+
+_RESUME_EDGES = """
+import os, sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_slowcal import PeriodicAverager
+
+rank, folder = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rendezvous"), rank=rank, world_size=2)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.side = nn.Linear(3, 2), nn.Linear(3, 1)
+
+
+def run(mode):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    averager = PeriodicAverager(model, optimizer, sync_every=4)
+    path, start = os.path.join(folder, "checkpoint.pt"), 0
+    if mode != "whole":
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["model"])
+        if mode == "averager first":  # the other order: the same state
+            averager.load_state_dict(saved["averager"])
+            optimizer.load_state_dict(saved["optimizer"])
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
+            averager.load_state_dict(saved["averager"])
+        torch.save(optimizer.state_dict()["state"], os.path.join(folder, f"{mode} loaded{rank}.pt"))
+        start = 6
+    for step in range(start, 10):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(5, 3, generator=g)
+        optimizer.zero_grad()
+        loss = (model.body(x) - 3 * rank).pow(2).mean()
+        if rank == 0 or step >= 6:  # the side head gets no gradient on rank 1 before the checkpoint
+            loss = loss + model.side(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        averager.step()
+        if mode == "whole" and step == 5:
+            averager.close_round()
+            state = averager.gather_state_dict()
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "averager": state}, path)
+            torch.save(optimizer.state_dict()["state"], os.path.join(folder, f"saved{rank}.pt"))
+    averager.close_round()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}, os.path.join(folder, f"{mode}{rank}.pt"))
+    dist.barrier()
+
+
+for mode in ("whole", "resumed", "averager first"):  # the resumes with fresh objects: all they know is the file
+    run(mode)
+dist.destroy_process_group()
+"""
+
+
+def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_order_works(tmp_path):
+    """Rank 1's side head got no gradient before the checkpoint, so its AdamW held no state there (rank 0's
+    did): after the resume it holds none either (the optimizer's own load gave it rank 0's), and the run
+    ends bit-identical. Loading the averager's state before the optimizer's gives the same state."""
+    for proc in run_ranks(_RESUME_EDGES, str(tmp_path)):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = [torch.load(tmp_path / f"saved{rank}.pt") for rank in (0, 1)]
+    assert 3 in saved[0] and 3 not in saved[1]  # side.weight: state on rank 0 only
+    for mode in ("resumed", "averager first"):
+        for rank in (0, 1):
+            assert_equal(saved[rank], torch.load(tmp_path / f"{mode} loaded{rank}.pt"), f"{mode}: rank {rank}'s optimizer state")
+        for rank in (0, 1):
+            whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"{mode}{rank}.pt")
+            assert_equal(whole["model"], resumed["model"], f"{mode}: rank {rank}'s final model")
+            assert_equal(whole["optimizer"], resumed["optimizer"], f"{mode}: rank {rank}'s final optimizer state")
