@@ -187,18 +187,35 @@ def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Opti
     return [tuple(int(v) for v in t.tolist()) for t in everyone]
 
 
+#: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).
+COLLECTIVES = ("a synchronisation", "gather_state_dict()")
+_SETUP_SLOTS = 16  # the all-gather's length is the same whatever the collective and the setup
+
+
 def check_same_point(
     optimizer: Optimizer,
     counts: tuple[int, int],
     process_group: Optional[Any],
     advice: str,
     setup: Optional[dict[str, int]] = None,
+    collective: str = COLLECTIVES[0],
 ) -> None:
-    """All ranks at the same (steps, backward passes) ``counts`` and, where given, with the same ``setup``
-    (one small all-gather), or one ``RuntimeError`` on every rank: for a setup, naming what differs; for
-    counts, ending with ``advice``."""
+    """All ranks in the same ``collective`` (one of ``COLLECTIVES``), at the same (steps, backward passes)
+    ``counts`` and, where given, with the same ``setup`` (one small all-gather of a fixed length), or one
+    ``RuntimeError`` on every rank: for the collective or a setup, naming what differs; for counts,
+    ending with ``advice``."""
     names = list(setup or {})
-    everyone = gather_ints(optimizer, [*counts, *(setup or {}).values()], process_group)
+    code = COLLECTIVES.index(collective)
+    values = [*counts, *(setup or {}).values()]
+    assert len(names) <= _SETUP_SLOTS
+    everyone = gather_ints(optimizer, [*values, *[0] * (_SETUP_SLOTS - len(names)), code], process_group)
+    codes = [v[-1] for v in everyone]
+    if len(set(codes)) > 1:
+        what = ", ".join(f"rank {r}: {COLLECTIVES[c] if 0 <= c < len(COLLECTIVES) else c}" for r, c in enumerate(codes))
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks are in different collectives ({what}); every rank calls each of them "
+            "(gather_state_dict() too: on every rank, then rank 0 saves what it returns), and nothing was averaged or gathered."
+        )
     differ = [i for i, name in enumerate(names) if len({values[2 + i] for values in everyone}) > 1]
     if differ:
         what = "; ".join(

@@ -264,6 +264,8 @@ class PeriodicAverager:
         state = self.state_dict()
         if self.world_size == 1:
             return state
+        # Every rank here, or one line on every rank (not a mismatched gather with another collective).
+        _communication.check_same_point(self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()")
         mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
         own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
         ranks = _communication.gather_objects((self.rank, own), dst, self.process_group)  # on every rank, even with none

@@ -470,3 +470,43 @@ def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_or
             whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"{mode}{rank}.pt")
             assert_equal(whole["model"], resumed["model"], f"{mode}: rank {rank}'s final model")
             assert_equal(whole["optimizer"], resumed["optimizer"], f"{mode}: rank {rank}'s final optimizer state")
+
+
+_GATHER_ON_RANK_0 = """
+import os, sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_slowcal import PeriodicAverager
+
+rank, folder = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rendezvous"), rank=rank, world_size=2)
+model = nn.Linear(3, 1)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+averager = PeriodicAverager(model, optimizer, sync_every=2)
+try:
+    for step in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        optimizer.step()
+        averager.step()
+        if step == 2 and rank == 0:  # the mistake: a collective called on rank 0 only
+            averager.gather_state_dict()
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_gather_state_dict_on_one_rank_only_is_one_line_on_every_rank(tmp_path):
+    """gather_state_dict() on rank 0 alone, while rank 1 goes on to its next synchronisation: one line on
+    each rank naming the two collectives (it aborted rank 0 in gloo, and rank 1 read the gather's bytes as
+    a set-up that differed)."""
+    for rank, proc in enumerate(run_ranks(_GATHER_ON_RANK_0, str(tmp_path), timeout=60)):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == (
+            "PeriodicAverager: the ranks are in different collectives (rank 0: gather_state_dict(), rank 1: a synchronisation); "
+            "every rank calls each of them (gather_state_dict() too: on every rank, then rank 0 saves what it returns), "
+            "and nothing was averaged or gathered.\n"
+        ), f"rank {rank}"
