@@ -113,7 +113,7 @@ class AcceleratedSGD(ElementwiseOptimizer):
 
     @staticmethod
     def step_size(group: dict[str, Any]) -> float:
-        """:math:`\gamma` of a parameter group: ``lr``, or :math:`\min\{\gamma_{max}, c\,(N+1)^{-3/2}\}` with a horizon."""
+        r""":math:`\gamma` of a parameter group: ``lr``, or :math:`\min\{\gamma_{max}, c\,(N+1)^{-3/2}\}` with a horizon."""
         horizon = group.get("horizon")  # absent from the groups of a state saved before the option existed
         if horizon is None:
             return group["lr"]
