@@ -468,8 +468,10 @@ class PeriodicAverager:
 
         Makes every machine start from the same point x_0, as the algorithms assume (machines
         simulated in one process are identical copies already). No-op with one process. With an
-        outer optimizer, the round's start becomes that point.
+        outer optimizer, the round's start becomes that point. The ranks' set-up is checked first
+        (``check_setup``): tensors of other shapes on two ranks would not travel.
         """
+        self.check_setup()
         extra = [t for t, _ in self._tensors()]
         broadcast_module(self.modules, src, process_group=self.process_group, extra=extra)
         if self.outer is not None:

@@ -128,6 +128,12 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     attempt("participation", lambda: different(participation=(1, None)))
     attempt("width", lambda: different(width=(2, 3)))
 
+    def broadcast_width():
+        model = nn.Linear(3, 2 + rank)
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2).broadcast()
+
+    attempt("broadcast_width", broadcast_width)
+
     def sharded():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -168,6 +174,7 @@ def two_ranks(tmp_path_factory):
         ("k", r"sync_every \(rank 0: 2, rank 1: 3\)"),
         ("participation", r"participation \(S\) \(rank 0: 1, rank 1: 2\)"),
         ("width", r"averaged tensors|their shapes and dtypes"),
+        ("broadcast_width", r"their shapes and dtypes"),  # broadcast() checks first: no mismatched broadcast
     ],
 )
 def test_ranks_set_up_differently_raise_one_line_on_every_rank_naming_what_differs(two_ranks, case, field):
