@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lit_slowcal._validation import check_int
+from lit_slowcal.protocol import declared
 
 __all__ = [
     "check_options", "check_participation", "load_state", "num_participants", "outer_step", "parameters",
@@ -73,12 +74,13 @@ def check_options(
     seed = check_int("participation_seed", participation_seed, minimum=0)
     if seed >= 2**63:
         raise ValueError(f"Invalid participation_seed: {seed} (must be an integer >= 0 and < 2**63)")
-    if checked is not None and not getattr(optimizer, "supports_participation", True):
+    protocol = declared(optimizer)
+    if checked is not None and not protocol.supports_participation:
         raise ValueError(
             f"Invalid participation: {participation!r} ({type(optimizer).__name__} keeps per-machine state that "
             "machines outside a round would update; use participation=None)"
         )
-    factory = outer_optimizer if outer_optimizer is not None else getattr(optimizer, "outer_optimizer", None)
+    factory = outer_optimizer if outer_optimizer is not None else protocol.outer_optimizer
     if factory is not None and not callable(factory):
         raise TypeError(f"Invalid outer_optimizer: {factory!r} (a callable params -> torch.optim.Optimizer)")
     return checked, seed, factory

@@ -13,26 +13,13 @@ It needs only torch. It attaches to a plain training loop (an optimizer step hoo
 The optimizer protocol
 ----------------------
 What a synchronisation does with an optimizer is declared by the optimizer, never special-cased
-here. Every attribute is optional; ``torch.optim.SGD`` declares nothing and gets plain Local-SGD.
-
-``averaged_state: Sequence[str]``
-    Per-parameter state keys (``optimizer.state[p][key]``, floating tensors) averaged together with
-    the parameters. ``SlowcalSGD`` declares ``("w",)``: its iterate w is averaged with its query point x.
-    State not named here stays per machine (e.g. SGD's momentum, or SCAFFOLD's control variates).
-``pre_sync() -> None``
-    Called on every machine just before the average (e.g. compute what the round sends:
-    ``Scaffold`` its control variate's change delta_c, ``AcceleratedSGD`` its new x, put in the
-    parameters).
-``post_sync() -> None``
-    Called just after the average (e.g. fold the averaged values into per-machine state:
-    ``Scaffold``'s server step, ``AcceleratedSGD``'s new middle point).
-
-What is averaged is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and
-delta_c, 2d floats a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d).
-
-``outer_optimizer: Callable[[list[Tensor]], Optimizer] | None``
-    A server step of the optimizer's own (``Scaffold`` with ``server_lr != 1``: SGD at that rate),
-    used when the averager is given no ``outer_optimizer`` (below).
+here: ``averaged_state`` (state averaged with the parameters, SlowcalSGD's w), ``pre_sync()`` and
+``post_sync()`` (around the average), an ``outer_optimizer`` of its own, ``supports_participation``.
+Every member is optional (``torch.optim.SGD`` declares nothing and gets plain Local-SGD); they are
+listed once, in ``lit_slowcal.protocol``, and read through ``protocol.declared``. What is averaged
+is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and delta_c, 2d floats
+a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d). State not averaged stays
+per machine and travels in ``state_dict()`` (``lit_slowcal._machine_state``).
 
 The server's side of a round
 ----------------------------
@@ -72,6 +59,7 @@ from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffe
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._server import check_participation
 from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.protocol import declared
 
 __all__ = ["PeriodicAverager", "broadcast_module", "buffer_owners", "check_participation", "machines_per_process"]
 
@@ -138,6 +126,7 @@ class PeriodicAverager:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"Invalid optimizer: {optimizer!r} (a torch.optim.Optimizer)")
         self.optimizer = optimizer
+        declared(optimizer)  # a member of the optimizer protocol of the wrong kind: one line now
         _communication.check_unsharded(self.modules, optimizer)
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
@@ -417,18 +406,17 @@ class PeriodicAverager:
             self.check_setup(counts=self.check_schedule)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
-        pre = getattr(self.optimizer, "pre_sync", None)
-        if callable(pre):
-            pre()
+        protocol = declared(self.optimizer)
+        if protocol.pre_sync is not None:
+            protocol.pre_sync()
         tensors = self._tensors()
         self.floats_communicated += self._floats(tensors)
         with torch.no_grad():
             self._average(tensors, self.participant_weights())
             if self.outer is not None:
                 _server.outer_step(self.outer, self.global_params, self._outer_pairs(tensors))
-        post = getattr(self.optimizer, "post_sync", None)
-        if callable(post):
-            post()
+        if protocol.post_sync is not None:
+            protocol.post_sync()
         self.num_syncs += 1
         self.last_sync_step = self.steps
 
@@ -486,7 +474,7 @@ class PeriodicAverager:
 
     def _averaged_keys(self) -> tuple[str, ...]:
         """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*getattr(self.optimizer, "averaged_state", ()), *self.average_state)))
+        return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.average_state)))
 
     def _tensors(self) -> Tensors:
         """The floating tensors to average (``_communication.averaged_tensors``): the parameters, the

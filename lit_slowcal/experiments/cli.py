@@ -61,6 +61,7 @@ from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV, run_dir_error, r
 from lit_slowcal.experiments.shape import RunShape, per_step_batch
 from lit_slowcal.experiments.summary import summary_lines
 from lit_slowcal.experiments.threads import configure_run_threads, world_size_of
+from lit_slowcal.protocol import declared
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["SlowcalCLI", "diagnostics_callback", "run"]
@@ -308,7 +309,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         participation = check_participation(self.setting("participation"), shape.num_machines)
         if participation is not None:
             probe = get_method(self.setting("method")).optimizer([torch.zeros(1, requires_grad=True)], self.model.hparams, steps=1)
-            if not getattr(probe, "supports_participation", True):
+            if not declared(probe).supports_participation:
                 raise ValueError(
                     f"Invalid participation: {participation!r} with method {self.setting('method')} ({type(probe).__name__} "
                     "keeps per-machine state that machines outside a round would update; leave participation unset)"

@@ -41,6 +41,7 @@ from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.notes import note
 from lit_slowcal.experiments.objective import Objective, heterogeneity
 from lit_slowcal.experiments.optimum import Optimum, optimum
+from lit_slowcal.protocol import declared
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = ["Diagnostics"]
@@ -265,7 +266,7 @@ class Diagnostics(Callback):
             return
         self._handles.append(register(self._before_sync))
         # An iterate w besides the query point x: SLowcal-SGD declares it as averaged state.
-        self._has_iterate = "w" in getattr(optimizer, "averaged_state", ())
+        self._has_iterate = "w" in declared(optimizer).averaged_state
         self._before = [torch.empty_like(p) for p in self._stacked]
         self._before_w = [torch.empty_like(p) for p in self._stacked] if self._has_iterate else []
         self._pending = False

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_slowcal.protocol import declared
+
 __all__ = [
     "TrainingDiverged", "add_round_loss", "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
     "epoch_values", "evaluation_row", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row",
@@ -112,8 +114,8 @@ def swap_outputs(optimizers: Iterable[Any]) -> None:
     x^md) exchanges the two in the parameters (optimizer protocol: ``swap_output()``); called before
     and after, it swaps back."""
     for optimizer in optimizers:
-        swap = getattr(optimizer, "swap_output", None)
-        if callable(swap):
+        swap = declared(optimizer).swap_output
+        if swap is not None:
             swap()
 
 

@@ -1,0 +1,94 @@
+"""The optimizer protocol: what an optimizer may declare about a synchronisation, in one place.
+
+``PeriodicAverager`` treats every optimizer alike; what a synchronisation does with one is declared
+by the optimizer, never special-cased in the averager. Every member is optional: ``torch.optim.SGD``
+declares nothing and gets plain Local-SGD. ``SyncOptimizer`` is the protocol as a type (for readers
+and type checkers; an optimizer need not inherit from it), and ``declared(optimizer)`` is the one
+place that reads it, each member with its default and checked, so that a wrong declaration is one
+line at construction rather than a failure at the first synchronisation.
+
+===========================  ===========================================================================
+member                       meaning
+===========================  ===========================================================================
+``averaged_state``           per-parameter state keys averaged together with the parameters
+                             (``SlowcalSGD``: ``("w",)``); the other tensors of the state stay per
+                             machine, and every machine's is kept in checkpoints
+``pre_sync()``               called on every machine just before the average (``Scaffold``: compute
+                             what the round sends; ``AcceleratedSGD``: put its new x in the parameters)
+``post_sync()``              called just after it (fold averaged values into per-machine state)
+``outer_optimizer``          ``params -> Optimizer``: a server step of the optimizer's own, used when the
+                             averager is given none (``Scaffold`` with ``server_lr != 1``)
+``supports_participation``   ``False`` where machines outside a round would leave per-machine state
+                             stale (``Scaffold``): partial participation is refused
+``swap_output()``            exchange the parameters with the method's output where the two differ
+                             (``AcceleratedSGD``: x^md and x^ag); called around evaluation
+===========================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["Declared", "SyncOptimizer", "declared"]
+
+OuterFactory = Callable[[list[Tensor]], Optimizer]
+
+
+class SyncOptimizer(Protocol):
+    """An optimizer with every member of the protocol (each optional in practice; see ``declared``)."""
+
+    averaged_state: tuple[str, ...]
+    supports_participation: bool
+
+    @property
+    def outer_optimizer(self) -> Optional[OuterFactory]: ...
+
+    def pre_sync(self) -> None: ...
+
+    def post_sync(self) -> None: ...
+
+    def swap_output(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What an optimizer declares, each member present with its default (``declared``)."""
+
+    averaged_state: tuple[str, ...] = ()
+    pre_sync: Optional[Callable[[], None]] = None
+    post_sync: Optional[Callable[[], None]] = None
+    outer_optimizer: Optional[OuterFactory] = None
+    supports_participation: bool = True
+    swap_output: Optional[Callable[[], None]] = None
+
+
+def _callable(optimizer: Any, name: str) -> Optional[Callable[..., Any]]:
+    value = getattr(optimizer, name, None)
+    if value is not None and not callable(value):
+        raise TypeError(f"Invalid {type(optimizer).__name__}.{name}: {value!r} (a method, or absent)")
+    return value
+
+
+def declared(optimizer: Any) -> Declared:
+    """The protocol members ``optimizer`` declares, with the defaults for the others; ``TypeError`` (one
+    line) for a member of the wrong kind."""
+    name = type(optimizer).__name__
+    keys = getattr(optimizer, "averaged_state", ())
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"Invalid {name}.averaged_state: {keys!r} (a tuple of state key names)")
+    supports = getattr(optimizer, "supports_participation", True)
+    if not isinstance(supports, bool):
+        raise TypeError(f"Invalid {name}.supports_participation: {supports!r} (True or False)")
+    return Declared(
+        averaged_state=tuple(keys),
+        pre_sync=_callable(optimizer, "pre_sync"),
+        post_sync=_callable(optimizer, "post_sync"),
+        outer_optimizer=_callable(optimizer, "outer_optimizer"),
+        supports_participation=supports,
+        swap_output=_callable(optimizer, "swap_output"),
+    )
