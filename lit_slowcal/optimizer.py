@@ -170,8 +170,15 @@ class SlowcalSGD(Optimizer):
 
             power = group["weight_power"]
             for (t, alpha_sum, alpha_sum_error), indices in buckets.items():
-                eta = group["lr"] * (t + 1.0) ** power if group["scale_lr_by_weight"] else group["lr"]
                 c, alpha_sum, alpha_sum_error = _averaging_weight(t, alpha_sum, alpha_sum_error, power)
+                eta = group["lr"] * (t + 1.0) ** power if group["scale_lr_by_weight"] else group["lr"]
+                largest = min(torch.finfo(params[i].dtype).max for i in indices)
+                if not eta <= largest:  # torch would fail converting it, or step to inf
+                    raise OverflowError(
+                        f"SlowcalSGD: the step size lr (t+1)^p = {eta:.3g} at step t = {t} (scale_lr_by_weight, "
+                        f"weight_power p = {power}) exceeds the parameters' largest value {largest:.3g}; use a smaller "
+                        "weight_power or lr"
+                    )
                 if group["gamma"] is not None:
                     c = group["gamma"]
                 bucket = [params[i] for i in indices]
@@ -266,8 +273,17 @@ def _averaging_weight(
     with p = 2); Neumaier's compensated sum keeps the rounding error of every addition in
     ``alpha_sum_error`` so the total stays exact to float64 precision at any t. All in float64.
     """
-    alpha_next = float(step + 2) ** weight_power  # alpha_{t+1} = (t + 2)^p
+    try:
+        alpha_next = float(step + 2) ** weight_power  # alpha_{t+1} = (t + 2)^p
+    except OverflowError:
+        alpha_next = math.inf
     total = alpha_sum + alpha_next
+    if not math.isfinite(total):  # the weights of a long run at a large p: c would be 0 or NaN without a word
+        raise OverflowError(
+            f"SlowcalSGD: the averaging weight alpha_t = (t+1)^p or its running sum overflows float64 at step "
+            f"t = {step + 1} with weight_power p = {weight_power}; a run of T steps needs (T+1)^p and its sum below "
+            f"1.8e308 (p * ln(T+1) under about 709): use a smaller weight_power"
+        )
     if alpha_sum >= alpha_next:
         alpha_sum_error += (alpha_sum - total) + alpha_next
     else:

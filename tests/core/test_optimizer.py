@@ -457,3 +457,17 @@ def test_trains_a_lightning_module_for_one_epoch():
     after = full_loss()
     assert trainer.global_step == 32
     assert after < 0.1 * before
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_weights_that_overflow_mid_run_are_one_line_not_a_float_error(scale):
+    """p = 100 passes the constructor's bound (2^p is finite) but (t+1)^p overflows float64 after 1,179
+    steps, and lr (t+1)^p the float32 range after 2: one line naming the step and weight_power."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = SlowcalSGD([p], lr=0.01, weight_power=100.0, scale_lr_by_weight=scale)
+    message = r"the step size lr \(t\+1\)\^p = 5.15e\+45 at step t = 2" if scale else r"overflows float64 at step t = 1179 with weight_power p = 100.0"
+    with pytest.raises(OverflowError, match=message):
+        for _ in range(2000):
+            p.grad = torch.ones(2)
+            optimizer.step()
+    assert optimizer.state[p]["step"] == (2 if scale else 1178)  # the failing step changed nothing
