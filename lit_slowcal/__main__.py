@@ -12,10 +12,18 @@ gc.disable()
 try:
     from lit_slowcal.experiments.main import main
 except ModuleNotFoundError as err:  # an extra of the experiment app is not installed
-    if err.name and err.name.split(".")[0] in ("jsonargparse", "torchvision", "torchmetrics", "wandb", "matplotlib", "yaml", "numpy"):
+    if err.name and err.name.split(".")[0] in (
+        "jsonargparse",
+        "torchvision",
+        "torchmetrics",
+        "wandb",
+        "matplotlib",
+        "yaml",
+        "numpy",
+    ):
         sys.exit(
             f"python -m lit_slowcal: the experiment app needs {err.name!r}, which is not installed. "
-            "Install the app's extras: pip install \"lit_slowcal[experiments]\""
+            'Install the app\'s extras: pip install "lit_slowcal[experiments]"'
         )
     raise
 

@@ -66,7 +66,11 @@ def _strategy_kind(value: Any) -> Any:
     if not isinstance(name, str):
         return None
     last = name.strip().rsplit(".", 1)[-1]
-    return {"periodic_averaging": "popen", "PeriodicAveragingStrategy": "popen", "periodic_averaging_spawn": "spawn"}.get(last)
+    return {
+        "periodic_averaging": "popen",
+        "PeriodicAveragingStrategy": "popen",
+        "periodic_averaging_spawn": "spawn",
+    }.get(last)
 
 
 def _strategy_names(argv: list[str]) -> list[tuple[int, int]]:

@@ -51,7 +51,9 @@ def read_checkpoint(
             f"{_ADVICE}"
         ) from None
     if not isinstance(checkpoint, dict):
-        raise CheckpointReadError(f"Cannot read checkpoint {path}: it holds a {type(checkpoint).__name__}, not a checkpoint dict. {_ADVICE}")
+        raise CheckpointReadError(
+            f"Cannot read checkpoint {path}: it holds a {type(checkpoint).__name__}, not a checkpoint dict. {_ADVICE}"
+        )
     return checkpoint
 
 
@@ -75,7 +77,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
 
     def load_checkpoint(
-        self, path: Any, map_location: Optional[Callable] = lambda storage, loc: storage, weights_only: Optional[bool] = None
+        self,
+        path: Any,
+        map_location: Optional[Callable] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         if "://" in str(path) or weights_only is False:
             return super().load_checkpoint(path, map_location, weights_only)

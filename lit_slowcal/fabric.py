@@ -59,7 +59,9 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_averagers(sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed)
+        self._init_averagers(
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
+        )
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step

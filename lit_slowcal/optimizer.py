@@ -251,9 +251,7 @@ def _multi_tensor_slowcal_sgd(
 
 
 def _default_to_foreach(params: list[Tensor]) -> bool:
-    return all(
-        type(p) in (Tensor, torch.nn.Parameter) and p.device.type in _FOREACH_DEVICE_TYPES for p in params
-    )
+    return all(type(p) in (Tensor, torch.nn.Parameter) and p.device.type in _FOREACH_DEVICE_TYPES for p in params)
 
 
 def _averaging_weight(

@@ -43,9 +43,7 @@ _PARTITIONS: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
 _FIGURES: dict[tuple, bytes] = {}
 
 
-def partition_shards(
-    labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int
-) -> list[Tensor]:
+def partition_shards(labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int) -> list[Tensor]:
     """``partition(labels, num_machines, alpha, split=split, seed=seed)`` as int64 tensors.
 
     Computed once per process for the same labels tensor (``load_mnist``'s) and settings: the runs
@@ -175,13 +173,19 @@ class ProblemDataModule(pl.LightningDataModule):
         if not isinstance(shape, RunShape):
             raise ValueError(f"Invalid shape: {shape!r} (a RunShape)")
         if self._train is not None and (shape.num_machines, shape.steps_per_round, shape.per_step_batch) != (
-            self.num_machines, self.steps_per_round, self.batch_size
+            self.num_machines,
+            self.steps_per_round,
+            self.batch_size,
         ):
             raise ValueError(
                 f"Invalid shape: {shape} (the streams are set up for num_machines={self.num_machines}, "
                 f"steps_per_round={self.steps_per_round}, batch_size={self.batch_size}; give the shape before setup)"
             )
-        self.num_machines, self.steps_per_round, self.batch_size = shape.num_machines, shape.steps_per_round, shape.per_step_batch
+        self.num_machines, self.steps_per_round, self.batch_size = (
+            shape.num_machines,
+            shape.steps_per_round,
+            shape.per_step_batch,
+        )
         self._shape = shape
 
     def shape(self) -> RunShape:

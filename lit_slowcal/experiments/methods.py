@@ -37,8 +37,16 @@ from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 
-__all__ = ["METHODS", "Method", "OUTER_STEPS", "TABLE1_METHODS", "get_method", "max_weight_power", "method_names",
-           "server_step"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "OUTER_STEPS",
+    "TABLE1_METHODS",
+    "get_method",
+    "max_weight_power",
+    "method_names",
+    "server_step",
+]
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,9 @@ def _check_weight_power(h: Any, steps: int) -> None:
 
 
 def _slowcal(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
-    if steps is not None and steps > 1 and math.isfinite(h.weight_power) and 0 <= h.weight_power < 1024:  # else: SlowcalSGD's line
+    if (
+        steps is not None and steps > 1 and math.isfinite(h.weight_power) and 0 <= h.weight_power < 1024
+    ):  # else: SlowcalSGD's line
         _check_weight_power(h, steps)
     return _serve(SlowcalSGD(
         params, lr=h.lr, weight_power=h.weight_power, scale_lr_by_weight=h.scale_lr_by_weight, gamma=h.gamma,
@@ -196,7 +206,9 @@ def _accelerated(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) 
         horizon = steps
     max_lr = getattr(h, "max_lr", None)
     if max_lr is not None and horizon is None:
-        raise ValueError(f"Invalid max_lr: {max_lr!r} (it caps the horizon-aware step; set horizon_aware=true or leave it unset)")
+        raise ValueError(
+            f"Invalid max_lr: {max_lr!r} (it caps the horizon-aware step; set horizon_aware=true or leave it unset)"
+        )
     return AcceleratedSGD(params, lr=h.lr, weight_decay=h.weight_decay, horizon=horizon, max_lr=max_lr)
 
 

@@ -16,7 +16,12 @@ __all__ = ["diagnostics_lines", "summary_lines"]
 
 
 def summary_lines(
-    trainer: Trainer, get: Callable[..., Any], rounds: int, wall_time: float, partition_png: Optional[Any], wandb_offline: bool
+    trainer: Trainer,
+    get: Callable[..., Any],
+    rounds: int,
+    wall_time: float,
+    partition_png: Optional[Any],
+    wandb_offline: bool,
 ) -> list[str]:
     """The summary of a fit: ``get(key)`` its settings, ``rounds`` its rounds per epoch."""
     metrics = trainer.callback_metrics

@@ -110,6 +110,7 @@ def max_threads() -> int:
 def _allowed() -> str:
     return f"auto, 0 for torch's default, or an integer from 1 to {max_threads()} ({THREADS_PER_CPU} x this machine's CPUs)"
 
+
 Setting = Union[str, int]
 
 
@@ -321,7 +322,9 @@ def processes_per_node(devices: Any, accelerator: Any) -> int:
 def world_size_of(trainer: Mapping[str, Any]) -> int:
     """The processes of all nodes a Trainer with these settings (``trainer.*`` of the config) starts."""
     nodes = trainer.get("num_nodes")
-    return processes_per_node(trainer.get("devices"), trainer.get("accelerator")) * (nodes if is_int(nodes) and nodes > 0 else 1)
+    return processes_per_node(trainer.get("devices"), trainer.get("accelerator")) * (
+        nodes if is_int(nodes) and nodes > 0 else 1
+    )
 
 
 def configure_run_threads(get: Callable[..., Any], subcommand: Optional[str], samples_per_step: int) -> int:

@@ -74,7 +74,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for path in write_docs(choices, opts.criterion, opts.docs, opts.results.stem):
                 print(f"wrote {path}")
         if opts.floats is not None:
-            plot_accuracy_vs_floats(choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication")
+            plot_accuracy_vs_floats(
+                choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication"
+            )
             print(communication_table(choices))
             print(f"wrote {opts.floats}")
     except (OSError, ValueError) as err:

@@ -80,7 +80,9 @@ def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_
     # The moments are per machine: the two ranks held different ones when the checkpoint was written.
     assert not torch.equal(saved[0][0]["exp_avg"], saved[1][0]["exp_avg"])
     for rank in (0, 1):
-        assert_equal(saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after fabric.load")
+        assert_equal(
+            saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after fabric.load"
+        )
     for rank in (0, 1):
         whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
         assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")

@@ -121,7 +121,7 @@ def test_minibatch_sgd_by_parameter_averaging_is_one_step_on_the_averaged_gradie
     lr = 0.1
     module = Regression("sgd", lr=lr).double()
     x0 = {k: v[0].detach().clone() for k, v in module.machines.stacked_parameters().items()}
-    (x, y), = machine_data(1).batches
+    ((x, y),) = machine_data(1).batches
     x, y = x.double(), y.double()
     # Closed form: the gradient of machine i's mean squared error at the common point x0.
     w0, b0 = x0["weight"], x0["bias"]

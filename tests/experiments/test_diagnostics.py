@@ -19,7 +19,9 @@ class Recorder(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         self.syncs, self.steps = [], []
         params = list(pl_module.machines.parameters())
-        trainer.strategy.register_sync_pre_hook(lambda a: self.syncs.append([p.detach().double().clone() for p in params]))
+        trainer.strategy.register_sync_pre_hook(
+            lambda a: self.syncs.append([p.detach().double().clone() for p in params])
+        )
         optimizer = trainer.optimizers[0]
 
         def state(opt):

@@ -9,20 +9,24 @@ import textwrap
 
 from helpers import BARRIER, REPO, subprocess_env
 
-WRITER = textwrap.dedent(
-    """
+WRITER = (
+    textwrap.dedent(
+        """
     import sys, time
     from lit_slowcal.experiments.sweep.results import ResultsFile
     path, name = sys.argv[1], sys.argv[2]
     results = ResultsFile(path)  # read before the other writer's records exist, like a sweep's start
     """
-) + BARRIER + textwrap.dedent(
-    """
+    )
+    + BARRIER
+    + textwrap.dedent(
+        """
     for i in range(40):
         results.put({"params": {"writer": name, "i": i}, "status": "failed"})
         if i % 8 == 0:  # a retried trial: its record is replaced, not duplicated
             results.put({"params": {"writer": name, "i": i}, "status": "finished"})
     """
+    )
 )
 
 
