@@ -50,9 +50,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_PAIR_EACH, GOAL_PAIR_WHOLE, GOAL_BESIDE, GOAL_IMPORT_S = 1.2, 1.5, 2.0, 1.0

@@ -71,8 +71,8 @@ def main() -> None:
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, one thread", flush=True
     )
 
-    new = lambda: cross_entropy(logits, test_y)  # noqa: E731
-    old = lambda: F.cross_entropy(logits, test_y)  # noqa: E731
+    new = lambda: cross_entropy(logits, test_y)
+    old = lambda: F.cross_entropy(logits, test_y)
     same = torch.equal(new(), old())
     line(
         "test loss, 10,000 samples",
@@ -83,15 +83,15 @@ def main() -> None:
 
     for rows in (240, 3072):
         z, y = torch.randn(rows, 10, generator=g) * 3, torch.randint(0, 10, (rows,), generator=g)
-        ours = lambda: with_grad(lambda a, b: cross_entropy(a, b, "none"), z, y)  # noqa: E731
-        torchs = lambda: with_grad(lambda a, b: F.cross_entropy(a, b, reduction="none"), z, y)  # noqa: E731
+        ours = lambda: with_grad(lambda a, b: cross_entropy(a, b, "none"), z, y)
+        torchs = lambda: with_grad(lambda a, b: F.cross_entropy(a, b, reduction="none"), z, y)
         (a, ga), (b, gb) = ours(), torchs()
         same = torch.equal(a, b) and torch.equal(ga, gb) and ga.stride() == gb.stride()
         line(f"training step's loss and gradient, {rows} rows", best_ms(ours, args.calls, args.repeats),
              best_ms(torchs, args.calls, args.repeats), same)  # fmt: skip
 
     weights, biases = [w for w, _ in points], [b for _, b in points]
-    now = lambda: affine_rows(test_x, weights, biases, rows=1024)  # noqa: E731
+    now = lambda: affine_rows(test_x, weights, biases, rows=1024)
 
     def before() -> list[torch.Tensor]:
         return [

@@ -16,8 +16,9 @@ import importlib
 import importlib.abc
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 _DESCRIPTION = "Local updates averaged every K steps (parameters and optimizer state)"
 

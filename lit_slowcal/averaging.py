@@ -149,7 +149,7 @@ class PeriodicAverager:
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
         self._hooks: list[Any] = []
         self._reload_hook: Optional[RemovableHandle] = None  # per-machine state put back after an optimizer load
-        self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = (
+        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = (
             OrderedDict()
         )  # weakly referenced by handles
         participation, participation_seed, factory = _server.check_options(
@@ -315,7 +315,7 @@ class PeriodicAverager:
 
     # -- attaching to a loop -----------------------------------------------------------------
 
-    def attach(self) -> "PeriodicAverager":
+    def attach(self) -> PeriodicAverager:
         """Call ``step()`` after every ``optimizer.step()`` (optimizer step hooks). Returns self.
 
         An optimizer subclass whose ``step`` calls ``super().step()`` runs torch's step hooks at both
@@ -339,7 +339,7 @@ class PeriodicAverager:
             self._backward_hook.remove()
             self._backward_hook = None
 
-    def __enter__(self) -> "PeriodicAverager":
+    def __enter__(self) -> PeriodicAverager:
         return self.attach()
 
     def __exit__(self, *exc: Any) -> None:
@@ -392,7 +392,7 @@ class PeriodicAverager:
 
     # -- the synchronisation -----------------------------------------------------------------
 
-    def register_sync_pre_hook(self, hook: Callable[["PeriodicAverager"], None]) -> RemovableHandle:
+    def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
         """Call ``hook(self)`` at the start of every ``sync()``, before ``optimizer.pre_sync()`` and the average.
 
         The machines then hold their parameters after the round's last local step. Returns a handle

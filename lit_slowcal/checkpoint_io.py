@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -19,7 +20,7 @@ class CheckpointReadError(ValueError):
 
 
 def read_checkpoint(
-    path: Union[str, "os.PathLike[str]"], map_location: Optional[Union[str, Callable, torch.device]] = "cpu"
+    path: Union[str, os.PathLike[str]], map_location: Optional[Union[str, Callable, torch.device]] = "cpu"
 ) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``, with a clear one-line error for a file that is not a checkpoint.
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "core")]  # helpers, test_server
 from helpers import Quadratics  # noqa: E402
-from test_server import CASES, DIM, K, ROUNDS, M, Point  # noqa: E402
+from test_server import CASES, DIM, ROUNDS, K, M, Point  # noqa: E402
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines  # noqa: E402
 

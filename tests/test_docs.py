@@ -20,14 +20,15 @@ import subprocess
 import sys
 import textwrap
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import subprocess_env
 
 import lit_slowcal
-from helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"

@@ -31,8 +31,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch
 import torch
@@ -48,10 +49,10 @@ from lit_slowcal._lightning import KeepCommandLineModelArgs
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments.architectures import get_architecture
-from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
 from lit_slowcal.experiments.data import ProblemDataModule
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, run_identity
+from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.notes import say_lines

@@ -11,8 +11,9 @@ only gathers.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -20,8 +21,8 @@ from torch import Tensor
 
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
-from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
 from lit_slowcal.experiments.class_distribution import plot_class_distribution, write_class_counts
+from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
 from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist, prepare_mnist
 from lit_slowcal.experiments.partition import SPLITS, class_counts, partition
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
@@ -322,7 +323,7 @@ class ProblemDataModule(pl.LightningDataModule):
         # Batches are whole rounds gathered from in-memory tensors: a DataLoader would add nothing.
         return self._train
 
-    def _test_loader(self) -> "_Slices":
+    def _test_loader(self) -> _Slices:
         return _Slices(self.test_x, self.test_y, self.eval_batch_size)
 
     val_dataloader = _test_loader

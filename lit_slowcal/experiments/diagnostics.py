@@ -28,8 +28,9 @@ Per round, with ``--diagnostics`` (averaged over the rounds or steps since the p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch

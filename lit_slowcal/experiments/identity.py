@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback

@@ -9,9 +9,8 @@ strategy and the data, see ``lit_slowcal.experiments.cli``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
-
 import math
+from typing import Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -23,9 +22,16 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, cross_entropy, divergence, diverged_trials, mean_train_loss, round_losses, swap_outputs, test_loss,
+    add_round_loss,
+    cross_entropy,
+    diverged_trials,
+    divergence,
+    mean_train_loss,
+    round_losses,
+    swap_outputs,
+    test_loss,
     train_row,
-)  # fmt: skip
+)
 from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser

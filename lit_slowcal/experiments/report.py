@@ -23,9 +23,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.files import atomic_path, atomic_write

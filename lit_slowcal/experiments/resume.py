@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from lit_slowcal._validation import is_int
 from lit_slowcal.checkpoint_io import CheckpointReadError, read_checkpoint

@@ -19,7 +19,8 @@ through these functions, so the two cannot drift apart:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F

@@ -16,8 +16,9 @@ import errno
 import netrc
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger

@@ -4,7 +4,8 @@ training objective (f(x), the excess loss, f*, G_*), the wall time and where its
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -25,7 +26,7 @@ def summary_lines(
 ) -> list[str]:
     """The summary of a fit: ``get(key)`` its settings, ``rounds`` its rounds per epoch."""
     metrics = trainer.callback_metrics
-    value = lambda k: float(metrics[k]) if k in metrics else math.nan  # noqa: E731
+    value = lambda k: float(metrics[k]) if k in metrics else math.nan
     lines = [
         "",
         "lit_slowcal summary",

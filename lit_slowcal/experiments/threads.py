@@ -62,8 +62,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 from lit_slowcal._validation import is_int
 from lit_slowcal.experiments.notes import note

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lit_slowcal.experiments.report import load_results
 from lit_slowcal.experiments.tuning import Choice, check_criterion, tune, winners

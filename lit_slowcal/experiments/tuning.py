@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.report import _check_one_setting, cell_of

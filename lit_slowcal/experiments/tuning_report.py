@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.tuning import Choice, Win, winners

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 
 
 def run(mode):
-    diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     strategy = PeriodicAveragingFabricStrategy(sync_every=4, outer_optimizer=diloco, process_group_backend="gloo")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()

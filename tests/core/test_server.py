@@ -137,7 +137,7 @@ def test_outer_optimizers_and_participation_match_the_float64_reference(name, pa
 
 def test_plain_average_is_unchanged_bitwise_and_an_outer_sgd_at_rate_one_is_the_average():
     problem = Quadratics(machines=M, dim=DIM, steps=ROUNDS * K, seed=2)
-    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)
     plain, _ = simulated(problem, sgd)
     full, _ = simulated(problem, sgd, S=M)  # S = M: the plain average, the same code path
     assert torch.equal(plain, full)

@@ -3,7 +3,6 @@
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-import torch
 from test_objective import quadratic_closed_form
 
 from lit_slowcal.experiments.data import ProblemDataModule

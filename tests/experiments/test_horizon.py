@@ -3,12 +3,12 @@ and in a stacked group alike, and the model refuses what the option cannot take.
 
 import pytest
 import torch
+from test_stacked import REPO, grid_file, single_runs
 
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.experiments.sweep.contract import differences
-from test_stacked import REPO, grid_file, single_runs
 
 ROUNDS = 7  # grid_file: --trainer.limit_train_batches=7, one epoch; AC-SA takes one step per round
 

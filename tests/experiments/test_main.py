@@ -22,7 +22,6 @@ from in_process import RUN, command, error_line
 from lit_slowcal.experiments.main import DEBUG_ENV, main
 from lit_slowcal.experiments.model import MachinesModel
 
-
 # ---------------------------------------------------------------------- unreadable checkpoints
 
 

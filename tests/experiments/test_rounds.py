@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from in_process import RUN, command
+from test_stacked import REPO, grid_file
 from torch import nn
 
 from lit_slowcal.averaging import PeriodicAverager
@@ -19,7 +20,6 @@ from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.rounds import TrainingDiverged
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.simulated import SimulatedMachines
-from test_stacked import REPO, grid_file
 
 
 def test_round_losses_are_each_trials_mean_and_the_single_runs_own_reduction():

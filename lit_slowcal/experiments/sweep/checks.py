@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import param_text

@@ -14,8 +14,9 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.limits import available_memory

@@ -20,7 +20,8 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["DIAGNOSTICS", "DIAGNOSTICS_RTOL", "csv_differences", "differences"]
 

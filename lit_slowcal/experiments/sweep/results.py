@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lit_slowcal.experiments.sweep.trials import record_key, trial_key
 from lit_slowcal.files import atomic_write, locked

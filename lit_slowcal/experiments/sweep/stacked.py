@@ -44,13 +44,29 @@ import torch
 from torch import Tensor, nn
 
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, divergence, diverged_trials, epoch_values, evaluation_row, mean_train_loss, round_losses, swap_outputs,
-    train_row, trial_status,
-)  # fmt: skip
+    add_round_loss,
+    diverged_trials,
+    divergence,
+    epoch_values,
+    evaluation_row,
+    mean_train_loss,
+    round_losses,
+    swap_outputs,
+    train_row,
+    trial_status,
+)
 from lit_slowcal.experiments.sweep.grouping import (
-    StackedTrial, balance_groups, default_memory_budget, group_cost, group_title, group_trials, plan_stacked, stackable,
-    trial_bytes, trial_device,
-)  # fmt: skip
+    StackedTrial,
+    balance_groups,
+    default_memory_budget,
+    group_cost,
+    group_title,
+    group_trials,
+    plan_stacked,
+    stackable,
+    trial_bytes,
+    trial_device,
+)
 from lit_slowcal.experiments.sweep.stacked_trial import (
     config_yaml,
     data_and_model,

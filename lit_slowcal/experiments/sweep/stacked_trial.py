@@ -41,8 +41,8 @@ def trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) -> 
     split's class counts and its ``config.yaml``."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_slowcal.experiments.run_folder import claim_version, run_name
     from lit_slowcal.experiments.class_distribution import write_class_counts
+    from lit_slowcal.experiments.run_folder import claim_version, run_name
 
     name = run_name(trial.config.get)
     logger = CSVLogger(

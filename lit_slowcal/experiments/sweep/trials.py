@@ -18,7 +18,8 @@ import itertools
 import json
 import math
 import random
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.sweep.spec import Sweep

@@ -17,8 +17,9 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
 from lit_slowcal.experiments.sweep import output

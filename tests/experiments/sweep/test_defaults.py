@@ -8,13 +8,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_lightning import lightning_has_tip
+from test_stacked import REPO, grid_file
 
 from lit_slowcal._lightning import LIGHTNING_INFO_LOGGERS
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, differences
 from lit_slowcal.experiments.sweep.workers import WORKER_BYTES, choose_workers
-from test_lightning import lightning_has_tip
-from test_stacked import REPO, grid_file
 
 GIB = 2**30
 NOTE = "excess_loss: not logged: MNIST softmax regression without weight decay has no attained minimiser"

@@ -2,19 +2,18 @@
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from test_sweep import wandb_records
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
+from lit_slowcal.experiments.methods import TABLE1_METHODS
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import grouping, stacked
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, csv_differences, differences
-from test_sweep import wandb_records
 
 REPO = Path(__file__).resolve().parents[3]
 LRS = (0.01, 0.03)
