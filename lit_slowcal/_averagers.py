@@ -115,4 +115,4 @@ class AveragerSet:
         if not optimizers or not all(id(o) in self.averagers for o in optimizers):
             return None
         states = [self.averagers[id(o)].gather_state_dict() for o in optimizers]
-        return None if any(state is None for state in states) else states  # type: ignore[misc]
+        return None if any(state is None for state in states) else states  # type: ignore[return-value]

@@ -140,7 +140,7 @@ class PeriodicAverager:
         self.steps = 0
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
-        self.floats_communicated = 0  # per machine, over all synchronisations; 0 with one machine
+        self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -369,7 +369,7 @@ class PeriodicAverager:
         """M = processes x m."""
         return self.world_size * self.machines_per_process
 
-    def floats_per_sync(self) -> int:
+    def floats_per_sync(self) -> Union[int, float]:
         """Floats one machine sends per synchronisation (the averaged tensors of one machine); 0 with
         one machine in all, which sends nothing."""
         return self._floats(self._tensors())

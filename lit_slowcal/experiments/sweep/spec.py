@@ -19,7 +19,7 @@ import math
 import os
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -84,7 +84,7 @@ _PYTHON = re.compile(r"^(.*/)?python[0-9.]*$")
 _ENVVAR = re.compile(r"\$\{envvar:([A-Z0-9_]*)\}")
 
 
-def _allowed(values: Sequence[str]) -> str:
+def _allowed(values: Iterable[str]) -> str:
     return ", ".join(values)
 
 
