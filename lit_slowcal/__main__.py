@@ -6,7 +6,7 @@ Not imported by ``import lit_slowcal``; it needs the experiment extras.
 import gc
 import sys
 
-# The command's imports (torch, Lightning, the app) make 660,000 objects and no garbage: the collector is off
+# The command's imports (torch, Lightning, the app) make many objects and no garbage: the collector is off
 # until they are done, and main() then freezes them (lit_slowcal.experiments.main._freeze).
 gc.disable()
 try:

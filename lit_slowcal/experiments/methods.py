@@ -1,4 +1,4 @@
-r"""The methods of the paper's Table 1, one entry each: ``--method slowcal|local_sgd|...``.
+r"""The methods, one entry each (the paper's Table 1, and DiLoCo): ``--method slowcal|local_sgd|...``.
 
 Everything the app knows about a method is its entry here: the optimizer built from the model's
 hyperparameters, the round's shape (sync period, steps per round, per-step batch), what a machine
@@ -13,6 +13,8 @@ local_sgd              K            b                d (x)           ``torch.opt
 minibatch_sgd          1            K * b            d (x)           ``torch.optim.SGD``
 accel_minibatch_sgd    1            K * b            d (x)           ``AcceleratedSGD`` (AC-SA)
 scaffold               K            b                2d (y, dc)      ``Scaffold`` (option II)
+diloco                 K            b                d (x)           ``torch.optim.AdamW``; the server's
+                                                                     outer SGD with Nesterov momentum
 =====================  ===========  ===============  ==============  =================================
 
 A round is one synchronisation: the sync period equals the steps per round, and every method

@@ -233,8 +233,8 @@ def group_title(group: list[StackedTrial]) -> str:
     return f"method={c['method']} M={c['num_machines']} K={ks} b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)"
 
 
-#: An evaluation's cost in ``group_cost``'s units (a machine's step, about 9 us on a CPU): the test set and the
-#: training objective (MNIST, one CPU core: about 25 ms), or the test set alone (about 8 ms).
+#: An evaluation's cost in ``group_cost``'s units (a machine's step on a CPU): the test set and the training
+#: objective, or the test set alone; timed against a step on MNIST on one CPU core.
 EVALUATION_COST, TEST_COST = 2800, 900
 
 

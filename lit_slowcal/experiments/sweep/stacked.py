@@ -81,8 +81,8 @@ __all__ = [
 ]  # fmt: skip
 
 
-#: Evaluations computed in one pass over the test set and one over the training inputs (MNIST, one CPU core: the
-#: objective 14 ms an evaluation at 64, 58 ms alone; the test product 5.7 ms a point at 64, 7.2 ms at 3).
+#: Evaluations computed in one pass over the test set and one over the training inputs: many points a pass cost
+#: far less each than one at a time (``benchmarks/bench_evaluation.py`` times it).
 POINTS_PER_PASS = 64
 
 
