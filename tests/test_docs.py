@@ -377,6 +377,7 @@ torch.save(
 """
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs_as_it_stands(tmp_path: Path) -> None:
     """The README's code, unchanged, on two gloo processes (Lightning relaunches the script for rank 1):
     both end with the same averaged model, after the synchronisations its numbers imply."""

@@ -77,6 +77,7 @@ def lightning_run(optimizer: str) -> dict:
 
 
 @pytest.mark.parametrize("optimizer", ["slowcal", "sgd"])
+@pytest.mark.slow
 def test_plain_torch_loop_on_two_processes_equals_one_process_and_the_trainer(optimizer, tmp_path):
     two = run_example("torch_loop.py", tmp_path, "--processes=2", f"--machines={M}", f"--optimizer={optimizer}")
     one = run_example("torch_loop.py", tmp_path, "--processes=1", f"--machines={M}", f"--optimizer={optimizer}")
@@ -101,6 +102,7 @@ print("default group alive after destroy_process_group:", world() is not None)
 """
 
 
+@pytest.mark.slow
 def test_destroy_process_group_frees_the_default_group_after_a_plain_loop_built_its_optimizer(tmp_path):
     """A process group created after ``import lit_slowcal`` is freed (its gloo threads joined) by
     destroy_process_group, even though torch imports torch.distributed.nn.functional (which binds
@@ -274,6 +276,7 @@ def _bucket_worker(rank, world, init_file, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_average_in_bounded_buckets(tmp_path):
     out = str(tmp_path / "buckets.pt")
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,6 +409,7 @@ def assert_equal(a, b, what: str) -> None:
         )
 
 
+@pytest.mark.slow
 def test_plain_torch_loop_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path):
     """AdamW in a plain loop on 2 processes, a checkpoint mid-round of close_round() and gather_state_dict()
     (on every rank; rank 0 saves), resumed in fresh processes (optimizer.load_state_dict, then the
@@ -490,6 +494,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_order_works(tmp_path):
     """Rank 1's side head got no gradient before the checkpoint, so its AdamW held no state there (rank 0's
     did): after the resume it holds none either (the optimizer's own load gave it rank 0's), and the run
@@ -536,6 +541,7 @@ except RuntimeError as e:
 """
 
 
+@pytest.mark.slow
 def test_gather_state_dict_on_one_rank_only_is_one_line_on_every_rank(tmp_path):
     """gather_state_dict() on rank 0 alone, while rank 1 goes on to its next synchronisation: one line on
     each rank naming the two collectives (it aborted rank 0 in gloo, and rank 1 read the gather's bytes as

@@ -1,10 +1,12 @@
 """The Fabric example (``lit_slowcal.fabric``, PeriodicAveragingFabricStrategy) on two processes equals the
 plain torch loop."""
 
+import pytest
 import torch
 from test_averaging import assert_close, assert_equal, run_example
 
 
+@pytest.mark.slow
 def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
     fabric = run_example("fabric_loop.py", tmp_path, "--processes=2", "--dtype=float64")
     plain = run_example("torch_loop.py", tmp_path, "--processes=1", "--machines=2", "--dtype=float64")
@@ -14,6 +16,7 @@ def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
 _FABRIC_RESUME = """
 import sys
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -60,6 +63,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path):
     """DiLoCo (AdamW inner, Nesterov SGD outer) on 2 Fabric processes, fabric.save mid-round (step 6 of 12,
     K = 4), then fabric.load in a fresh Fabric (strategy, model, optimizer): each rank resumes its own AdamW moments, and the resumed

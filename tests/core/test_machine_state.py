@@ -189,6 +189,7 @@ def two_ranks(tmp_path_factory):
         ("broadcast_width", r"their shapes and dtypes"),  # broadcast() checks first: no mismatched broadcast
     ],
 )
+@pytest.mark.slow
 def test_ranks_set_up_differently_raise_one_line_on_every_rank_naming_what_differs(two_ranks, case, field):
     for outcomes in two_ranks:
         kind, message = outcomes[case]

@@ -9,6 +9,7 @@ from helpers import subprocess_env
 
 
 @pytest.mark.parametrize("imports", ["import lit_slowcal, lightning as L", "import lightning as L, lit_slowcal"])
+@pytest.mark.slow
 def test_fabric_and_trainer_know_the_strategy_name_after_import_lit_slowcal(imports):
     code = (
         f"{imports}\n"

@@ -232,6 +232,7 @@ def test_outer_state_resumes_exactly():
     assert torch.equal(machines.x.detach(), whole)
 
 
+@pytest.mark.slow
 def test_two_processes_match_the_reference(tmp_path):
     """2 gloo processes x 2 simulated machines: DiLoCo (inner Adam), FedAdam and FedAvg with 2 of 4 machines a round."""
     out = tmp_path / "result.pt"
@@ -309,6 +310,7 @@ def test_trainer_and_fabric_strategies_take_the_server_options(name, tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_the_app_takes_diloco_server_options_participation_and_non_linear_models(tmp_path):
     """``fit --method=diloco --participation=0.5 --model.arch=mlp``: the run's averager takes DiLoCo's outer
     Nesterov step over half the machines a round; the stacked engine runs such trials one at a time, saying why."""

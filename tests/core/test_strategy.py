@@ -281,6 +281,7 @@ def run_cli(out: Path, *args: str, **env_vars: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", ["slowcal", "accel_minibatch_sgd", "scaffold"])
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path, method):
     """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round,
     and the initial weights are rank 0's on every rank; for SLowcal-SGD, AC-SA (one step a round)

@@ -41,6 +41,7 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
     ("method", "floats_per_machine_per_round"),
     [("slowcal", 2 * D), ("local_sgd", D), ("minibatch_sgd", D), ("accel_minibatch_sgd", D), ("scaffold", 2 * D)],
 )
+@pytest.mark.slow
 def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats_per_machine_per_round):
     M, K, b, rounds = 8, 4, 2, 12
     run_dir = tmp_path / "runs"
@@ -85,6 +86,7 @@ def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats
     assert summary_acc == pytest.approx(float(evals[-1]["test_acc"]), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_print_config_shows_the_four_settings_once(tmp_path):
     proc = lit_slowcal(tmp_path, "fit", "--config=configs/minibatch_sgd.yaml", "--local_steps=8", "--print_config")
     config = yaml.safe_load(proc.stdout)
@@ -227,6 +229,7 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
     assert not trained  # refused before any training step
 
 
+@pytest.mark.slow
 def test_logged_in_without_network_falls_back_to_offline(tmp_path):
     """A W&B key but no reachable server: the run goes on, logged offline, and says so."""
     env = clean_env(tmp_path)

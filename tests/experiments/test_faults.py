@@ -30,6 +30,7 @@ def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, mon
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
+@pytest.mark.slow
 def test_a_crashed_process_ends_the_other_within_a_bound(tmp_path, failing_rank):
     env = subprocess_env(WANDB_MODE="disabled", FAIL=f"{failing_rank}:3")
     args = [

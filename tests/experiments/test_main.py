@@ -56,6 +56,7 @@ def test_an_unreadable_checkpoint_gets_one_line_without_unsafe_advice(
     assert "without --ckpt_path" in line and not no_training
 
 
+@pytest.mark.slow
 def test_the_command_prints_one_line_and_the_traceback_only_when_asked(tmp_path, capsys, monkeypatch):
     from lit_slowcal.checkpoint_io import CheckpointReadError
 

@@ -358,6 +358,7 @@ def test_objectives_of_one_split_share_their_samples_on_the_device():
     assert [o(point) for o in (a, b, c)] == before
 
 
+@pytest.mark.slow
 def test_on_mnist_the_objective_of_many_points_in_one_pass_equals_each_alone_within_1e_12():
     """The paper's setting: MNIST, the official split over M = 16. Points as trained models are (about the
     size of the paper runs' weights); 20 in one pass, as the stacked trials compute them."""

@@ -59,6 +59,7 @@ def uninterrupted(tmp_path_factory):
         ("accel_minibatch_sgd", "SIGKILL", 29, "one step a round: killed in round 29, resumes from round 28"),
     ],
 )
+@pytest.mark.slow
 def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, step, where):
     killed = run(tmp_path, "killed", method, kill=f"{signal}:{step}")
     assert killed.returncode == (143 if signal == "SIGTERM" else -9), where
@@ -95,6 +96,7 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, ste
     assert (run_folder / "version_0" / "metrics.csv").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = run(tmp_path, "none", "slowcal", "--ckpt_path=last")
     assert proc.returncode != 0

@@ -250,6 +250,7 @@ def run_job(tmp_path: Path, *args: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_the_main_job_trains_with_the_thread_count_it_prints(tmp_path):
     out = run_job(tmp_path)
     lines = re.findall(r"^threads: .*$", out, re.M)
@@ -258,6 +259,7 @@ def test_the_main_job_trains_with_the_thread_count_it_prints(tmp_path):
     assert probes == ["probe: rank 0 threads 1 omp 1 wandb False"] * 2  # and W&B is never imported
 
 
+@pytest.mark.slow
 def test_ddp_processes_keep_the_chosen_count(tmp_path):
     # Lightning's launcher would give each of 2 processes CPUs / 2 threads; the exported count wins.
     out = run_job(tmp_path, "--trainer.devices=2", "--threads=2")

@@ -16,6 +16,8 @@ import pytest
 import torch
 from helpers import subprocess_env
 
+pytestmark = pytest.mark.slow  # every test launches the user project on two processes
+
 SCRIPT = Path(__file__).with_name("user_project.py")
 K, STEPS, EPOCH = 7, 30, 12  # K, max_steps, batches per epoch (384 images, 2 shards, batch 16)
 CNN_ARGS = [

@@ -24,6 +24,7 @@ def records(path: Path) -> dict:
     return {sw.trial_key(r["params"]): r for r in map(json.loads, path.read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_the_same_records(
     tmp_path, monkeypatch, capfd
 ):
@@ -49,6 +50,7 @@ def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_th
     assert len({r["metrics"]["test_loss"] for r in default.values()}) == 4  # four different trials
 
 
+@pytest.mark.slow
 def test_trials_that_cannot_stack_run_alone_by_default_each_reason_said_once_with_its_count(
     tmp_path, monkeypatch, capfd
 ):
@@ -129,6 +131,7 @@ def test_workers_given_are_taken_up_to_the_trials_whatever_the_machine():
     assert WORKER_BYTES == 768 * 2**20
 
 
+@pytest.mark.slow
 def test_a_sweep_prints_how_many_workers_and_why_and_runs_its_trials_here_with_one(tmp_path, monkeypatch, capfd):
     import os
 
@@ -174,6 +177,7 @@ LIGHTNING_LINES = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer
     ],
     ids=["default", "stacked-here", "alone-here", "alone-2-workers", "stacked-2-workers", "alone-2-spawned-workers"],
 )
+@pytest.mark.slow
 def test_each_repeated_line_is_printed_once_per_sweep(tmp_path, monkeypatch, capfd, flags):
     from lit_slowcal.experiments.sweep import workers
 
@@ -237,6 +241,7 @@ def test_a_fit_alone_still_prints_its_note_and_its_summary_line(tmp_path, monkey
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-stack", "--workers", "2"]], ids=["stacked", "alone-2-workers"])
+@pytest.mark.slow
 def test_an_optimum_read_from_the_cache_is_said_once_per_sweep(tmp_path, monkeypatch, capfd, flags):
     """Every trial of a split reads the same x* from the cache: its line (f*, G_*, where it is cached) once per
     sweep, not once per trial; the solve that filled the cache is said where it happens."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from helpers import BARRIER, REPO, subprocess_env
 
 WRITER = (
@@ -30,6 +31,7 @@ WRITER = (
 )
 
 
+@pytest.mark.slow
 def test_two_processes_writing_one_results_file_lose_and_duplicate_nothing(tmp_path):
     path = tmp_path / "X.jsonl"
     path.write_text(json.dumps({"params": {"writer": "earlier"}, "status": "finished"}) + "\n")

@@ -69,6 +69,7 @@ def command_line():
     return sw.CommandLine()
 
 
+@pytest.mark.slow
 def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line):
     # 20 single runs through Lightning (the reference) and 5 stacked groups: about 20 s, the price
     # of checking every method of the registry against the runner itself.
@@ -114,6 +115,7 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 
+@pytest.mark.slow
 def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monkeypatch, command_line):
     # K = 2 and 4 in one group for the local methods (SCAFFOLD: an optimizer with pre_sync / post_sync,
     # one per K): 7 rounds are 14 and 28 steps, each K synchronising, logging and evaluating on its own
@@ -145,6 +147,7 @@ def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monk
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 
+@pytest.mark.slow
 def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_path, monkeypatch, command_line):
     monkeypatch.chdir(REPO)
     torch.set_num_threads(1)
@@ -288,6 +291,7 @@ def test_linear_gradients_equal_autograds(b):
     assert (machines.weight.grad == 0).any()  # the zero products are among those compared
 
 
+@pytest.mark.slow
 def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monkeypatch, capfd):
     # --workers 2: two processes, each a group (or, with --no-stack, a trial) at a time; every trial
     # recorded once, with the metrics of the same sweep run in one process. Forked workers (Linux) also

@@ -201,6 +201,7 @@ def wandb_values(param: sw.Param) -> list:
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.name for p in SWEEP_FILES])
+@pytest.mark.slow
 def test_every_sweep_parameter_reaches_its_cli_key_as_wandb_passes_it(path, command_line):
     from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
@@ -345,6 +346,7 @@ def test_results_file_keeps_its_permission_bits(tmp_path):
         ("lit_slowcal.experiments.cli", "lit_slowcal.experiments.sweep"),
     ],
 )
+@pytest.mark.slow
 def test_sweep_reaches_the_cli_only_to_run_trials_and_the_cli_never_imports_sweep(module, absent):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({absent!r})))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
@@ -426,6 +428,7 @@ def completed_run_folders(runs: Path) -> dict[tuple[str, float], list[Path]]:
     return done
 
 
+@pytest.mark.slow
 def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_path, monkeypatch, capsys):
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     # One trial at a time, in the sweep's process: killed once the first is recorded, before the second is.
@@ -582,6 +585,7 @@ def wandb_records(path: Path):
             chunk = b""
 
 
+@pytest.mark.slow
 def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
     """The agent's command and environment, rebuilt with W&B's own functions, offline (no server)."""
     from wandb.sdk.launch.sweeps import utils as sweep_utils
@@ -647,6 +651,7 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     assert [(r["params"]["method"], r["status"]) for r in records] == [("slowcal", "finished"), ("slowcal", "finished")]
 
 
+@pytest.mark.slow
 def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path, monkeypatch, command_line):
     """The parsers are built by the first trial of the process and reused; every trial still gets
     exactly the metrics and the saved config of a fresh ``SlowcalCLI`` run of its arguments, also when
@@ -742,6 +747,7 @@ def test_a_record_of_another_command_or_config_is_never_taken_for_a_trials(tmp_p
     assert "1 trials, 1 already in" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_own(tmp_path, monkeypatch, capsys):
     # The shipped results were written before identities were stored: their arguments give theirs.
     monkeypatch.chdir(REPO)
@@ -921,6 +927,7 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
     )
 
 
+@pytest.mark.slow
 def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
     """Options whose values set keys no other option changes (one key: the rate; with the settings linked from it
     alone: M, the seed) are parsed value by value, the others (sources of settings linked from several: the
@@ -962,6 +969,7 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
         checks.check_by_parts(trials, lambda p: sw.trial_args(bad, p))
 
 
+@pytest.mark.slow
 def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_trial(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     cfg = config(
@@ -1042,6 +1050,7 @@ def test_two_spellings_of_one_value_are_one_run_refused_before_any_trial(tmp_pat
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.slow
 def test_a_sweep_whose_reader_ends_stops_quietly_keeping_what_it_recorded(tmp_path, workers):
     """``sweep ... | head``: once the reader is gone the sweep stops as at SIGPIPE (status 141, no error line),
     and no trial is recorded as failed for it."""
