@@ -89,7 +89,9 @@ def _sync_worker(rank: int, port: int, syncs: int, queue) -> None:
                 result.setdefault(check, []).append((time.perf_counter() - start) / n * 1e6)
         if rank == 0:
             on, off = min(result[True]), min(result[False])
-            queue.put(f"sync on 2 gloo processes, {label}: with the check {on:.0f} us, without {off:.0f} us, ratio {on / off:.3f}")
+            queue.put(
+                f"sync on 2 gloo processes, {label}: with the check {on:.0f} us, without {off:.0f} us, ratio {on / off:.3f}"
+            )
     dist.destroy_process_group()
 
 

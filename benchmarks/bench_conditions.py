@@ -50,9 +50,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_PAIR_EACH, GOAL_PAIR_WHOLE, GOAL_BESIDE, GOAL_IMPORT_S = 1.2, 1.5, 2.0, 1.0
@@ -70,7 +71,7 @@ while True:
 
 # Added to the job with --trainer.callbacks+=_bench_clock.TrainClock: wall-clock stamps of the
 # training's start and end (time.time(), comparable across processes) and the torch threads in use.
-CLOCK = '''
+CLOCK = """
 import time, torch
 import lightning.pytorch as pl
 
@@ -80,7 +81,7 @@ class TrainClock(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         print(f"bench: train_end {time.time():.6f} threads {torch.get_num_threads()}", flush=True)
-'''
+"""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -180,7 +181,9 @@ class Job:
             args.append("--threads=0")
         env = clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(clock_dir), os.environ.get("PYTHONPATH")])))
         self.start = time.time()
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
 
     def result(self, limit: float) -> dict:
         """The job's figures; a job still running ``limit`` seconds after its start is stopped (times: inf)."""
@@ -220,7 +223,9 @@ def _x(value: float, base: float, limit: float) -> str:
     return f"{value / base:5.2f}x"
 
 
-def conditions(repeats: int, import_repeats: int, limit: float, policies: tuple[str, ...] = ("auto", "default")) -> None:
+def conditions(
+    repeats: int, import_repeats: int, limit: float, policies: tuple[str, ...] = ("auto", "default")
+) -> None:
     figures: dict[tuple[str, str], list[float]] = {}
     lines = {policy: "(no finished run)" for policy in policies}
 
@@ -254,8 +259,11 @@ def conditions(repeats: int, import_repeats: int, limit: float, policies: tuple[
                 with competitor():
                     add(policy, "beside training", Job(policy, run_dir, tmp_path).result(limit)["training"])
             load.stop()
-            print(f"repeat {rep + 1}/{repeats}: other processes used {load.cpus():.2f} CPUs on average meanwhile"
-                  f"{'' if quiet else ' (no quiet second in the 30 s waited before it)'}", flush=True)
+            print(
+                f"repeat {rep + 1}/{repeats}: other processes used {load.cpus():.2f} CPUs on average meanwhile"
+                f"{'' if quiet else ' (no quiet second in the 30 s waited before it)'}",
+                flush=True,
+            )
 
     med = {key: statistics.median(values) for key, values in figures.items()}
     print(f"\nthe default job (M=16, K=16, b=1), {len(os.sched_getaffinity(0))} CPUs; medians of {repeats} "
@@ -300,7 +308,9 @@ def _import_seconds(module: str) -> tuple[float, float, float, float]:
     code = ("import time; t, c = time.perf_counter(), time.process_time(); import " + module
             + "; print(time.perf_counter() - t, time.time(), time.process_time() - c)")  # fmt: skip
     start, wall = time.time(), time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True
+    )
     wall = time.perf_counter() - wall
     alone, done, cpu = (float(x) for x in out.stdout.split())
     return alone, done - start, wall, cpu
@@ -451,24 +461,32 @@ def steps(repeats: int, shapes: list[tuple[int, int]], quiet: float = 0.25, max_
     for m, b in shapes:
         idle, busy = cell("idle", m, b)[0], cell("busy", m, b)[0]
         counts = [sum(s[2] < quiet for s in samples[(c, m, b)]) for c in ("idle", "busy")]
-        print(f"{m:5d} {b:5d} {m * b:7d} | {idle} | {busy} | {counts[0]}/{len(samples[('idle', m, b)])}, {counts[1]}/{len(samples[('busy', m, b)])}")
+        print(
+            f"{m:5d} {b:5d} {m * b:7d} | {idle} | {busy} | {counts[0]}/{len(samples[('idle', m, b)])}, {counts[1]}/{len(samples[('busy', m, b)])}"
+        )
     # Samples taken while others were busy: the 2t/1t of each, to show what a neighbour does.
     noisy = [(s[1] / s[0], s[2]) for key, got in samples.items() if key[0] == "idle" for s in got if s[2] >= quiet]
     if noisy:
         ratios = sorted(r for r, _ in noisy)
-        print(f"idle samples during which others used >= {quiet} CPUs: {len(noisy)}, 2t/1t median "
-              f"{statistics.median(ratios):.2f} (range {ratios[0]:.2f} ... {ratios[-1]:.2f})")
+        print(
+            f"idle samples during which others used >= {quiet} CPUs: {len(noisy)}, 2t/1t median "
+            f"{statistics.median(ratios):.2f} (range {ratios[0]:.2f} ... {ratios[-1]:.2f})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="repeats of every condition (default 2)")
     parser.add_argument("--policies", default="auto,default", help="auto, default or both (default auto,default)")
-    parser.add_argument("--limit", type=float, default=20.0, help="stop a job still running after this many s (default 20)")
+    parser.add_argument(
+        "--limit", type=float, default=20.0, help="stop a job still running after this many s (default 20)"
+    )
     parser.add_argument("--import-repeats", type=int, default=3, help="fresh interpreters per import (default 3)")
     parser.add_argument("--steps", action="store_true", help="print the step measurement behind --threads auto instead")
     parser.add_argument(
-        "--imports", action="store_true", help="only the start-up: the default job alone (--repeats times) and the imports"
+        "--imports",
+        action="store_true",
+        help="only the start-up: the default job alone (--repeats times) and the imports",
     )
     parser.add_argument(
         "--shapes",

@@ -45,7 +45,9 @@ def best_ms(fn, calls: int, repeats: int) -> float:
 
 
 def line(name: str, new_ms: float, old_ms: float, same: bool) -> None:
-    print(f"{name:<46} {new_ms:8.3f} ms  vs {old_ms:8.3f} ms  ratio {new_ms / old_ms:5.2f}  same bits: {same}", flush=True)
+    print(
+        f"{name:<46} {new_ms:8.3f} ms  vs {old_ms:8.3f} ms  ratio {new_ms / old_ms:5.2f}  same bits: {same}", flush=True
+    )
 
 
 def with_grad(loss_fn, z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,27 +67,36 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     points = [(torch.randn(10, 784, generator=g) * 0.05, torch.randn(10, generator=g) * 0.1) for _ in range(64)]
     logits = torch.addmm(points[0][1], test_x, points[0][0].T)
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, one thread", flush=True)
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, one thread", flush=True
+    )
 
-    new = lambda: cross_entropy(logits, test_y)  # noqa: E731
-    old = lambda: F.cross_entropy(logits, test_y)  # noqa: E731
+    new = lambda: cross_entropy(logits, test_y)
+    old = lambda: F.cross_entropy(logits, test_y)
     same = torch.equal(new(), old())
-    line("test loss, 10,000 samples", best_ms(new, args.calls, args.repeats), best_ms(old, args.calls, args.repeats), same)
+    line(
+        "test loss, 10,000 samples",
+        best_ms(new, args.calls, args.repeats),
+        best_ms(old, args.calls, args.repeats),
+        same,
+    )
 
     for rows in (240, 3072):
         z, y = torch.randn(rows, 10, generator=g) * 3, torch.randint(0, 10, (rows,), generator=g)
-        ours = lambda: with_grad(lambda a, b: cross_entropy(a, b, "none"), z, y)  # noqa: E731
-        torchs = lambda: with_grad(lambda a, b: F.cross_entropy(a, b, reduction="none"), z, y)  # noqa: E731
+        ours = lambda: with_grad(lambda a, b: cross_entropy(a, b, "none"), z, y)
+        torchs = lambda: with_grad(lambda a, b: F.cross_entropy(a, b, reduction="none"), z, y)
         (a, ga), (b, gb) = ours(), torchs()
         same = torch.equal(a, b) and torch.equal(ga, gb) and ga.stride() == gb.stride()
         line(f"training step's loss and gradient, {rows} rows", best_ms(ours, args.calls, args.repeats),
              best_ms(torchs, args.calls, args.repeats), same)  # fmt: skip
 
     weights, biases = [w for w, _ in points], [b for _, b in points]
-    now = lambda: affine_rows(test_x, weights, biases, rows=1024)  # noqa: E731
+    now = lambda: affine_rows(test_x, weights, biases, rows=1024)
 
     def before() -> list[torch.Tensor]:
-        return [z for i in range(0, 63, 3) for z in affine_rows(test_x, weights[i : i + 3], biases[i : i + 3], rows=2048)]
+        return [
+            z for i in range(0, 63, 3) for z in affine_rows(test_x, weights[i : i + 3], biases[i : i + 3], rows=2048)
+        ]
 
     same = all(torch.equal(a, b) for a, b in zip(now()[:63], before()))
     calls = max(1, args.calls // 25)

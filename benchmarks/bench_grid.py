@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -200,7 +199,9 @@ def check_stored(records: list[dict]) -> tuple[int, list[str]]:
     by the exactness contract (``sweep.contract``: bit for bit, the diagnostics within 1e-12 relative)."""
     from lit_slowcal.experiments.sweep.contract import differences
 
-    stored = {_key(r["params"]): r for r in map(json.loads, STORED.read_text().splitlines()) if r["status"] == "finished"}
+    stored = {
+        _key(r["params"]): r for r in map(json.loads, STORED.read_text().splitlines()) if r["status"] == "finished"
+    }
     same, differ = 0, []
     for record in records:
         old = stored.get(_key(record["params"]))
@@ -221,7 +222,9 @@ def main() -> None:
     from bench_conditions import OtherLoad  # this folder is on sys.path when the script runs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1, the runner's default)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads on both sides (default 1, the runner's default)"
+    )
     p.add_argument("--full", action="store_true", help="also run the whole 135-run paper grid through the runner")
     p.add_argument(
         "--runner", default="", help="the runner's own options, e.g. '--workers 1' or '--no-stack --workers 2' (default: "
@@ -287,7 +290,9 @@ def main() -> None:
             total[v] += record["wall_time_s"]
             cells.append(f"{record['wall_time_s']:>9.3f}")
             if record["status"] != "finished" or acc_r is None or abs(acc_r - acc) > 1e-6 or abs(loss_r - loss) > 1e-5:
-                mismatches.append(f"{key} ({v}): runner {record['status']} acc {acc_r} loss {loss_r}, minimal acc {acc} loss {loss}")
+                mismatches.append(
+                    f"{key} ({v}): runner {record['status']} acc {acc_r} loss {loss_r}, minimal acc {acc} loss {loss}"
+                )
         print(f"{key:<28} {rounds:>6} {' '.join(cells)} {seconds:>10.3f} {evals:>+7.3f} {objective:>+6.3f}  "
               f"{acc_r:>10.4f} {acc:>11.4f}")  # fmt: skip
     m1 = sum(v[0] for v in first.values())
@@ -308,7 +313,9 @@ def main() -> None:
               f"processes used {others:.2f} CPUs meanwhile")  # fmt: skip
         for i, (what, base) in enumerate(bases[v]):
             goal = f" (goal <= {GOAL_RATIO}x)" if v == "bare" and i == 0 else ""
-            print(f"  against {what} ({base:.1f} s): {wall / base:.2f}x the command, {trials_s / base:.2f}x the trials{goal}")
+            print(
+                f"  against {what} ({base:.1f} s): {wall / base:.2f}x the command, {trials_s / base:.2f}x the trials{goal}"
+            )
         same, differ = check_stored(records)
         print(f"  against {STORED.relative_to(ROOT)}: every stored metric identical in {same} of {len(records)} runs"
               + "".join(f"\n    differs: {line}" for line in differ))  # fmt: skip

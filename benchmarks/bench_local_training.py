@@ -218,11 +218,21 @@ def _child(args: argparse.Namespace) -> None:
     rss_one_fit = peak_rss_gb()
     gpu_one_fit = peak_gpu_gb(args.device)
     warm, _, _, _, _ = lightning_epoch(data, args.local_steps, device=args.device)
-    print(json.dumps({
-        "setup": setup_seconds, "cold": cold, "cold_fit": cold_fit, "warm": warm, "steps": steps,
-        "rss_one_fit": rss_one_fit, "rss_end": peak_rss_gb(),
-        "gpu_one_fit": gpu_one_fit, "gpu_end": peak_gpu_gb(args.device),
-    }))
+    print(
+        json.dumps(
+            {
+                "setup": setup_seconds,
+                "cold": cold,
+                "cold_fit": cold_fit,
+                "warm": warm,
+                "steps": steps,
+                "rss_one_fit": rss_one_fit,
+                "rss_end": peak_rss_gb(),
+                "gpu_one_fit": gpu_one_fit,
+                "gpu_end": peak_gpu_gb(args.device),
+            }
+        )
+    )
 
 
 def _quiet() -> None:
@@ -271,9 +281,21 @@ def _scale_run(args: argparse.Namespace) -> None:
     minimal = statistics.median(minimal_epoch(data, K, device=args.device)[0] for _ in range(args.repeats))
     minimal_gpu = peak_gpu_gb(args.device)
     command = [
-        sys.executable, os.path.abspath(__file__), "--child", "--num-machines", str(M), "--local-steps", str(K),
-        "--batch-size", str(b), "--root", args.root, "--threads", str(torch.get_num_threads()),
-        "--device", args.device,
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--num-machines",
+        str(M),
+        "--local-steps",
+        str(K),
+        "--batch-size",
+        str(b),
+        "--root",
+        args.root,
+        "--threads",
+        str(torch.get_num_threads()),
+        "--device",
+        args.device,
     ]
     results = []
     for _ in range(args.repeats):
@@ -287,21 +309,31 @@ def _scale_run(args: argparse.Namespace) -> None:
     )
     rss = max(r["rss_one_fit"] for r in results)
     per_process = " ".join(f"{r['rss_one_fit']:.2f}" for r in results)
-    print(f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {steps} steps; data setup {setup:.2f} s; "
-          f"median of {args.repeats} fresh processes:")
-    print(f"  Lightning, training epoch, first fit in the process {cold:7.3f} s  {cold / steps * 1e3:6.1f} ms/step"
-          f"   (whole trainer.fit {cold_fit:.3f} s)")
+    print(
+        f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {steps} steps; data setup {setup:.2f} s; "
+        f"median of {args.repeats} fresh processes:"
+    )
+    print(
+        f"  Lightning, training epoch, first fit in the process {cold:7.3f} s  {cold / steps * 1e3:6.1f} ms/step"
+        f"   (whole trainer.fit {cold_fit:.3f} s)"
+    )
     print(f"  Lightning, training epoch, second fit               {warm:7.3f} s  {warm / steps * 1e3:6.1f} ms/step")
-    print(f"  minimal loop (autograd, warm, this process)         {minimal:7.3f} s  {minimal / steps * 1e3:6.1f} ms/step"
-          f"   Lightning (second fit) / minimal = {warm / minimal:.2f}x")
-    print(f"  peak RSS of the Lightning process after one fit: {rss:.2f} GB (largest of {per_process}; "
-          f"after two fits {max(r['rss_end'] for r in results):.2f})")
+    print(
+        f"  minimal loop (autograd, warm, this process)         {minimal:7.3f} s  {minimal / steps * 1e3:6.1f} ms/step"
+        f"   Lightning (second fit) / minimal = {warm / minimal:.2f}x"
+    )
+    print(
+        f"  peak RSS of the Lightning process after one fit: {rss:.2f} GB (largest of {per_process}; "
+        f"after two fits {max(r['rss_end'] for r in results):.2f})"
+    )
     print(f"  goal < {GOAL_MEMORY_GB:g} GB: {'met' if rss < GOAL_MEMORY_GB else 'NOT met'}")
     if torch.device(args.device).type == "cuda":
         gpu = " ".join(f"{r['gpu_one_fit']:.3f}" for r in results)
-        print(f"  peak GPU memory (max_memory_allocated): Lightning after one fit "
-              f"{max(r['gpu_one_fit'] for r in results):.3f} GB (per process {gpu}; after two fits "
-              f"{max(r['gpu_end'] for r in results):.3f}), minimal loop {minimal_gpu:.3f} GB")
+        print(
+            f"  peak GPU memory (max_memory_allocated): Lightning after one fit "
+            f"{max(r['gpu_one_fit'] for r in results):.3f} GB (per process {gpu}; after two fits "
+            f"{max(r['gpu_end'] for r in results):.3f}), minimal loop {minimal_gpu:.3f} GB"
+        )
 
 
 def _load() -> str:
@@ -343,10 +375,14 @@ def main() -> None:
     on_cuda = args.device == "cuda"
     if on_cuda:
         props = torch.cuda.get_device_properties(0)
-        print(f"device cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}; "
-              "clocks read after torch.cuda.synchronize()")
-    print(f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {data.num_rounds * K} steps; "
-          f"data setup (load + partition, not timed below) {setup_seconds:.2f} s")
+        print(
+            f"device cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}; "
+            "clocks read after torch.cuda.synchronize()"
+        )
+    print(
+        f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {data.num_rounds * K} steps; "
+        f"data setup (load + partition, not timed below) {setup_seconds:.2f} s"
+    )
 
     dev = args.device
     minimal_epoch(data, K, device=dev)  # warm-up: first-call costs, allocator

@@ -50,12 +50,19 @@ def main() -> None:
         for seed in args.seeds:
             data = ProblemDataModule(root=args.root, num_machines=args.num_machines, split="official", seed=seed)
             objective = Objective(data.problem_samples(), "cross_entropy", args.weight_decay)
-            identity = {"problem": data.problem.describe(), "num_machines": args.num_machines, "seed": seed}  # as the CLI's
+            identity = {
+                "problem": data.problem.describe(),
+                "num_machines": args.num_machines,
+                "seed": seed,
+            }  # as the CLI's
             began = time.perf_counter()
 
             def progress(steps: int, value: float, grad_norm: float) -> None:
                 if args.verbose:
-                    print(f"  step {steps}: f = {value:.15g}, ||grad f|| = {grad_norm:.2e}, {time.perf_counter() - began:.1f} s", flush=True)
+                    print(
+                        f"  step {steps}: f = {value:.15g}, ||grad f|| = {grad_norm:.2e}, {time.perf_counter() - began:.1f} s",
+                        flush=True,
+                    )
 
             found, path, cached = optimum(objective, (10, 784), identity, cache, tol=args.tol, progress=progress)
             first = time.perf_counter() - began

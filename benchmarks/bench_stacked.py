@@ -124,13 +124,21 @@ def print_ratio(label: str, alone: float, stacked: float, stacked_results: Path,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="also the 135-run paper grid stacked")
-    p.add_argument("--full-alone", action="store_true", help="with --full: also that grid one trial at a time, and the ratio")
-    p.add_argument("--machines", type=int, nargs="+", default=[16, 32, 64], help="with --full: the M values of the grid to run")
-    p.add_argument("--subset", type=int, default=16, help="K of the one-at-a-time subset (M = 16, all methods, 3 seeds)")
+    p.add_argument(
+        "--full-alone", action="store_true", help="with --full: also that grid one trial at a time, and the ratio"
+    )
+    p.add_argument(
+        "--machines", type=int, nargs="+", default=[16, 32, 64], help="with --full: the M values of the grid to run"
+    )
+    p.add_argument(
+        "--subset", type=int, default=16, help="K of the one-at-a-time subset (M = 16, all methods, 3 seeds)"
+    )
     p.add_argument("--no-alone", action="store_true", help="leave out the one-at-a-time subset")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stacked trials train")
     p.add_argument("--light", action="store_true", help="every trial with --objective=false --diagnostics=false")
-    p.add_argument("--workers", type=int, default=1, help="sweep --workers: processes running groups (or trials) at once")
+    p.add_argument(
+        "--workers", type=int, default=1, help="sweep --workers: processes running groups (or trials) at once"
+    )
     opts = p.parse_args()
     os.chdir(ROOT)
     torch.set_num_threads(1)
@@ -152,7 +160,10 @@ def main() -> None:
             stacked = run_sweep(sub, tmp / "stacked.jsonl", "--stack", device=opts.device, workers=opts.workers)
             print_ratio(f"paper grid, M=16 K={opts.subset}", alone, stacked, tmp / "stacked.jsonl", tmp / "alone.jsonl")
         reference = ROOT / "sweeps" / "results" / "lr.jsonl"
-        for label, keep in (("lr grid", None), ("lr grid, 3 methods", {"method": ["slowcal", "local_sgd", "minibatch_sgd"]})):
+        for label, keep in (
+            ("lr grid", None),
+            ("lr grid, 3 methods", {"method": ["slowcal", "local_sgd", "minibatch_sgd"]}),
+        ):
             name = label.replace(" ", "_").replace(",", "") + ".yaml"
             path = sweep_file(tmp, ROOT / "sweeps" / "lr.yaml", keep, stacked_extra, name)
             results = tmp / f"{path.stem}.jsonl"
@@ -170,7 +181,9 @@ def main() -> None:
             if opts.full_alone:
                 alone_path = sweep_file(tmp, ROOT / "sweeps" / "paper.yaml", keep, extra, "paper_alone.yaml")
                 alone = run_sweep(alone_path, tmp / "paper_alone.jsonl", "--no-stack", workers=opts.workers)
-                print_ratio(f"paper grid (M in {opts.machines})", alone, full, tmp / "paper.jsonl", tmp / "paper_alone.jsonl")
+                print_ratio(
+                    f"paper grid (M in {opts.machines})", alone, full, tmp / "paper.jsonl", tmp / "paper_alone.jsonl"
+                )
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"peak memory (resident, whole process): {peak_mib():.0f} MiB" + (f", the largest worker {workers:.0f} MiB" if opts.workers > 1 else "")
           + f"; load average now {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -83,9 +83,17 @@ class ShardedMNIST(L.LightningDataModule):
     the same length). The split is the data module's own, hence ``use_distributed_sampler=False``
     in the Trainer (with it, Lightning would re-split every shard across the processes)."""
 
-    def __init__(self, train_size: int = 2048, val_size: int = 512, batch_size: int = 32, num_shards: int = 2, root: Path = ROOT) -> None:
+    def __init__(
+        self, train_size: int = 2048, val_size: int = 512, batch_size: int = 32, num_shards: int = 2, root: Path = ROOT
+    ) -> None:
         super().__init__()
-        self.train_size, self.val_size, self.batch_size, self.num_shards, self.root = train_size, val_size, batch_size, num_shards, Path(root)
+        self.train_size, self.val_size, self.batch_size, self.num_shards, self.root = (
+            train_size,
+            val_size,
+            batch_size,
+            num_shards,
+            Path(root),
+        )
 
     def setup(self, stage: str) -> None:
         rank = self.trainer.global_rank if self.trainer is not None else 0
@@ -112,7 +120,9 @@ class ShardedMNIST(L.LightningDataModule):
 def build_trainer(args: argparse.Namespace, callbacks: Sequence[Callback] = ()) -> L.Trainer:
     strategy = PeriodicAveragingStrategy(sync_every=args.sync_every, process_group_backend="gloo")
     checkpoints = [
-        ModelCheckpoint(dirpath=Path(args.run_dir) / "checkpoints", monitor="val_acc", mode="max", save_top_k=1, save_last=True),
+        ModelCheckpoint(
+            dirpath=Path(args.run_dir) / "checkpoints", monitor="val_acc", mode="max", save_top_k=1, save_last=True
+        ),
         ModelCheckpoint(dirpath=Path(args.run_dir) / "epochs", filename="{epoch}-{step}", save_top_k=-1),
     ]
     return L.Trainer(

@@ -27,7 +27,9 @@ from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD
 DIM = 5
 
 
-def make_data(machines: int, steps: int, batch: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def make_data(
+    machines: int, steps: int, batch: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """Every machine's samples: x ``(steps, M, batch, DIM)``, y ``(steps, M, batch, 1)``, y = x theta_i + noise."""
     xs, ys = [], []
     for i in range(machines):

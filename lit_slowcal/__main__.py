@@ -6,16 +6,24 @@ Not imported by ``import lit_slowcal``; it needs the experiment extras.
 import gc
 import sys
 
-# The command's imports (torch, Lightning, the app) make 660,000 objects and no garbage: the collector is off
+# The command's imports (torch, Lightning, the app) make many objects and no garbage: the collector is off
 # until they are done, and main() then freezes them (lit_slowcal.experiments.main._freeze).
 gc.disable()
 try:
     from lit_slowcal.experiments.main import main
 except ModuleNotFoundError as err:  # an extra of the experiment app is not installed
-    if err.name and err.name.split(".")[0] in ("jsonargparse", "torchvision", "torchmetrics", "wandb", "matplotlib", "yaml", "numpy"):
+    if err.name and err.name.split(".")[0] in (
+        "jsonargparse",
+        "torchvision",
+        "torchmetrics",
+        "wandb",
+        "matplotlib",
+        "yaml",
+        "numpy",
+    ):
         sys.exit(
             f"python -m lit_slowcal: the experiment app needs {err.name!r}, which is not installed. "
-            "Install the app's extras: pip install \"lit_slowcal[experiments]\""
+            'Install the app\'s extras: pip install "lit_slowcal[experiments]"'
         )
     raise
 

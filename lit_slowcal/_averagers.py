@@ -44,7 +44,11 @@ class AveragerSet:
         self.average_state = tuple(average_state)
         self.bucket_cap_mb = bucket_cap_mb
         # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
-        self.server_options = {"outer_optimizer": outer_optimizer, "participation": participation, "participation_seed": participation_seed}
+        self.server_options = {
+            "outer_optimizer": outer_optimizer,
+            "participation": participation,
+            "participation_seed": participation_seed,
+        }
 
     @property
     def sync_every(self) -> int:
@@ -73,7 +77,9 @@ class AveragerSet:
         (the strategies do at their boundaries). Returns whether any synchronised."""
         return any([averager.close_round() for averager in self.averagers.values()])
 
-    def _new_averager(self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
+    def _new_averager(
+        self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
+    ) -> PeriodicAverager:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
             buffers=buffers, **self.server_options,
@@ -81,14 +87,18 @@ class AveragerSet:
         averager.skip_advice = self.skip_advice
         return averager
 
-    def _add_averagers(self, root: nn.Module, modules: Any, optimizers: Sequence[Optimizer], restored: Optional[list[dict]] = None) -> None:
+    def _add_averagers(
+        self, root: nn.Module, modules: Any, optimizers: Sequence[Optimizer], restored: Optional[list[dict]] = None
+    ) -> None:
         """An averager for each of ``optimizers`` that has none, each buffer of ``root`` given to one of
         them, each schedule restored from ``restored`` (by position) where given."""
         owners = buffer_owners(root, optimizers) if len(optimizers) > 1 else None
         for i, optimizer in enumerate(optimizers):
             if id(optimizer) in self.averagers:
                 continue
-            averager = self.averagers[id(optimizer)] = self._new_averager(modules, optimizer, owners[i] if owners else None)
+            averager = self.averagers[id(optimizer)] = self._new_averager(
+                modules, optimizer, owners[i] if owners else None
+            )
             if restored is not None and i < len(restored):
                 averager.load_state_dict(restored[i])
 
@@ -105,4 +115,4 @@ class AveragerSet:
         if not optimizers or not all(id(o) in self.averagers for o in optimizers):
             return None
         states = [self.averagers[id(o)].gather_state_dict() for o in optimizers]
-        return None if any(state is None for state in states) else states  # type: ignore[misc]
+        return None if any(state is None for state in states) else states  # type: ignore[return-value]

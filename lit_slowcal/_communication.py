@@ -97,11 +97,19 @@ def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[li
 def check_unsharded(modules: Modules, optimizer: Optimizer) -> None:
     """Refuse, in one line, a model sharded over processes (FSDP2 / tensor parallel DTensors, FSDP1), whose
     local tensors are shards that an average over processes would mix with other shards."""
-    names = {id(t): name for module in ([modules] if isinstance(modules, nn.Module) else modules) for name, t in (*module.named_parameters(), *module.named_buffers())}
+    names = {
+        id(t): name
+        for module in ([modules] if isinstance(modules, nn.Module) else modules)
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    }
     dtensor = _dtensor_type()
     if dtensor is not None:
         tensors = [p for g in optimizer.param_groups for p in g["params"]]
-        tensors += [t for module in ([modules] if isinstance(modules, nn.Module) else modules) for t in (*module.parameters(), *module.buffers())]
+        tensors += [
+            t
+            for module in ([modules] if isinstance(modules, nn.Module) else modules)
+            for t in (*module.parameters(), *module.buffers())
+        ]
         for t in tensors:
             if isinstance(t, dtensor):
                 raise ValueError(
@@ -219,7 +227,8 @@ def check_same_point(
     differ = [i for i, name in enumerate(names) if len({values[2 + i] for values in everyone}) > 1]
     if differ:
         what = "; ".join(
-            f"{names[i]} (" + ", ".join(f"rank {r}: {values[2 + i]}" for r, values in enumerate(everyone)) + ")" for i in differ
+            f"{names[i]} (" + ", ".join(f"rank {r}: {values[2 + i]}" for r, values in enumerate(everyone)) + ")"
+            for i in differ
         )
         raise RuntimeError(
             f"PeriodicAverager: the ranks were set up differently: {what}; every rank must build the averager alike "

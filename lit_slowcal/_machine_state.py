@@ -52,7 +52,11 @@ def local_state(optimizer: Optimizer, averaged: Sequence[str]) -> PerParam:
     """This process's per-machine optimizer state: every tensor of the state not under ``averaged``."""
     out: PerParam = {}
     for index, p in enumerate(_params(optimizer)):
-        own = {key: value.detach() for key, value in optimizer.state.get(p, {}).items() if key not in averaged and isinstance(value, Tensor)}
+        own = {
+            key: value.detach()
+            for key, value in optimizer.state.get(p, {}).items()
+            if key not in averaged and isinstance(value, Tensor)
+        }
         if own:
             out[index] = own
     return out
@@ -75,7 +79,9 @@ def _differing_keys(states: Sequence[PerParam]) -> str:
     for state in states[1:]:
         for i in first.keys() | state.keys():
             a, b = first.get(i, {}), state.get(i, {})
-            differ |= {k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k].cpu(), b[k].cpu())}
+            differ |= {
+                k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k].cpu(), b[k].cpu())
+            }
     return ", ".join(sorted(differ))
 
 
@@ -131,7 +137,11 @@ def load(optimizer: Optimizer, state: PerParam, averaged: Sequence[str] = ()) ->
         current = optimizer.state.get(p)
         if not current:
             continue
-        for key in [k for k, v in current.items() if k not in averaged and isinstance(v, Tensor) and k not in state.get(index, {})]:
+        for key in [
+            k
+            for k, v in current.items()
+            if k not in averaged and isinstance(v, Tensor) and k not in state.get(index, {})
+        ]:
             del current[key]
         if not current:  # a parameter this machine never stepped: no state at all, as before the save
             del optimizer.state[p]

@@ -16,8 +16,9 @@ import importlib
 import importlib.abc
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 _DESCRIPTION = "Local updates averaged every K steps (parameters and optimizer state)"
 
@@ -66,7 +67,11 @@ def _strategy_kind(value: Any) -> Any:
     if not isinstance(name, str):
         return None
     last = name.strip().rsplit(".", 1)[-1]
-    return {"periodic_averaging": "popen", "PeriodicAveragingStrategy": "popen", "periodic_averaging_spawn": "spawn"}.get(last)
+    return {
+        "periodic_averaging": "popen",
+        "PeriodicAveragingStrategy": "popen",
+        "periodic_averaging_spawn": "spawn",
+    }.get(last)
 
 
 def _strategy_names(argv: list[str]) -> list[tuple[int, int]]:

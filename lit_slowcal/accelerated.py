@@ -172,4 +172,3 @@ class AcceleratedSGD(ElementwiseOptimizer):
             tmp = p.clone()
             p.copy_(state["x_ag"])
             state["x_ag"].copy_(tmp)
-

@@ -140,7 +140,7 @@ class PeriodicAverager:
         self.steps = 0
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
-        self.floats_communicated = 0  # per machine, over all synchronisations; 0 with one machine
+        self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -149,7 +149,9 @@ class PeriodicAverager:
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
         self._hooks: list[Any] = []
         self._reload_hook: Optional[RemovableHandle] = None  # per-machine state put back after an optimizer load
-        self._sync_pre_hooks: OrderedDict[int, Callable[["PeriodicAverager"], None]] = OrderedDict()  # weakly referenced by handles
+        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = (
+            OrderedDict()
+        )  # weakly referenced by handles
         participation, participation_seed, factory = _server.check_options(
             optimizer, participation, participation_seed, outer_optimizer
         )
@@ -254,10 +256,14 @@ class PeriodicAverager:
         if self.world_size == 1:
             return state
         # Every rank here, or one line on every rank (not a mismatched gather with another collective).
-        _communication.check_same_point(self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()")
+        _communication.check_same_point(
+            self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()"
+        )
         mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
         own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
-        ranks = _communication.gather_objects((self.rank, own), dst, self.process_group)  # on every rank, even with none
+        ranks = _communication.gather_objects(
+            (self.rank, own), dst, self.process_group
+        )  # on every rank, even with none
         if ranks is None:
             return None
         if any(per for _, per in ranks):
@@ -295,7 +301,9 @@ class PeriodicAverager:
             # The optimizer's own load_state_dict, if it comes after (the other order), gives this rank
             # rank 0's per-machine state: this rank's is put back after it, until the next step.
             self._drop_reload_hook()
-            self._reload_hook = self.optimizer.register_load_state_dict_post_hook(lambda o: _machine_state.load(o, own, keys))
+            self._reload_hook = self.optimizer.register_load_state_dict_post_hook(
+                lambda o: _machine_state.load(o, own, keys)
+            )
 
     def _drop_reload_hook(self) -> None:
         if self._reload_hook is not None:
@@ -307,7 +315,7 @@ class PeriodicAverager:
 
     # -- attaching to a loop -----------------------------------------------------------------
 
-    def attach(self) -> "PeriodicAverager":
+    def attach(self) -> PeriodicAverager:
         """Call ``step()`` after every ``optimizer.step()`` (optimizer step hooks). Returns self.
 
         An optimizer subclass whose ``step`` calls ``super().step()`` runs torch's step hooks at both
@@ -331,7 +339,7 @@ class PeriodicAverager:
             self._backward_hook.remove()
             self._backward_hook = None
 
-    def __enter__(self) -> "PeriodicAverager":
+    def __enter__(self) -> PeriodicAverager:
         return self.attach()
 
     def __exit__(self, *exc: Any) -> None:
@@ -361,7 +369,7 @@ class PeriodicAverager:
         """M = processes x m."""
         return self.world_size * self.machines_per_process
 
-    def floats_per_sync(self) -> int:
+    def floats_per_sync(self) -> Union[int, float]:
         """Floats one machine sends per synchronisation (the averaged tensors of one machine); 0 with
         one machine in all, which sends nothing."""
         return self._floats(self._tensors())
@@ -384,7 +392,7 @@ class PeriodicAverager:
 
     # -- the synchronisation -----------------------------------------------------------------
 
-    def register_sync_pre_hook(self, hook: Callable[["PeriodicAverager"], None]) -> RemovableHandle:
+    def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
         """Call ``hook(self)`` at the start of every ``sync()``, before ``optimizer.pre_sync()`` and the average.
 
         The machines then hold their parameters after the round's last local step. Returns a handle
@@ -495,4 +503,3 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
-

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -19,7 +20,7 @@ class CheckpointReadError(ValueError):
 
 
 def read_checkpoint(
-    path: Union[str, "os.PathLike[str]"], map_location: Optional[Union[str, Callable, torch.device]] = "cpu"
+    path: Union[str, os.PathLike[str]], map_location: Optional[Union[str, Callable, torch.device]] = "cpu"
 ) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``, with a clear one-line error for a file that is not a checkpoint.
 
@@ -51,7 +52,9 @@ def read_checkpoint(
             f"{_ADVICE}"
         ) from None
     if not isinstance(checkpoint, dict):
-        raise CheckpointReadError(f"Cannot read checkpoint {path}: it holds a {type(checkpoint).__name__}, not a checkpoint dict. {_ADVICE}")
+        raise CheckpointReadError(
+            f"Cannot read checkpoint {path}: it holds a {type(checkpoint).__name__}, not a checkpoint dict. {_ADVICE}"
+        )
     return checkpoint
 
 
@@ -75,7 +78,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
 
     def load_checkpoint(
-        self, path: Any, map_location: Optional[Callable] = lambda storage, loc: storage, weights_only: Optional[bool] = None
+        self,
+        path: Any,
+        map_location: Optional[Callable] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         if "://" in str(path) or weights_only is False:
             return super().load_checkpoint(path, map_location, weights_only)

@@ -22,8 +22,8 @@ Round boundaries as with the Trainer (docs/library.md): ``fabric.save`` closes t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import Tensor, nn
@@ -31,7 +31,6 @@ from torch.optim import Optimizer
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import broadcast_module
-
 
 __all__ = ["PeriodicAveragingFabricStrategy"]
 
@@ -59,7 +58,9 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_averagers(sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed)
+        self._init_averagers(
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
+        )
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step

@@ -20,8 +20,9 @@ import contextlib
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator, Union
+from typing import IO, Any, Union
 
 __all__ = ["atomic_path", "atomic_write", "fsync_dir", "locked"]
 

@@ -17,10 +17,8 @@ __all__ = ["SlowcalSGD", "slowcal_sgd"]
 
 # Devices whose tensors take the multi-tensor path by default. torch enables foreach only on
 # accelerators, but it pays on CPU too: there the _foreach_* ops run the per-tensor kernels in a
-# C++ loop, which saves the Python loop. Measured (2 threads, torch 2.14): one step on 2,000
-# tensors of 10 elements takes 3.6 ms with foreach against 5.6 ms without, on 400 tensors of
-# 1,000 elements 1.06 ms against 1.42 ms, and the two tie on 10M parameters in 8 or 8,000
-# tensors (benchmarks/bench_optimizer.py). On CUDA one launch serves many tensors.
+# C++ loop, which saves the Python loop: faster on many small tensors, a tie on large ones
+# (benchmarks/bench_optimizer.py). On CUDA one launch serves many tensors.
 _FOREACH_DEVICE_TYPES = ("cpu", "cuda", "xpu")
 
 
@@ -258,9 +256,7 @@ def _multi_tensor_slowcal_sgd(
 
 
 def _default_to_foreach(params: list[Tensor]) -> bool:
-    return all(
-        type(p) in (Tensor, torch.nn.Parameter) and p.device.type in _FOREACH_DEVICE_TYPES for p in params
-    )
+    return all(type(p) in (Tensor, torch.nn.Parameter) and p.device.type in _FOREACH_DEVICE_TYPES for p in params)
 
 
 def _averaging_weight(

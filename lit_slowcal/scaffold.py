@@ -123,4 +123,3 @@ class Scaffold(ElementwiseOptimizer):
             state["x"].copy_(p)
             state["c"].add_(state["delta_c"])
             state["round_steps"] = 0
-

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -111,12 +111,16 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
-        self._init_averagers(sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed)
+        self._init_averagers(
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
+        )
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
 
-    def _new_averager(self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None) -> PeriodicAverager:
+    def _new_averager(
+        self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
+    ) -> PeriodicAverager:
         averager = super()._new_averager(modules, optimizer, buffers)
         averager.register_sync_pre_hook(self._run_sync_pre_hooks)
         return averager
@@ -168,7 +172,9 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             return
         # A one-process validate/test still gets a group (DDPStrategy syncs the module states through
         # it); it is destroyed at teardown, so that no group outlives the call in the user's process.
-        self._own_group = self.num_nodes * self.num_processes == 1 and not (dist.is_available() and dist.is_initialized())
+        self._own_group = self.num_nodes * self.num_processes == 1 and not (
+            dist.is_available() and dist.is_initialized()
+        )
         super().setup_distributed()
 
     def teardown(self) -> None:
@@ -307,6 +313,8 @@ class periodic_averaging(PeriodicAveragingStrategy):  # noqa: N801 (the register
 class periodic_averaging_spawn(PeriodicAveragingStrategy):  # noqa: N801
     """``PeriodicAveragingStrategy`` starting its processes with ``spawn``, under its registered name."""
 
-    def __init__(self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+    def __init__(
+        self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
+    ) -> None:
         kwargs.setdefault("start_method", "spawn")
         super().__init__(sync_every, average_state, bucket_cap_mb, **kwargs)

@@ -10,6 +10,10 @@ the same code path again for another method. ``.ci/run`` runs the whole suite wi
 command, then once more with the oldest Lightning allowed, there with ``-m "not other_methods"``
 (said in its output): the Lightning integration is the same for every method, and the second pass
 stays short.
+
+Tests marked ``slow`` (subprocess launches, multi-process runs, sweeps, whole fits; a module that is
+all such sets ``pytestmark``) are left out of the fast tier, ``pytest -m "not slow"``; the README's
+command runs them all.
 """
 
 import sys
@@ -34,6 +38,9 @@ _cuda_not_run: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped (and counted) where there is none")
     config.addinivalue_line("markers", "other_methods: a method-parametrized case for a method other than slowcal")
+    config.addinivalue_line(
+        "markers", "slow: launches processes, trains whole runs or sweeps; pytest -m 'not slow' is the fast tier"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks

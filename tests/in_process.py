@@ -14,8 +14,14 @@ RUN = "slowcal_M4_K64_b64_seed1"
 def command(capsys, *args: str, run_dir: Path) -> tuple[int, str]:
     """``python -m lit_slowcal fit ...`` in this process: (exit status, stderr)."""
     argv = [*args] if args and args[0] in ("fit", "test", "validate") else ["fit", *args]
-    base = [f"--config={REPO / 'configs' / 'slowcal.yaml'}", f"--data.root={REPO / 'data'}", "--wandb=false",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", f"--run_dir={run_dir}"]
+    base = [
+        f"--config={REPO / 'configs' / 'slowcal.yaml'}",
+        f"--data.root={REPO / 'data'}",
+        "--wandb=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--run_dir={run_dir}",
+    ]
     capsys.readouterr()
     try:
         main([argv[0], *base, *SMALL, *argv[1:]])

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "core")]  # helpers, test_server
 from helpers import Quadratics  # noqa: E402
-from test_server import CASES, DIM, K, ROUNDS, M, Point  # noqa: E402
+from test_server import CASES, DIM, ROUNDS, K, M, Point  # noqa: E402
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines  # noqa: E402
 
@@ -32,7 +32,9 @@ def run(rank: int, port: int, out: str) -> None:
         _, _, make_inner, make_outer = CASES[name]
         machines = SimulatedMachines(Point(problem.x0), 2)
         optimizer = make_inner(machines.parameters())
-        averager = PeriodicAverager(machines, optimizer, sync_every=K, outer_optimizer=make_outer, participation=S, participation_seed=11)
+        averager = PeriodicAverager(
+            machines, optimizer, sync_every=K, outer_optimizer=make_outer, participation=S, participation_seed=11
+        )
         for t in range(ROUNDS * K):
             x = machines.x.detach()
             machines.x.grad = torch.stack([problem.grad(i, x[j], t) for j, i in enumerate(mine)])

@@ -275,7 +275,9 @@ def stacked_grid(tmp_path: Path, accelerator: str):
     from lit_slowcal.experiments import sweep as sw
     from lit_slowcal.experiments.sweep import stacked
 
-    sweep = sw.load_sweep(grid_file(tmp_path / accelerator, seeds=(1,), ks=(2, 4), extra=(f"--trainer.accelerator={accelerator}",)))
+    sweep = sw.load_sweep(
+        grid_file(tmp_path / accelerator, seeds=(1,), ks=(2, 4), extra=(f"--trainer.accelerator={accelerator}",))
+    )
     command_line = sw.CommandLine()
     trials = []
     for params in sw.expand_trials(sweep):
@@ -328,7 +330,9 @@ def _per_machine_worker(rank: int, init_file: str, out: str, kind: str = "cuda")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     device = torch.device(kind, 0)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(8, D, generator=g).to(device), torch.randn(8, 1, generator=g).to(device)) for _ in range(10)]
+    batches = [
+        (torch.randn(8, D, generator=g).to(device), torch.randn(8, 1, generator=g).to(device)) for _ in range(10)
+    ]
 
     def build():
         torch.manual_seed(0)
@@ -348,7 +352,9 @@ def _per_machine_worker(rank: int, init_file: str, out: str, kind: str = "cuda")
     averager.close_round()
     state = averager.gather_state_dict()  # every rank: the whole state on rank 0
     if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "averager": state}, f"{out}/step5.pt")
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "averager": state}, f"{out}/step5.pt"
+        )
     dist.barrier()
     shared = [torch.load(f"{out}/step5.pt", map_location="cpu", weights_only=True)]  # rank 0's file, read by every rank
     at_save = {f"{i}.{k}": v.clone() for i, p in enumerate(model.parameters()) for k, v in optimizer.state[p].items()}
@@ -367,7 +373,9 @@ def _per_machine_worker(rank: int, init_file: str, out: str, kind: str = "cuda")
             "restored": max((restored[k].double() - at_save[k].double()).abs().max().item() for k in at_save),
             "final": max((a - b).abs().max().item() for a, b in zip(model.parameters(), resumed.parameters())),
             "devices": sorted({str(v.device) for v in restored.values()}),
-            "moments_differ": (at_save["0.exp_avg"] != shared[0]["optimizer"]["state"][0]["exp_avg"].to(device)).any().item(),
+            "moments_differ": (at_save["0.exp_avg"] != shared[0]["optimizer"]["state"][0]["exp_avg"].to(device))
+            .any()
+            .item(),
         },
         f"{out}/rank{rank}.pt",
     )

@@ -20,14 +20,15 @@ import subprocess
 import sys
 import textwrap
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import subprocess_env
 
 import lit_slowcal
-from helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"
@@ -48,7 +49,9 @@ def _assigned_attributes(cls: type) -> set[str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     names = set()
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for target in targets:
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                 names.add(target.attr)
@@ -255,7 +258,9 @@ def github_slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, only letters, marks, digits, ``_``, ``-`` and spaces
     kept, spaces turned into hyphens."""
     text = re.sub(r"`([^`]*)`", r"\1", heading).strip().lower()
-    kept = "".join(ch for ch in text if ch in " -" or unicodedata.category(ch)[0] in "LMN" or unicodedata.category(ch) == "Pc")
+    kept = "".join(
+        ch for ch in text if ch in " -" or unicodedata.category(ch)[0] in "LMN" or unicodedata.category(ch) == "Pc"
+    )
     return kept.replace(" ", "-")
 
 
@@ -372,6 +377,7 @@ torch.save(
 """
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs_as_it_stands(tmp_path: Path) -> None:
     """The README's code, unchanged, on two gloo processes (Lightning relaunches the script for rank 1):
     both end with the same averaged model, after the synchronisations its numbers imply."""
@@ -382,7 +388,9 @@ def test_readme_quickstart_runs_as_it_stands(tmp_path: Path) -> None:
     # A clean launch: rendezvous variables an earlier in-process run left behind (LOCAL_RANK, MASTER_PORT)
     # would make Lightning wait for a second process it never starts.
     env = subprocess_env(QUICKSTART_OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     # 512 samples over 2 processes, batches of 8: 32 steps each, synchronised after steps 16 and 32;

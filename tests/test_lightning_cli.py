@@ -46,7 +46,11 @@ def test_naming_the_configs_strategy_again_keeps_its_other_init_args(tmp_path, a
     assert strategy.server_options["participation"] == 0.5
     outer = strategy.server_options["outer_optimizer"]([torch.zeros(1, requires_grad=True)])
     assert type(outer) is torch.optim.SGD
-    assert {k: outer.defaults[k] for k in ("lr", "momentum", "nesterov")} == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert {k: outer.defaults[k] for k in ("lr", "momentum", "nesterov")} == {
+        "lr": 0.7,
+        "momentum": 0.9,
+        "nesterov": True,
+    }
 
 
 def test_another_strategy_on_the_command_line_replaces_the_configs(tmp_path):

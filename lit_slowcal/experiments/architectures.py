@@ -44,9 +44,16 @@ def _cnn(input_dim: int, outputs: int) -> nn.Module:
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        Architecture("linear", "the paper's linear model (logistic regression / least squares)", nn.Linear, linear=True),
+        Architecture(
+            "linear", "the paper's linear model (logistic regression / least squares)", nn.Linear, linear=True
+        ),
         Architecture("mlp", "one hidden layer of 64 ReLU units", _mlp),
-        Architecture("cnn", "two 5x5 stride-2 convolutions (8, 16 channels) and a linear layer; 28 x 28 images", _cnn, image_input=True),
+        Architecture(
+            "cnn",
+            "two 5x5 stride-2 convolutions (8, 16 channels) and a linear layer; 28 x 28 images",
+            _cnn,
+            image_input=True,
+        ),
     )
 }
 

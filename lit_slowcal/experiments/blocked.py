@@ -28,7 +28,8 @@ samples share one (``prepared``).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch import Tensor

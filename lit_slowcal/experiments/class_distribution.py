@@ -127,9 +127,7 @@ def _check_counts(counts: np.ndarray) -> np.ndarray:
     """``counts`` as a non-empty, non-negative 2-D (machines, classes) array."""
     c = np.asarray(counts)
     if c.ndim != 2 or c.size == 0:
-        raise ValueError(
-            f"counts must be a non-empty 2-D (machines, classes) array, got shape {c.shape}"
-        )
+        raise ValueError(f"counts must be a non-empty 2-D (machines, classes) array, got shape {c.shape}")
     if (c < 0).any():
         raise ValueError("counts must be non-negative")
     return c

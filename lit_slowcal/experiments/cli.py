@@ -31,8 +31,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch
 import torch
@@ -48,10 +49,10 @@ from lit_slowcal._lightning import KeepCommandLineModelArgs
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments.architectures import get_architecture
-from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
 from lit_slowcal.experiments.data import ProblemDataModule
 from lit_slowcal.experiments.diagnostics import Diagnostics
 from lit_slowcal.experiments.identity import RunIdentity, run_identity
+from lit_slowcal.experiments.last_checkpoint import LastCheckpoint
 from lit_slowcal.experiments.methods import get_method, method_names
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.notes import say_lines
@@ -133,7 +134,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         """LightningCLI's parser (the root's and each subcommand's), refusing a value in one line."""
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
         parser = OneLineErrorParser(**kwargs)
-        parser.add_argument("-c", "--config", action=ConfigFile, help="Path to a configuration file in json or yaml format.")
+        parser.add_argument(
+            "-c", "--config", action=ConfigFile, help="Path to a configuration file in json or yaml format."
+        )
         return parser
 
     def setting(self, key: str, default: Any = None) -> Any:
@@ -145,7 +148,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         get = self.setting
-        configure_run_threads(get, self.subcommand, per_step_batch(get("method"), get("local_steps"), get("batch_size")))
+        configure_run_threads(
+            get, self.subcommand, per_step_batch(get("method"), get("local_steps"), get("batch_size"))
+        )
         # What defines this run (lit_slowcal.experiments.identity): stored in its checkpoints, and
         # compared with the checkpoint it loads, if any, before anything is built. The root parser's
         # dump holds each subcommand's section (as the sweep takes a trial's identity).
@@ -203,7 +208,12 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     def _loggers(self) -> list[Logger]:
         wandb = bool(self.setting("wandb")) and self.subcommand == "fit"
         loggers, self._wandb_offline = run_loggers(
-            self.setting("run_dir"), self.run_name(), self._version(), self.run_config(), wandb=wandb, project=self.setting("wandb_project")
+            self.setting("run_dir"),
+            self.run_name(),
+            self._version(),
+            self.run_config(),
+            wandb=wandb,
+            project=self.setting("wandb_project"),
         )
         return loggers
 
@@ -240,7 +250,11 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         max_epochs, max_steps = self._training_limits()
         if max_epochs is None and max_steps in (None, -1):
             max_epochs = 1000  # Lightning's default then
-        steps = max_epochs * shape.trained_rounds * shape.steps_per_round if is_int(max_epochs) and max_epochs >= 0 else None
+        steps = (
+            max_epochs * shape.trained_rounds * shape.steps_per_round
+            if is_int(max_epochs) and max_epochs >= 0
+            else None
+        )
         if is_int(max_steps) and max_steps >= 0:
             steps = max_steps if steps is None else min(steps, max_steps)
         return steps
@@ -263,7 +277,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if steps is None:
             return
         try:
-            get_method(self.setting("method")).optimizer([torch.zeros(1, requires_grad=True)], self.model.hparams, steps=steps)
+            get_method(self.setting("method")).optimizer(
+                [torch.zeros(1, requires_grad=True)], self.model.hparams, steps=steps
+            )
         except ValueError as err:
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
 
@@ -272,7 +288,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         extra: list[Any] = [RunIdentity(self.identity)]
-        if trainer_config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        if trainer_config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, ModelCheckpoint) for c in callbacks
+        ):
             # last.ckpt only, every `checkpoint_every` rounds and when training ends.
             rounds = check_int("checkpoint_every", self.setting("checkpoint_every"), minimum=0)
             extra.append(LastCheckpoint(every_n_train_steps=rounds * shape.steps_per_round or None))
@@ -283,12 +301,19 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     def _build_trainer(self, **kwargs: Any) -> Trainer:
         try:
             return super().instantiate_trainer(**kwargs)
-        except (MisconfigurationException, ModuleNotFoundError) as err:  # Lightning's refusal of what this machine lacks
+        except (
+            MisconfigurationException,
+            ModuleNotFoundError,
+        ) as err:  # Lightning's refusal of what this machine lacks
             message = " ".join(str(err).split())
             if not re.search(r"accelerator|devices|gpu|GPU|MPS|TPU|xla|backend", message):
                 raise ValueError(f"Invalid trainer setting: {message}") from err
             accelerator, devices = self.setting("trainer.accelerator"), self.setting("trainer.devices")
-            advice = "--trainer.accelerator=cpu runs on any machine" if accelerator != "cpu" else "use --trainer.devices=N, N >= 1"
+            advice = (
+                "--trainer.accelerator=cpu runs on any machine"
+                if accelerator != "cpu"
+                else "use --trainer.devices=N, N >= 1"
+            )
             raise ValueError(
                 f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: {message} ({advice})"
             ) from err
@@ -308,14 +333,18 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         strategy.sync_every = shape.sync_every
         participation = check_participation(self.setting("participation"), shape.num_machines)
         if participation is not None:
-            probe = get_method(self.setting("method")).optimizer([torch.zeros(1, requires_grad=True)], self.model.hparams, steps=1)
+            probe = get_method(self.setting("method")).optimizer(
+                [torch.zeros(1, requires_grad=True)], self.model.hparams, steps=1
+            )
             if not declared(probe).supports_participation:
                 raise ValueError(
                     f"Invalid participation: {participation!r} with method {self.setting('method')} ({type(probe).__name__} "
                     "keeps per-machine state that machines outside a round would update; leave participation unset)"
                 )
         seed = self.setting("seed_everything")
-        strategy.server_options.update(participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0)
+        strategy.server_options.update(
+            participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0
+        )
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()
@@ -356,7 +385,9 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 def run(args: Optional[list[str]] = None) -> None:
     """The training CLI: ``fit``, ``validate``, ``test``, ``predict`` (``SlowcalCLI``), with SIGTERM as exit 143 and
     Ctrl-C as exit 130, each with how to continue."""
-    interrupted = "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last (from its last checkpoint)."
+    interrupted = (
+        "Interrupted (Ctrl-C). Continue with the same command and --ckpt_path last (from its last checkpoint)."
+    )
     try:
         SlowcalCLI(args=args)
     except SIGTERMException:  # a SystemExit: caught before it

@@ -11,8 +11,9 @@ only gathers.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -20,8 +21,8 @@ from torch import Tensor
 
 from lit_slowcal._lightning import batches_done_in_epoch
 from lit_slowcal._validation import check_int, is_number
-from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
 from lit_slowcal.experiments.class_distribution import plot_class_distribution, write_class_counts
+from lit_slowcal.experiments.limits import check_round_fits, check_shards_hold_a_batch
 from lit_slowcal.experiments.mnist import MNIST_MEAN, MNIST_STD, load_mnist, prepare_mnist
 from lit_slowcal.experiments.partition import SPLITS, class_counts, partition
 from lit_slowcal.experiments.problems import MNIST, Problem, ProblemData
@@ -43,9 +44,7 @@ _PARTITIONS: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
 _FIGURES: dict[tuple, bytes] = {}
 
 
-def partition_shards(
-    labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int
-) -> list[Tensor]:
+def partition_shards(labels: Tensor, num_machines: int, alpha: Optional[float], split: str, seed: int) -> list[Tensor]:
     """``partition(labels, num_machines, alpha, split=split, seed=seed)`` as int64 tensors.
 
     Computed once per process for the same labels tensor (``load_mnist``'s) and settings: the runs
@@ -175,13 +174,19 @@ class ProblemDataModule(pl.LightningDataModule):
         if not isinstance(shape, RunShape):
             raise ValueError(f"Invalid shape: {shape!r} (a RunShape)")
         if self._train is not None and (shape.num_machines, shape.steps_per_round, shape.per_step_batch) != (
-            self.num_machines, self.steps_per_round, self.batch_size
+            self.num_machines,
+            self.steps_per_round,
+            self.batch_size,
         ):
             raise ValueError(
                 f"Invalid shape: {shape} (the streams are set up for num_machines={self.num_machines}, "
                 f"steps_per_round={self.steps_per_round}, batch_size={self.batch_size}; give the shape before setup)"
             )
-        self.num_machines, self.steps_per_round, self.batch_size = shape.num_machines, shape.steps_per_round, shape.per_step_batch
+        self.num_machines, self.steps_per_round, self.batch_size = (
+            shape.num_machines,
+            shape.steps_per_round,
+            shape.per_step_batch,
+        )
         self._shape = shape
 
     def shape(self) -> RunShape:
@@ -318,7 +323,7 @@ class ProblemDataModule(pl.LightningDataModule):
         # Batches are whole rounds gathered from in-memory tensors: a DataLoader would add nothing.
         return self._train
 
-    def _test_loader(self) -> "_Slices":
+    def _test_loader(self) -> _Slices:
         return _Slices(self.test_x, self.test_y, self.eval_batch_size)
 
     val_dataloader = _test_loader

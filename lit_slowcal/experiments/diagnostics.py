@@ -28,8 +28,9 @@ Per round, with ``--diagnostics`` (averaged over the rounds or steps since the p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -133,7 +134,9 @@ class Diagnostics(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.detach()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.start_round(batch_idx)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -180,7 +183,7 @@ class Diagnostics(Callback):
             return {}
         self.optimum = found
         self.g_star = heterogeneity(self.objective, found.params)
-        how_exact = f"; f* exact to {found.grad_norm ** 2 / (2 * decay):.1e}" if decay > 0 else ""
+        how_exact = f"; f* exact to {found.grad_norm**2 / (2 * decay):.1e}" if decay > 0 else ""
         how = f"read from {path}" if self.cached else f"solved in {found.seconds:.1f} s, cached in {path}"
         # Read from the cache, the line is the same for every run of this split: once per sweep (a note).
         (say_note if self.cached else say)(
@@ -201,13 +204,17 @@ class Diagnostics(Callback):
                 shown[0] = time.perf_counter()
                 say(f"optimum: solving, {iterations} Newton steps, f = {value:.10g}, ||grad f|| = {grad_norm:.1e}")
 
-        def solving(path: Path) -> None:  # said at once: on MNIST the solve takes minutes before its first progress line
+        def solving(
+            path: Path,
+        ) -> None:  # said at once: on MNIST the solve takes minutes before its first progress line
             say(
                 f"optimum: solving for x* of {problem.describe()} split over M={data.num_machines} with seed {data.seed} "
                 f"(once: it is cached in {path}) ..."
             )
 
-        found, path, cached = optimum(self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress, solving=solving)
+        found, path, cached = optimum(
+            self.objective, shape, identity, self.cache_dir, tol=self.tol, progress=progress, solving=solving
+        )
         self.cached = cached
         return found, path
 
@@ -218,7 +225,9 @@ class Diagnostics(Callback):
         not defined for), the per-round values alone."""
         out: dict[str, Any] = {}
         if self.objective is not None:
-            out.update(self.objective_metrics(self.objective(model.machines.averaged_state()) if value is None else value))
+            out.update(
+                self.objective_metrics(self.objective(model.machines.averaged_state()) if value is None else value)
+            )
         out.update(self.round_metrics())
         return out
 
@@ -323,7 +332,9 @@ class Diagnostics(Callback):
         if self._has_iterate:
             # Before its first step an optimizer with an iterate has none in its state yet: w_0 = x_0.
             state = optimizer.state
-            torch._foreach_copy_(self._before_w, [state[p]["w"] if "w" in state.get(p, {}) else p for p in self._stacked])
+            torch._foreach_copy_(
+                self._before_w, [state[p]["w"] if "w" in state.get(p, {}) else p for p in self._stacked]
+            )
         self._pending = True
 
     @torch.no_grad()
@@ -339,6 +350,7 @@ class Diagnostics(Callback):
         step = torch.stack(norms)
         self._steps = self._steps.to(step.device) + step
         self._step_count += 1
+
 
 def _print(line: str) -> None:
     print(line, flush=True)

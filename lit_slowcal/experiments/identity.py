@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -139,7 +140,8 @@ def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     return [
         f"{key} {json.dumps(saved[key])} in the checkpoint, {json.dumps(now[key])} now"
         for key in sorted(saved.keys() & now.keys())
-        if not may_change_on_resume(key) and json.dumps(saved[key], sort_keys=True) != json.dumps(now[key], sort_keys=True)
+        if not may_change_on_resume(key)
+        and json.dumps(saved[key], sort_keys=True) != json.dumps(now[key], sort_keys=True)
     ]
 
 
@@ -168,7 +170,9 @@ def allowed_on_resume() -> str:
     for pattern in MAY_CHANGE_ON_RESUME[3:]:  # not config, ckpt_path, weights_only: they name the files
         section, _, key = pattern.rpartition(".")
         groups.setdefault(section, []).append(key)
-    return ", ".join(", ".join(keys) if not section else f"{section}.{{{', '.join(keys)}}}" for section, keys in groups.items())
+    return ", ".join(
+        ", ".join(keys) if not section else f"{section}.{{{', '.join(keys)}}}" for section, keys in groups.items()
+    )
 
 
 class RunIdentity(Callback):
@@ -177,5 +181,7 @@ class RunIdentity(Callback):
     def __init__(self, identity: Mapping[str, Any]) -> None:
         self.identity = dict(identity)
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         checkpoint[CHECKPOINT_KEY] = dict(self.identity)

@@ -9,7 +9,8 @@ samples on every machine).
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from torch import Tensor
 

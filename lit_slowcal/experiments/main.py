@@ -14,7 +14,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 __all__ = ["DEBUG_ENV", "USER_ERRORS", "main"]
 

@@ -1,4 +1,4 @@
-r"""The methods of the paper's Table 1, one entry each: ``--method slowcal|local_sgd|...``.
+r"""The methods, one entry each (the paper's Table 1, and DiLoCo): ``--method slowcal|local_sgd|...``.
 
 Everything the app knows about a method is its entry here: the optimizer built from the model's
 hyperparameters, the round's shape (sync period, steps per round, per-step batch), what a machine
@@ -13,6 +13,8 @@ local_sgd              K            b                d (x)           ``torch.opt
 minibatch_sgd          1            K * b            d (x)           ``torch.optim.SGD``
 accel_minibatch_sgd    1            K * b            d (x)           ``AcceleratedSGD`` (AC-SA)
 scaffold               K            b                2d (y, dc)      ``Scaffold`` (option II)
+diloco                 K            b                d (x)           ``torch.optim.AdamW``; the server's
+                                                                     outer SGD with Nesterov momentum
 =====================  ===========  ===============  ==============  =================================
 
 A round is one synchronisation: the sync period equals the steps per round, and every method
@@ -37,8 +39,16 @@ from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 
-__all__ = ["METHODS", "Method", "OUTER_STEPS", "TABLE1_METHODS", "get_method", "max_weight_power", "method_names",
-           "server_step"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "OUTER_STEPS",
+    "TABLE1_METHODS",
+    "get_method",
+    "max_weight_power",
+    "method_names",
+    "server_step",
+]
 
 
 @dataclass(frozen=True)
@@ -168,7 +178,9 @@ def _check_weight_power(h: Any, steps: int) -> None:
 
 
 def _slowcal(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
-    if steps is not None and steps > 1 and math.isfinite(h.weight_power) and 0 <= h.weight_power < 1024:  # else: SlowcalSGD's line
+    if (
+        steps is not None and steps > 1 and math.isfinite(h.weight_power) and 0 <= h.weight_power < 1024
+    ):  # else: SlowcalSGD's line
         _check_weight_power(h, steps)
     return _serve(SlowcalSGD(
         params, lr=h.lr, weight_power=h.weight_power, scale_lr_by_weight=h.scale_lr_by_weight, gamma=h.gamma,
@@ -196,7 +208,9 @@ def _accelerated(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) 
         horizon = steps
     max_lr = getattr(h, "max_lr", None)
     if max_lr is not None and horizon is None:
-        raise ValueError(f"Invalid max_lr: {max_lr!r} (it caps the horizon-aware step; set horizon_aware=true or leave it unset)")
+        raise ValueError(
+            f"Invalid max_lr: {max_lr!r} (it caps the horizon-aware step; set horizon_aware=true or leave it unset)"
+        )
     return AcceleratedSGD(params, lr=h.lr, weight_decay=h.weight_decay, horizon=horizon, max_lr=max_lr)
 
 

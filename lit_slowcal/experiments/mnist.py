@@ -37,13 +37,17 @@ def _check_idx_file(path: Path, magic: int, size: int) -> None:
     """The file's size, its IDX magic number and its header's dimensions (count, and 28 x 28 for images)."""
     actual = path.stat().st_size
     if actual != size:
-        raise ValueError(f"Corrupt MNIST file {path}: {actual} bytes, expected {size}. Replace it with the original file.")
+        raise ValueError(
+            f"Corrupt MNIST file {path}: {actual} bytes, expected {size}. Replace it with the original file."
+        )
     dims = 3 if magic == 2051 else 1
     with open(path, "rb") as f:
         header = f.read(4 + 4 * dims)
     found = int.from_bytes(header[:4], "big")
     if found != magic:
-        raise ValueError(f"Corrupt MNIST file {path}: magic number {found}, expected {magic}. Replace it with the original file.")
+        raise ValueError(
+            f"Corrupt MNIST file {path}: magic number {found}, expected {magic}. Replace it with the original file."
+        )
     shape = [int.from_bytes(header[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
     expected = [(size - 4 - 4 * dims) // (28 * 28 if dims == 3 else 1), *([28, 28] if dims == 3 else [])]
     if shape != expected:

@@ -9,9 +9,8 @@ strategy and the data, see ``lit_slowcal.experiments.cli``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
-
 import math
+from typing import Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -23,9 +22,16 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.architectures import get_architecture
 from lit_slowcal.experiments.methods import get_method
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, cross_entropy, divergence, diverged_trials, mean_train_loss, round_losses, swap_outputs, test_loss,
+    add_round_loss,
+    cross_entropy,
+    diverged_trials,
+    divergence,
+    mean_train_loss,
+    round_losses,
+    swap_outputs,
+    test_loss,
     train_row,
-)  # fmt: skip
+)
 from lit_slowcal.experiments.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -114,7 +120,9 @@ class MachinesModel(pl.LightningModule):
                 "official is the linear model's; use model.init=default)"
             )
         if architecture.image_input and input_dim != 28 * 28:
-            raise ValueError(f"Invalid model.arch: {arch!r} for inputs of {input_dim} features (it needs 28 x 28 images)")
+            raise ValueError(
+                f"Invalid model.arch: {arch!r} for inputs of {input_dim} features (it needs 28 x 28 images)"
+            )
         if lr is None and horizon_aware:
             raise ValueError(
                 "Invalid model.lr: None with model.horizon_aware=true (lr is then Lan's constant c of gamma = "
@@ -135,7 +143,9 @@ class MachinesModel(pl.LightningModule):
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
         self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
+        self.test_acc = (
+            MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
+        )
         self._loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
 
     def configure_model(self) -> None:
@@ -146,7 +156,9 @@ class MachinesModel(pl.LightningModule):
         except RuntimeError:  # not attached to a Trainer (built and configured by hand)
             world = 1
         # Random init is seeded by seed_everything; rank 0's weights are broadcast at setup anyway.
-        template = get_architecture(self.hparams.get("arch", "linear")).build(self.hparams.input_dim, self.hparams.num_classes)
+        template = get_architecture(self.hparams.get("arch", "linear")).build(
+            self.hparams.input_dim, self.hparams.num_classes
+        )
         if self.hparams.init == "zeros":
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)
@@ -297,9 +309,7 @@ class MachinesModel(pl.LightningModule):
         self._evaluate(batch)
 
 
-def official_init(
-    num_machines: int, seed: int, input_dim: int = 784, num_classes: int = 10
-) -> tuple[Tensor, Tensor]:
+def official_init(num_machines: int, seed: int, input_dim: int = 784, num_classes: int = 10) -> tuple[Tensor, Tensor]:
     """Every machine's initial weights in the paper's code: ``(M, num_classes, input_dim)``, ``(M, num_classes)``.
 
     The code (github.com/dahan198/slowcal-sgd, ``main.py``) seeds torch with the seed, then builds

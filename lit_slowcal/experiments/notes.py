@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 from lit_slowcal._lightning import LIGHTNING_INFO_LOGGERS
 
@@ -38,7 +39,7 @@ class _Stdout(logging.Handler):
         print(record.getMessage(), flush=True)
 
 
-_once: Optional["_Once"] = None  # the filter of the sweep in progress (in its workers: their copy, or their own)
+_once: Optional[_Once] = None  # the filter of the sweep in progress (in its workers: their copy, or their own)
 _warnings_seen: dict[Any, Any] = {}  # the sweep's registry of the warnings its workers sent back
 
 NOTES.addHandler(_Stdout())

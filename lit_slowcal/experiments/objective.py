@@ -57,7 +57,9 @@ class Objective:
             product (``lit_slowcal.experiments.blocked``), not the value.
     """
 
-    def __init__(self, data: ProblemData, loss: str, weight_decay: float = 0.0, image: Optional[tuple[int, int]] = None) -> None:
+    def __init__(
+        self, data: ProblemData, loss: str, weight_decay: float = 0.0, image: Optional[tuple[int, int]] = None
+    ) -> None:
         if loss not in LOSSES:
             raise ValueError(f"Invalid loss: {loss!r} (allowed: {', '.join(LOSSES)})")
         self.loss = loss
@@ -69,7 +71,9 @@ class Objective:
         weights = torch.zeros(n, dtype=torch.float64)
         for shard in data.shards:
             if len(shard):
-                weights.index_add_(0, shard, torch.full((len(shard),), 1.0 / (self.num_machines * len(shard)), dtype=torch.float64))
+                weights.index_add_(
+                    0, shard, torch.full((len(shard),), 1.0 / (self.num_machines * len(shard)), dtype=torch.float64)
+                )
         used = weights.nonzero().squeeze(1)
         everything = len(used) == n
         # The whole training set the shards index: for per-machine gradients (heterogeneity) and the
@@ -84,7 +88,9 @@ class Objective:
         self._rows: Optional[Tensor] = None if everything else used
         self.y = labels if everything else labels[used]
         self.weights = weights if everything else weights[used]
-        self._in_order: Optional[tuple[BlockedInputs, Tensor, Tensor]] = None  # (inputs, labels, weights) in their row order
+        self._in_order: Optional[tuple[BlockedInputs, Tensor, Tensor]] = (
+            None  # (inputs, labels, weights) in their row order
+        )
 
     def share_to(self, device: torch.device, shared: dict[tuple, Any]) -> None:
         """Move the samples f reads to ``device``, sharing them with the objectives already moved there
@@ -220,4 +226,3 @@ def heterogeneity(objective: Objective, params: dict[str, Tensor]) -> float:
             grads = torch.autograd.grad(value, [w, b])
         total += float(sum(g.square().sum() for g in grads))
     return math.sqrt(2.0 * total / objective.num_machines)
-

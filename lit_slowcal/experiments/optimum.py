@@ -27,10 +27,11 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,6 @@ class Optimum:
     @property
     def params(self) -> dict[str, Tensor]:
         return {"weight": self.weight, "bias": self.bias}
-
 
 
 class _Newton:
@@ -172,7 +172,11 @@ def _cholesky_apply(factor: Tensor, r: Tensor) -> Tensor:
 
 
 def _pcg(
-    hvp: Callable[[Tensor], Tensor], grad: Tensor, precondition: Callable[[Tensor], Tensor], target: float, max_iter: int
+    hvp: Callable[[Tensor], Tensor],
+    grad: Tensor,
+    precondition: Callable[[Tensor], Tensor],
+    target: float,
+    max_iter: int,
 ) -> tuple[Tensor, int]:
     """s with ||H s + grad|| <= ``target`` by preconditioned conjugate gradients from 0: (s, iterations)."""
     step = torch.zeros_like(grad)
@@ -227,7 +231,9 @@ def _newton_step(
     return theta + length * step, used, resolved
 
 
-def _result(objective: Objective, theta: Tensor, x64: Tensor, tol: float, iterations: int, cg_iterations: int, began: float) -> Optimum:
+def _result(
+    objective: Objective, theta: Tensor, x64: Tensor, tol: float, iterations: int, cg_iterations: int, began: float
+) -> Optimum:
     """The ``Optimum`` at theta, with f and ||grad f|| recomputed by autograd (``Objective.value_and_grad64``)."""
     weight, bias = theta[:, :-1].contiguous(), theta[:, -1].contiguous()
     value64, grads = objective.value_and_grad64({"weight": weight, "bias": bias}, x64)
@@ -284,7 +290,9 @@ def solve(
     while iterations < max_iter and grad_norm > tol and misses < 3:
         forcing = 0.0 if objective.loss == "squared" else min(0.5, math.sqrt(grad_norm))
         target = max(forcing * grad_norm, tol / 4)
-        theta, used, resolved = _newton_step(model, theta, value, grad, p, _preconditioner(model, p, hessian), target, max_cg)
+        theta, used, resolved = _newton_step(
+            model, theta, value, grad, p, _preconditioner(model, p, hessian), target, max_cg
+        )
         cg_iterations += used
         value, grad, p = model.evaluate(theta)
         grad_norm = float(grad.norm())
@@ -308,7 +316,12 @@ def default_cache_dir() -> Path:
 def cache_key(objective: Objective, identity: dict[str, Any]) -> str:
     """SHA-256 of everything x* depends on (see the module docstring)."""
     h = hashlib.sha256()
-    meta = {"identity": identity, "loss": objective.loss, "weight_decay": objective.weight_decay, "solver": SOLVER_VERSION}
+    meta = {
+        "identity": identity,
+        "loss": objective.loss,
+        "weight_decay": objective.weight_decay,
+        "solver": SOLVER_VERSION,
+    }
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     for shard in objective.shards:
         h.update(len(shard).to_bytes(8, "little"))
@@ -356,7 +369,9 @@ def optimum(
         path.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(path.parent, os.W_OK | os.X_OK)
     except OSError as err:
-        raise OSError(f"--cache_dir {folder}: cannot create {path.parent} ({err.strerror or err}); pass --cache_dir <a writable folder>") from None
+        raise OSError(
+            f"--cache_dir {folder}: cannot create {path.parent} ({err.strerror or err}); pass --cache_dir <a writable folder>"
+        ) from None
     if not writable:
         raise OSError(f"--cache_dir {folder}: {path.parent} is not writable; pass --cache_dir <a writable folder>")
     if solving is not None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
@@ -29,7 +30,9 @@ __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParse
 _LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
 
 
-_UNION = re.compile(r'^Parser key "(?P<key>[^"]+)":.*Does not validate against any of the Union subtypes Subtypes: \[(?P<types>.*?)\] Errors:.*Given value: (?P<value>.*)$')
+_UNION = re.compile(
+    r'^Parser key "(?P<key>[^"]+)":.*Does not validate against any of the Union subtypes Subtypes: \[(?P<types>.*?)\] Errors:.*Given value: (?P<value>.*)$'
+)
 _TYPE_NAMES = {"<class 'float'>": "a number", "<class 'int'>": "an integer", "<class 'NoneType'>": "null", "<class 'bool'>": "true or false",
                "<class 'str'>": "a string"}  # fmt: skip
 
@@ -127,7 +130,9 @@ PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
 )
 #: The options other settings are computed from while parsing (``PARSE_LINKS``): a sweep checks every
 #: combination of their values (``lit_slowcal.experiments.sweep.checks``), any other option value by value.
-PARSE_LINK_SOURCES = frozenset(n for sources, _, _ in PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources))
+PARSE_LINK_SOURCES = frozenset(
+    n for sources, _, _ in PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources)
+)
 
 
 def add_options(parser: LightningArgumentParser) -> None:
@@ -192,5 +197,7 @@ def add_options(parser: LightningArgumentParser) -> None:
         parser.link_arguments(sources, target, compute_fn=compute_fn)
     # The model's shape and loss are the problem's.
     parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
-    parser.link_arguments("data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate")
+    parser.link_arguments(
+        "data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate"
+    )
     parser.link_arguments("data", "model.loss", compute_fn=lambda d: d.problem.loss, apply_on="instantiate")

@@ -48,7 +48,8 @@ The splits of ``partition``
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -152,16 +153,14 @@ def _check_arguments(
     )
     if not is_int(num_machines) or not 1 <= num_machines <= n:
         raise ValueError(
-            f"Invalid num_machines: {num_machines!r} (must be an integer between 1 and the number "
-            f"of samples ({n}))"
+            f"Invalid num_machines: {num_machines!r} (must be an integer between 1 and the number of samples ({n}))"
         )
     if alpha is not None and not (is_number(alpha) and math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"Invalid alpha: {alpha!r} (must be a finite number > 0, or None for IID)")
     check_int("min_size", min_size, minimum=0)
     if min_size * num_machines > n:
         raise ValueError(
-            f"min_size={min_size} is impossible: {num_machines} machines x {min_size} "
-            f"samples > {n} samples"
+            f"min_size={min_size} is impossible: {num_machines} machines x {min_size} samples > {n} samples"
         )
     check_int("max_retries", max_retries, minimum=0)
     if split not in SPLITS:
@@ -254,9 +253,7 @@ def _official(y: np.ndarray, m: int, alpha: float, rs: np.random.RandomState) ->
     return [np.concatenate(p) for p in pieces]
 
 
-def _balanced_dirichlet(
-    pools: list[np.ndarray], m: int, alpha: float, rng: np.random.Generator
-) -> list[np.ndarray]:
+def _balanced_dirichlet(pools: list[np.ndarray], m: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
     n = sum(pool.size for pool in pools)
     num_classes = len(pools)
     quotas = np.full(m, n // m)
@@ -280,9 +277,7 @@ def _balanced_dirichlet(
             draw = np.minimum(rng.multinomial(need, q / q.sum()), left)
             got += draw
             need -= int(draw.sum())
-        shards.append(
-            np.concatenate([pools[c][taken[c] : taken[c] + got[c]] for c in range(num_classes)])
-        )
+        shards.append(np.concatenate([pools[c][taken[c] : taken[c] + got[c]] for c in range(num_classes)]))
         taken += got
     return shards
 
@@ -318,9 +313,7 @@ def class_counts(
     smallest = int(y.max()) + 1
     num_classes = smallest if num_classes is None else _plain(num_classes)
     if not is_int(num_classes) or num_classes < smallest:
-        raise ValueError(
-            f"Invalid num_classes: {num_classes!r} (must be an integer >= max(labels) + 1 = {smallest})"
-        )
+        raise ValueError(f"Invalid num_classes: {num_classes!r} (must be an integer >= max(labels) + 1 = {smallest})")
     counts = np.zeros((len(shards), int(num_classes)), dtype=np.int64)
     for k, shard in enumerate(shards):
         counts[k] = np.bincount(y[np.asarray(shard, dtype=np.int64)], minlength=num_classes)

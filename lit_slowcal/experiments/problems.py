@@ -130,7 +130,9 @@ def _rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(int(seed) % 2**63)  # default_rng refuses negative seeds
 
 
-def _assemble(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], label_dtype: torch.dtype) -> ProblemData:
+def _assemble(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], label_dtype: torch.dtype
+) -> ProblemData:
     """Per-machine (train x, train y, test x, test y) arrays -> one ``ProblemData``, machine after machine."""
     sizes = [len(p[1]) for p in parts]
     starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -190,7 +192,9 @@ class Synthetic(Problem):
 
 
 @functools.lru_cache(maxsize=8)
-def _quadratic(dim: int, heterogeneity: float, noise: float, samples: int, test_samples: int, machines: int, seed: int) -> ProblemData:
+def _quadratic(
+    dim: int, heterogeneity: float, noise: float, samples: int, test_samples: int, machines: int, seed: int
+) -> ProblemData:
     rng = _rng(seed)
     theta0 = rng.standard_normal(dim)
     parts = []

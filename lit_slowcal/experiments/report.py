@@ -23,9 +23,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.files import atomic_path, atomic_write
@@ -106,7 +107,9 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
     if not records:
         raise ValueError(f"{path}: no trial records (the file is empty); give the results file a sweep wrote")
     if repeated and notes is not None:
-        notes.append(f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once")
+        notes.append(
+            f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once"
+        )
     return list(records.values())
 
 
@@ -120,7 +123,9 @@ def _trial_of(record: dict[str, Any]) -> str:
     params = record["params"]
     if record.get("identity") is None:
         return record_key(params, json.dumps(record.get("args")))
-    return record_key({k: v for k, v in params.items() if may_change_on_resume(k) and k not in RESULT_SETTINGS}, record["identity"])
+    return record_key(
+        {k: v for k, v in params.items() if may_change_on_resume(k) and k not in RESULT_SETTINGS}, record["identity"]
+    )
 
 
 def cell_of(record: dict[str, Any], needed: str) -> tuple[str, int, int]:
@@ -166,7 +171,10 @@ def _flags(args: Sequence[str]) -> dict[str, str]:
 
 
 def _check_one_setting(
-    key: tuple[int, int, str], records: list[dict[str, Any]], varies: Sequence[str] = (), averages: str = "the report averages"
+    key: tuple[int, int, str],
+    records: list[dict[str, Any]],
+    varies: Sequence[str] = (),
+    averages: str = "the report averages",
 ) -> None:
     """Refuse a point whose records were run with different settings (not only another seed): by their stored
     identities (``sweep.trials.setting_of``; not when a setting ``varies`` among them), and by their arguments
@@ -183,7 +191,9 @@ def _check_one_setting(
         first, *others = by_args.values()
         other = others[0]
         diff = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
-        shown = "; ".join(f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4])
+        shown = "; ".join(
+            f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4]
+        )
         raise ValueError(f"the trials at {where} were run with different command lines ({shown}): {advice}")
     settings = {setting_of(r["identity"]) for r in records if r.get("identity")}
     if len(settings) > 1 and not varies:
@@ -300,7 +310,11 @@ def excess_curves(records: list[dict[str, Any]], m: int, k: int) -> dict[str, li
     per_method: dict[str, dict[float, list[float]]] = {}
     for r in records:
         p = r.get("params", {})
-        if r.get("status") != "finished" or (p.get("num_machines"), p.get("local_steps")) != (m, k) or not r.get("run_dir"):
+        if (
+            r.get("status") != "finished"
+            or (p.get("num_machines"), p.get("local_steps")) != (m, k)
+            or not r.get("run_dir")
+        ):
             continue
         path = Path(r["run_dir"]) / "metrics.csv"
         if not path.exists():
@@ -348,7 +362,13 @@ def markdown_table(
     keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
     methods = _methods([method for _, _, method in [*acc, *loss]])
     labels = [_label(m) for m in methods]
-    header = ["M", "K", *(["G_*"] if g_star else []), *(f"{lab} acc" for lab in labels), *(f"{lab} loss" for lab in labels)]
+    header = [
+        "M",
+        "K",
+        *(["G_*"] if g_star else []),
+        *(f"{lab} acc" for lab in labels),
+        *(f"{lab} loss" for lab in labels),
+    ]
     if excess:
         header += [f"{lab} excess loss" for lab in labels]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -406,7 +426,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs"), help="output folder (default: docs)")
     parser.add_argument("--name", help="file name prefix (default: the results file's stem)")
     parser.add_argument(
-        "--curve", help="M,K of the excess-loss-against-rounds figure (default: the largest M and K with an excess loss)"
+        "--curve",
+        help="M,K of the excess-loss-against-rounds figure (default: the largest M and K with an excess loss)",
     )
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from lit_slowcal._validation import is_int
 from lit_slowcal.checkpoint_io import CheckpointReadError, read_checkpoint
@@ -62,7 +63,10 @@ def check_trains_more(path: str, step: int, shape: RunShape, max_epochs: Any, ma
         stop = f"{epochs_done} epoch(s) ({step} steps) and trainer.max_epochs is {max_epochs}"
         more = f"--trainer.max_epochs={epochs_done + 1}"
     elif is_int(max_steps) and 0 <= max_steps <= step:
-        stop, more = f"{step} steps and trainer.max_steps is {max_steps}", f"--trainer.max_steps={step + steps_per_epoch}"
+        stop, more = (
+            f"{step} steps and trainer.max_steps is {max_steps}",
+            f"--trainer.max_steps={step + steps_per_epoch}",
+        )
     else:
         return
     raise ValueError(

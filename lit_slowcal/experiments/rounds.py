@@ -19,7 +19,8 @@ through these functions, so the two cannot drift apart:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,9 @@ def diverged_trials(round_loss: Tensor, params: Iterable[Tensor], trials: int) -
 def divergence(round_loss: float, round_index: int, method: str, lr: float) -> TrainingDiverged:
     """The error of a trial that diverged in round ``round_index`` (its loss there: ``round_loss``)."""
     what = f"train loss {round_loss}" if not math.isfinite(round_loss) else "non-finite parameters"
-    return TrainingDiverged(f"Training diverged: {what} in round {round_index} (method={method}, lr={lr}). Try a smaller lr.")
+    return TrainingDiverged(
+        f"Training diverged: {what} in round {round_index} (method={method}, lr={lr}). Try a smaller lr."
+    )
 
 
 def add_round_loss(sums: Tensor, round_loss: Tensor) -> Tensor:

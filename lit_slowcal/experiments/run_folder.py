@@ -16,8 +16,9 @@ import errno
 import netrc
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
@@ -121,7 +122,9 @@ def wandb_logged_in() -> bool:
         return False
 
 
-def start_wandb(start: Callable[[bool], T], folder: str, *, probe: bool = True, announce: bool = True) -> tuple[T, bool]:
+def start_wandb(
+    start: Callable[[bool], T], folder: str, *, probe: bool = True, announce: bool = True
+) -> tuple[T, bool]:
     """A W&B run started by ``start(offline)``: online when logged in and reachable, else offline.
 
     ``start(False)`` must start the run (and raise when W&B cannot be reached); it is tried with a bounded

@@ -121,7 +121,7 @@ class RunShape:
         world_size: int = 1,
         eval_every: int = 1,
         limit_train_batches: Optional[Union[int, float]] = None,
-    ) -> "RunShape":
+    ) -> RunShape:
         """The shape of a run of ``method`` with M, K and b, as its entry in the methods registry maps K."""
         entry = get_method(method)
         check_int("num_machines", num_machines)
@@ -137,7 +137,7 @@ class RunShape:
             limit_train_batches=limit_train_batches,
         )
 
-    def on(self, world_size: int) -> "RunShape":
+    def on(self, world_size: int) -> RunShape:
         """The same run over ``world_size`` processes (checked again)."""
         return dataclasses.replace(self, world_size=world_size)
 

@@ -9,7 +9,7 @@ tensors ``(steps, m, b, ...)`` and ``(steps, m, b)``. The samples stay in memory
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

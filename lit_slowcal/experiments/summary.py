@@ -4,7 +4,8 @@ training objective (f(x), the excess loss, f*, G_*), the wall time and where its
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -16,11 +17,16 @@ __all__ = ["diagnostics_lines", "summary_lines"]
 
 
 def summary_lines(
-    trainer: Trainer, get: Callable[..., Any], rounds: int, wall_time: float, partition_png: Optional[Any], wandb_offline: bool
+    trainer: Trainer,
+    get: Callable[..., Any],
+    rounds: int,
+    wall_time: float,
+    partition_png: Optional[Any],
+    wandb_offline: bool,
 ) -> list[str]:
     """The summary of a fit: ``get(key)`` its settings, ``rounds`` its rounds per epoch."""
     metrics = trainer.callback_metrics
-    value = lambda k: float(metrics[k]) if k in metrics else math.nan  # noqa: E731
+    value = lambda k: float(metrics[k]) if k in metrics else math.nan
     lines = [
         "",
         "lit_slowcal summary",

@@ -1,49 +1,15 @@
 """Torch's intra-op threads for the main job: ``--threads auto`` (the default), ``N`` or ``0``.
 
-The model is tiny: one local step of the default job (16 machines x 1 sample x 784 features) is a
-few small matmuls and elementwise updates of 16 x 7,850 parameters, about 0.4 ms on one core. Torch
-splits such ops over its OpenMP threads, and an OpenMP thread that waits for a core it does not get
-(another job runs there) stalls every op of the step. Measured on this project's 2-core machine
-(torch 2.14.1), the default job trains in 1.8 s alone with torch's default 2 threads, but in 6.8 s
-each when two such jobs run at once, 7.6 s beside a torch process doing 2-thread matmuls and 12.2 s
-beside a 2-thread float64 solver; with 1 thread it takes 1.9 s alone, 2.0 s each as a pair and
-3.1 s beside the matmuls.
+The model is tiny: one local step of the default job is a few small matmuls and elementwise updates.
+Torch splits such ops over its OpenMP threads, and an OpenMP thread that waits for a core it does not
+get (another job runs there) stalls every op of the step: beside another busy process, a small step
+with two threads can take many times as long as with one, while idle, two threads gain little until a
+step touches a great deal of data. ``python benchmarks/bench_conditions.py --steps`` times one local
+step with 1 and 2 threads, idle and busy, over a range of machines x samples.
 
-The rule for ``auto`` comes from timing one local step (``SimulatedMachines`` of
-``nn.Linear(784, 10)``, m machines x b samples, forward + backward + ``SlowcalSGD`` step) with 1
-and 2 threads, idle and beside a 2-thread float32 matmul loop, on the 2-core machine
-(``python benchmarks/bench_conditions.py --steps``: idle and busy samples alternate, and only
-samples during which no other process used the CPUs count). ms per step, medians; the busy column
-gives 2t/1t of separate runs, to show how erratic it is:
-
-==========  =========  =======  =======  =====  ==========================
-m x b       samples    idle 1t  idle 2t  2t/1t  busy 2t/1t (runs)
-==========  =========  =======  =======  =====  ==========================
-16 x 1      16         0.37     0.36     0.97   2.9, 4.8, 1.4
-64 x 1      64         0.90     0.68     0.77   1.5, 33, 2.6
-16 x 16     256        0.57     0.46     0.81   16, 113, 1.1
-64 x 16     1,024      1.46     0.89     0.60   9.0, 2.1, 7.7
-1024 x 1    1,024      11.5     8.2      0.71   1.9, 1.3
-64 x 64     4,096      5.8      3.1      0.54   0.95, 1.8
-1024 x 4    4,096      16.7     10.0     0.60   1.4, 4.4
-64 x 256    16,384     21.2     11.6     0.55   1.9
-1024 x 16   16,384     30.5     17.0     0.56   1.4
-64 x 1024   65,536     76.2     39.6     0.52   1.4, 1.4
-256 x 256   65,536     79.5     41.4     0.52   1.0, 1.2
-256 x 1024  262,144    302      155      0.51   0.83, 0.8
-==========  =========  =======  =======  =====  ==========================
-
-Idle, two threads gain little below 1,000 samples per step (0.8-1.0x the time) and 1.7-2x above.
-Beside another multi-threaded process they lose, erratically: up to 100x below 1,000 samples per
-step (the default job's size is 16), 1-4x up to 16,384; only from 65,536 samples (5e7 samples x
-features) per step do they stay within 1.5x of one thread, and from 262,144 they win there too.
-Another process busy on one core does the same (the samples the table leaves out: 2 threads took a
-median 2-4x the time of one). So:
-
-``auto``: 1 thread while a step of this process touches fewer than ``AUTO_MIN_WORK`` = 5e7
-samples x features (every configuration of the paper: at most 64 machines x 64 samples x 784
-features = 3.2e6), else ``min(CPUs / processes on this node, 4)``. Validate and test size one
-evaluation batch (10,000 x 784 = 7.8e6 by default: 1 thread).
+``auto``: 1 thread while a step of this process touches fewer than ``AUTO_MIN_WORK`` samples x
+features (every configuration of the paper does), else ``min(CPUs / processes on this node, 4)``.
+Validate and test size one evaluation batch (by default: 1 thread).
 
 The user's settings win: ``auto`` keeps torch's setting when ``OMP_NUM_THREADS`` or
 ``MKL_NUM_THREADS`` is set in the environment (the sweep runner sets ``OMP_NUM_THREADS``), and an
@@ -54,16 +20,16 @@ torch's threads unless it is set) and the processes it starts keep it. Nothing i
 run ends: a caller that trains later (``run=False``) needs the same setting.
 
 Threads change how ops are split, and with that possibly the last bits of a result; with the same
-thread count the results are bitwise those of a run without this option (the default job with one
-thread: test accuracy 0.9124000072479248, test loss 0.30589842796325684 in metrics.csv).
+thread count the results are bitwise those of a run without this option.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 from lit_slowcal._validation import is_int
 from lit_slowcal.experiments.notes import note
@@ -102,13 +68,14 @@ def max_threads() -> int:
 
     More threads than CPUs never speed a step up (they take turns on the cores); up to 4 per CPU lets a run
     split its ops as a machine with 4x the cores would (the same last bits). Far beyond, the threads cannot
-    even be started: 100,000 failed with "can't start new thread" in ``fit`` and crashed ``sweep`` (exit 139).
+    even be started ("can't start new thread" in ``fit``, a crash in ``sweep``).
     """
     return THREADS_PER_CPU * (os.cpu_count() or 1)
 
 
 def _allowed() -> str:
     return f"auto, 0 for torch's default, or an integer from 1 to {max_threads()} ({THREADS_PER_CPU} x this machine's CPUs)"
+
 
 Setting = Union[str, int]
 
@@ -321,7 +288,9 @@ def processes_per_node(devices: Any, accelerator: Any) -> int:
 def world_size_of(trainer: Mapping[str, Any]) -> int:
     """The processes of all nodes a Trainer with these settings (``trainer.*`` of the config) starts."""
     nodes = trainer.get("num_nodes")
-    return processes_per_node(trainer.get("devices"), trainer.get("accelerator")) * (nodes if is_int(nodes) and nodes > 0 else 1)
+    return processes_per_node(trainer.get("devices"), trainer.get("accelerator")) * (
+        nodes if is_int(nodes) and nodes > 0 else 1
+    )
 
 
 def configure_run_threads(get: Callable[..., Any], subcommand: Optional[str], samples_per_step: int) -> int:

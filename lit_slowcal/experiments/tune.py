@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lit_slowcal.experiments.report import load_results
 from lit_slowcal.experiments.tuning import Choice, check_criterion, tune, winners
@@ -74,7 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for path in write_docs(choices, opts.criterion, opts.docs, opts.results.stem):
                 print(f"wrote {path}")
         if opts.floats is not None:
-            plot_accuracy_vs_floats(choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication")
+            plot_accuracy_vs_floats(
+                choices, opts.floats, f"{opts.results.stem}: final test accuracy against communication"
+            )
             print(communication_table(choices))
             print(f"wrote {opts.floats}")
     except (OSError, ValueError) as err:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.report import _check_one_setting, cell_of
@@ -71,9 +72,13 @@ class Choice:
 
 def check_criterion(criterion: str) -> str:
     """``criterion`` if it may choose a rate; else one line naming it and what is allowed."""
-    if not isinstance(criterion, str) or not (criterion in ("train_objective", "excess_loss", "train_loss") or criterion.startswith("val_")):
+    if not isinstance(criterion, str) or not (
+        criterion in ("train_objective", "excess_loss", "train_loss") or criterion.startswith("val_")
+    ):
         reason = "the test set is never a tuning criterion; " if str(criterion).startswith("test") else ""
-        raise ValueError(f"Invalid --criterion: {criterion!r} ({reason}allowed: train_objective, excess_loss, train_loss, val_<metric>)")
+        raise ValueError(
+            f"Invalid --criterion: {criterion!r} ({reason}allowed: train_objective, excess_loss, train_loss, val_<metric>)"
+        )
     return criterion
 
 

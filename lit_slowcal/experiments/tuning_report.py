@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lit_slowcal.experiments.methods import METHODS
 from lit_slowcal.experiments.tuning import Choice, Win, winners
@@ -27,6 +28,7 @@ CSV_HEADER = (
     "method", "M", "K", "lr", "lr_at_edge", "n_seeds", "train_objective_mean", "excess_loss_mean", "excess_loss_std",
     "test_acc_mean", "test_acc_std", "test_loss_mean", "test_loss_std",
 )  # fmt: skip
+
 
 def _field(value: Optional[float]) -> str:
     return "" if value is None else repr(value)
@@ -106,7 +108,10 @@ def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: st
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for metric, label, log_y in (("excess_loss", "excess loss f(x_R) - f*", True), ("test_acc", "test accuracy", False)):
+    for metric, label, log_y in (
+        ("excess_loss", "excess loss f(x_R) - f*", True),
+        ("test_acc", "test accuracy", False),
+    ):
         cells = {(c.M, c.K, c.method): Cell(tuple(c.values(metric))) for c in choices if c.values(metric)}
         if cells:
             path = folder / f"{stem}_{metric}.png"
@@ -132,7 +137,10 @@ def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: st
         ax.set_xticks([j + 0.5 for j in range(len(ks))], [str(k) for k in ks])
         ax.set_yticks([i + 0.5 for i in range(len(ms))], [str(m) for m in ms])
         ax.set_xlabel("K"), ax.set_ylabel("M")
-        ax.set_title(f"lowest {metric} per cell (tuned); lead over the runner-up in seeds' spreads\n(pale: lead < 2σ)", fontsize=9)
+        ax.set_title(
+            f"lowest {metric} per cell (tuned); lead over the runner-up in seeds' spreads\n(pale: lead < 2σ)",
+            fontsize=9,
+        )
         path = folder / f"{stem}_wins.png"
         _save(fig, path)
         written.append(path)
@@ -197,7 +205,9 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
         if floats is not None and acc is not None:
             by_method.setdefault(c.method, []).append((floats, acc, c.std("test_acc") or 0.0, c.K))
     if not by_method:
-        raise ValueError(f"no chosen cell has test_acc and floats_communicated in its records; nothing to draw in {path}")
+        raise ValueError(
+            f"no chosen cell has test_acc and floats_communicated in its records; nothing to draw in {path}"
+        )
     fig = Figure(figsize=(10.0, 4.0), layout="constrained")
     axes = fig.subplots(1, 2)
     order = {name: i for i, name in enumerate(METHODS)}

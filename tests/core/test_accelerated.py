@@ -171,7 +171,9 @@ def test_horizon_aware_step_by_hand():
 
 
 def test_one_c_gives_each_horizon_its_own_step():
-    groups = [AcceleratedSGD([nn.Parameter(torch.zeros(1))], lr=100.0, horizon=n).param_groups[0] for n in (15, 59, 938)]
+    groups = [
+        AcceleratedSGD([nn.Parameter(torch.zeros(1))], lr=100.0, horizon=n).param_groups[0] for n in (15, 59, 938)
+    ]
     assert [AcceleratedSGD.step_size(g) for g in groups] == [100 / 16**1.5, 100 / 60**1.5, 100 / 939**1.5]
     # Without a horizon lr is gamma itself, as before the option existed (and for a state saved then).
     assert AcceleratedSGD.step_size({"lr": 0.01, "weight_decay": 0.0}) == 0.01

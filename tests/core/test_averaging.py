@@ -24,9 +24,19 @@ STEPS, K, M = 24, 4, 4
 
 def run_example(script: str, tmp_path, *args: str) -> dict:
     out = tmp_path / f"{script}-{'-'.join(a.strip('-') for a in args)}.pt"
-    cmd = [sys.executable, str(REPO / "examples" / script), *args, f"--steps={STEPS}", f"--sync-every={K}", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / script),
+        *args,
+        f"--steps={STEPS}",
+        f"--sync-every={K}",
+        "--out",
+        str(out),
+    ]
     # A crash prints the Python stack of every thread (faulthandler).
-    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, f"stdout: {proc.stdout[-1000:]}\nstderr: {proc.stderr[-3000:]}"
     return torch.load(out)
 
@@ -67,6 +77,7 @@ def lightning_run(optimizer: str) -> dict:
 
 
 @pytest.mark.parametrize("optimizer", ["slowcal", "sgd"])
+@pytest.mark.slow
 def test_plain_torch_loop_on_two_processes_equals_one_process_and_the_trainer(optimizer, tmp_path):
     two = run_example("torch_loop.py", tmp_path, "--processes=2", f"--machines={M}", f"--optimizer={optimizer}")
     one = run_example("torch_loop.py", tmp_path, "--processes=1", f"--machines={M}", f"--optimizer={optimizer}")
@@ -91,6 +102,7 @@ print("default group alive after destroy_process_group:", world() is not None)
 """
 
 
+@pytest.mark.slow
 def test_destroy_process_group_frees_the_default_group_after_a_plain_loop_built_its_optimizer(tmp_path):
     """A process group created after ``import lit_slowcal`` is freed (its gloo threads joined) by
     destroy_process_group, even though torch imports torch.distributed.nn.functional (which binds
@@ -98,7 +110,11 @@ def test_destroy_process_group_frees_the_default_group_after_a_plain_loop_built_
     its threads into the interpreter's exit, where the process occasionally aborts. In a fresh
     interpreter: this test process loaded torch._dynamo long ago."""
     proc = subprocess.run(
-        [sys.executable, "-c", _TEARDOWN, str(tmp_path)], env=subprocess_env(), capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", _TEARDOWN, str(tmp_path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "default group alive after destroy_process_group: False"
@@ -201,7 +217,11 @@ def test_state_dict_resume_and_bad_values():
         averager.step()
     other = PeriodicAverager(machines, optimizer, sync_every=4, start_step=10)
     # SGD without momentum keeps no state of its own on a machine: the schedule alone.
-    assert other.state_dict() == averager.state_dict() == {"steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8}
+    assert (
+        other.state_dict()
+        == averager.state_dict()
+        == {"steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8}
+    )
     with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
         PeriodicAverager(machines, optimizer, sync_every=0)
     with pytest.raises(ValueError, match=r"Invalid bucket_cap_mb: -1"):
@@ -243,11 +263,20 @@ def _bucket_worker(rank, world, init_file, out):
     gathered = [None] * world
     dist.all_gather_object(gathered, before)
     if rank == 0:
-        torch.save({"sizes": sizes, "in_place": in_place, "before": gathered, "after": [p.detach() for p in model.parameters()]}, out)
+        torch.save(
+            {
+                "sizes": sizes,
+                "in_place": in_place,
+                "before": gathered,
+                "after": [p.detach() for p in model.parameters()],
+            },
+            out,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_average_in_bounded_buckets(tmp_path):
     out = str(tmp_path / "buckets.pt")
     with tempfile.TemporaryDirectory() as tmp:
@@ -363,16 +392,24 @@ def _tensors(state) -> dict:
     """Every tensor of a (nested) state, by its path."""
     if isinstance(state, torch.Tensor):
         return {(): state}
-    return {(k, *path): t for k, v in state.items() if isinstance(v, (dict, torch.Tensor)) for path, t in _tensors(v).items()}
+    return {
+        (k, *path): t
+        for k, v in state.items()
+        if isinstance(v, (dict, torch.Tensor))
+        for path, t in _tensors(v).items()
+    }
 
 
 def assert_equal(a, b, what: str) -> None:
     a, b = _tensors(a), _tensors(b)
     assert a.keys() == b.keys() and a, what
     for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+        assert torch.equal(a[k], b[k]), (
+            f"{what}: {k} differs by {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+        )
 
 
+@pytest.mark.slow
 def test_plain_torch_loop_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path):
     """AdamW in a plain loop on 2 processes, a checkpoint mid-round of close_round() and gather_state_dict()
     (on every rank; rank 0 saves), resumed in fresh processes (optimizer.load_state_dict, then the
@@ -384,7 +421,9 @@ def test_plain_torch_loop_resume_on_two_processes_restores_every_machines_adamw_
     saved = [torch.load(tmp_path / f"saved{rank}.pt") for rank in (0, 1)]
     assert not torch.equal(saved[0][0]["exp_avg"], saved[1][0]["exp_avg"])  # per machine indeed
     for rank in (0, 1):
-        assert_equal(saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after the resume")
+        assert_equal(
+            saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after the resume"
+        )
     for rank in (0, 1):
         whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
         assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")
@@ -455,6 +494,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_order_works(tmp_path):
     """Rank 1's side head got no gradient before the checkpoint, so its AdamW held no state there (rank 0's
     did): after the resume it holds none either (the optimizer's own load gave it rank 0's), and the run
@@ -465,7 +505,9 @@ def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_or
     assert 3 in saved[0] and 3 not in saved[1]  # side.weight: state on rank 0 only
     for mode in ("resumed", "averager first"):
         for rank in (0, 1):
-            assert_equal(saved[rank], torch.load(tmp_path / f"{mode} loaded{rank}.pt"), f"{mode}: rank {rank}'s optimizer state")
+            assert_equal(
+                saved[rank], torch.load(tmp_path / f"{mode} loaded{rank}.pt"), f"{mode}: rank {rank}'s optimizer state"
+            )
         for rank in (0, 1):
             whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"{mode}{rank}.pt")
             assert_equal(whole["model"], resumed["model"], f"{mode}: rank {rank}'s final model")
@@ -499,6 +541,7 @@ except RuntimeError as e:
 """
 
 
+@pytest.mark.slow
 def test_gather_state_dict_on_one_rank_only_is_one_line_on_every_rank(tmp_path):
     """gather_state_dict() on rank 0 alone, while rank 1 goes on to its next synchronisation: one line on
     each rank naming the two collectives (it aborted rank 0 in gloo, and rank 1 read the gather's bytes as

@@ -1,10 +1,12 @@
 """The Fabric example (``lit_slowcal.fabric``, PeriodicAveragingFabricStrategy) on two processes equals the
 plain torch loop."""
 
+import pytest
 import torch
 from test_averaging import assert_close, assert_equal, run_example
 
 
+@pytest.mark.slow
 def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
     fabric = run_example("fabric_loop.py", tmp_path, "--processes=2", "--dtype=float64")
     plain = run_example("torch_loop.py", tmp_path, "--processes=1", "--machines=2", "--dtype=float64")
@@ -14,6 +16,7 @@ def test_fabric_example_on_two_processes_equals_the_plain_loop(tmp_path):
 _FABRIC_RESUME = """
 import sys
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -26,7 +29,7 @@ torch.set_num_threads(1)
 
 
 def run(mode):
-    diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     strategy = PeriodicAveragingFabricStrategy(sync_every=4, outer_optimizer=diloco, process_group_backend="gloo")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -60,6 +63,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path):
     """DiLoCo (AdamW inner, Nesterov SGD outer) on 2 Fabric processes, fabric.save mid-round (step 6 of 12,
     K = 4), then fabric.load in a fresh Fabric (strategy, model, optimizer): each rank resumes its own AdamW moments, and the resumed
@@ -80,7 +84,9 @@ def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_
     # The moments are per machine: the two ranks held different ones when the checkpoint was written.
     assert not torch.equal(saved[0][0]["exp_avg"], saved[1][0]["exp_avg"])
     for rank in (0, 1):
-        assert_equal(saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after fabric.load")
+        assert_equal(
+            saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after fabric.load"
+        )
     for rank in (0, 1):
         whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
         assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")

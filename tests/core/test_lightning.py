@@ -215,14 +215,18 @@ def lightning_internals() -> frozenset[str]:
     names: set[str] = set()
     for path in LIGHTNING.rglob("*.py"):
         names |= {n for n in _defined_names(ast.parse(path.read_text()), members_only=False) if _private(n)}
-    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     loops, owners = set(), [trainer]
     while owners:
         for name, value in vars(owners.pop()).items():
             if isinstance(value, (_Loop, _BaseProgress)) and name not in loops:
                 loops.add(name)
                 owners += [value] if isinstance(value, _Loop) else []
-    assert {"fit_loop", "epoch_loop", "batch_progress"} <= loops, f"Lightning {lightning.__version__}: the loops are {loops}"
+    assert {"fit_loop", "epoch_loop", "batch_progress"} <= loops, (
+        f"Lightning {lightning.__version__}: the loops are {loops}"
+    )
     return frozenset(names | loops)
 
 
@@ -246,7 +250,12 @@ def lightning_accesses(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr in internals and node.attr not in own:
             found.append((node.lineno, f".{node.attr}"))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in TOOLS and len(node.args) > 1:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in TOOLS
+            and len(node.args) > 1
+        ):
             name = node.args[1]
             if isinstance(name, ast.Constant) and name.value in internals and name.value not in own:
                 found.append((node.lineno, f"{node.func.id}(..., {name.value!r})"))

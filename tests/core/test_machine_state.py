@@ -26,7 +26,9 @@ def _state(value: float) -> dict:
 def test_select_gives_each_rank_its_own_and_refuses_what_no_machine_of_the_run_held():
     saved = {"world_size": 2, "ranks": {0: _state(1.0), 1: _state(2.0)}}
     assert torch.equal(select(saved, 1, 2)[0]["exp_avg"], torch.full((3,), 2.0))  # 2 -> 2: its own
-    with pytest.raises(ValueError, match=r"^Cannot resume the per-machine optimizer state \(exp_avg\) of 2 processes on 1: it differs"):
+    with pytest.raises(
+        ValueError, match=r"^Cannot resume the per-machine optimizer state \(exp_avg\) of 2 processes on 1: it differs"
+    ):
         select(saved, 0, 1)  # 2 -> 1: which machine's?
     agreeing = {"world_size": 2, "ranks": {0: _state(1.0), 1: _state(1.0)}}
     assert torch.equal(select(agreeing, 0, 1)[0]["exp_avg"], torch.ones(3))  # 2 -> 1, the same everywhere
@@ -77,7 +79,10 @@ def test_complex_parameters_are_averaged_and_counted_as_two_floats():
 def test_participation_seed_beyond_64_bits_is_refused_and_the_largest_draws():
     machines = SimulatedMachines(nn.Linear(2, 1), 4)
     sgd = torch.optim.SGD(machines.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"^Invalid participation_seed: 1180591620717411303424 \(must be an integer >= 0 and < 2\*\*63\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Invalid participation_seed: 1180591620717411303424 \(must be an integer >= 0 and < 2\*\*63\)$",
+    ):
         PeriodicAverager(machines, sgd, sync_every=1, participation=2, participation_seed=2**70)
     averager = PeriodicAverager(machines, sgd, sync_every=1, participation=2, participation_seed=2**63 - 1)
     for r in range(3):
@@ -98,7 +103,9 @@ def test_an_outer_optimizers_state_is_not_dropped_by_an_averager_without_one():
 def _worker(rank: int, init_file: str, out: str) -> None:
     """Two ranks of a plain loop, each case's outcome recorded: the set-up checks, a sharded model, and
     one rank's per-machine state loaded on another."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
     torch.set_num_threads(1)
     outcomes = {}
 
@@ -121,7 +128,9 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         width = per_rank.get("width", (2, 2))[rank]
         model = nn.Linear(3, width)
         options = {"participation": per_rank["participation"][rank]} if "participation" in per_rank else {}
-        averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), per_rank.get("k", (2, 2))[rank], **options)
+        averager = PeriodicAverager(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), per_rank.get("k", (2, 2))[rank], **options
+        )
         train(model, averager, 4)
 
     attempt("k", lambda: different(k=(2, 3)))
@@ -152,7 +161,10 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         states = [None, None]
         dist.all_gather_object(states, averager.state_dict())
         gathered = averager.gather_state_dict()
-        return {"gathered_ranks": None if gathered is None else sorted(gathered["per_machine"]["ranks"]), "load": averager.load_state_dict(states[0])}
+        return {
+            "gathered_ranks": None if gathered is None else sorted(gathered["per_machine"]["ranks"]),
+            "load": averager.load_state_dict(states[0]),
+        }
 
     attempt("rank0_state", rank0_state_on_rank1)
     torch.save(outcomes, os.path.join(out, f"rank{rank}.pt"))
@@ -177,6 +189,7 @@ def two_ranks(tmp_path_factory):
         ("broadcast_width", r"their shapes and dtypes"),  # broadcast() checks first: no mismatched broadcast
     ],
 )
+@pytest.mark.slow
 def test_ranks_set_up_differently_raise_one_line_on_every_rank_naming_what_differs(two_ranks, case, field):
     for outcomes in two_ranks:
         kind, message = outcomes[case]
@@ -189,7 +202,9 @@ def test_a_sharded_model_is_refused_at_construction_in_one_line(two_ranks):
     for outcomes in two_ranks:
         kind, message = outcomes["sharded"]
         assert kind == "ValueError" and "\n" not in message
-        assert message.startswith("PeriodicAverager: '0.weight' is a DTensor sharded over a device mesh (placements (Shard(dim=0),)")
+        assert message.startswith(
+            "PeriodicAverager: '0.weight' is a DTensor sharded over a device mesh (placements (Shard(dim=0),)"
+        )
         assert message.endswith("average a model every process holds whole (one process per machine, as with DDP)")
 
 
@@ -198,4 +213,6 @@ def test_one_ranks_per_machine_state_is_refused_on_another_rank_and_the_gather_h
     assert rank0["rank0_state"] == ("ok", {"gathered_ranks": [0, 1], "load": None})  # its own state: fine
     kind, message = rank1["rank0_state"]
     assert kind == "ValueError"
-    assert message.startswith("Cannot resume the per-machine optimizer state (exp_avg, exp_avg_sq, step): the state holds rank(s) [0] of 2")
+    assert message.startswith(
+        "Cannot resume the per-machine optimizer state (exp_avg, exp_avg_sq, step): the state holds rank(s) [0] of 2"
+    )

@@ -295,9 +295,7 @@ def _exact_alpha_sum(n: int, p: float) -> float:
     if p == 0.5:
         # Euler-Maclaurin; zeta(-1/2) = -0.2078862249773545...; the next term is O(n^(-5/2)).
         return 2 / 3 * n**1.5 + n**0.5 / 2 - 0.20788622497735457 + n**-0.5 / 24
-    return float(
-        {0: n, 1: n * (n + 1) // 2, 2: n * (n + 1) * (2 * n + 1) // 6, 3: (n * (n + 1) // 2) ** 2}[int(p)]
-    )
+    return float({0: n, 1: n * (n + 1) // 2, 2: n * (n + 1) * (2 * n + 1) // 6, 3: (n * (n + 1) // 2) ** 2}[int(p)])
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 2.0, 3.0])

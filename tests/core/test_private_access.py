@@ -43,7 +43,9 @@ def private_reads(source: str) -> list[tuple[int, str]]:
             continue
         if node.attr in own:
             continue
-        if (isinstance(value, ast.Name) and value.id == "torch" and node.attr.startswith("_foreach_")) or node.attr in TORCH_ALLOWED:
+        if (
+            isinstance(value, ast.Name) and value.id == "torch" and node.attr.startswith("_foreach_")
+        ) or node.attr in TORCH_ALLOWED:
             continue
         out.append((node.lineno, ast.unparse(node)))
     return out
@@ -67,4 +69,6 @@ def test_no_module_reads_another_modules_private_names():
         if path.name != "_lightning.py"
         for line, expr in private_reads(path.read_text())
     }
-    assert not found, "private names read across modules (make them public, or move the code): " + ", ".join(sorted(found))
+    assert not found, "private names read across modules (make them public, or move the code): " + ", ".join(
+        sorted(found)
+    )

@@ -29,7 +29,9 @@ def test_each_optimizer_declares_what_the_docs_say_and_sgd_nothing():
     assert declared(Scaffold(_params(), lr=0.1)).outer_optimizer is None  # server_lr = 1: the plain average
     accelerated = AcceleratedSGD(_params(), lr=0.1)
     assert declared(accelerated).swap_output == accelerated.swap_output
-    assert set(SyncOptimizer.__annotations__) | {"outer_optimizer", "pre_sync", "post_sync", "swap_output"} == set(MEMBERS)
+    assert set(SyncOptimizer.__annotations__) | {"outer_optimizer", "pre_sync", "post_sync", "swap_output"} == set(
+        MEMBERS
+    )
     assert tuple(f for f in Declared.__dataclass_fields__) == MEMBERS
 
 

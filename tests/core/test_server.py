@@ -85,7 +85,9 @@ class Point(nn.Module):
 def simulated(problem, make_inner, make_outer=None, S=None, seed=0):
     machines = SimulatedMachines(Point(problem.x0), M)
     optimizer = make_inner(machines.parameters())
-    averager = PeriodicAverager(machines, optimizer, sync_every=K, outer_optimizer=make_outer, participation=S, participation_seed=seed)
+    averager = PeriodicAverager(
+        machines, optimizer, sync_every=K, outer_optimizer=make_outer, participation=S, participation_seed=seed
+    )
     for t in range(ROUNDS * K):
         machines.x.grad = problem.stacked_grad(machines.x.detach(), t)
         optimizer.step()
@@ -135,7 +137,7 @@ def test_outer_optimizers_and_participation_match_the_float64_reference(name, pa
 
 def test_plain_average_is_unchanged_bitwise_and_an_outer_sgd_at_rate_one_is_the_average():
     problem = Quadratics(machines=M, dim=DIM, steps=ROUNDS * K, seed=2)
-    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)
     plain, _ = simulated(problem, sgd)
     full, _ = simulated(problem, sgd, S=M)  # S = M: the plain average, the same code path
     assert torch.equal(plain, full)
@@ -145,7 +147,9 @@ def test_plain_average_is_unchanged_bitwise_and_an_outer_sgd_at_rate_one_is_the_
 
 def test_participants_are_sampled_per_round_from_the_seed_and_counted_for_what_they_send():
     machines = SimulatedMachines(Point(torch.zeros(DIM, dtype=F64)), M)
-    averager = PeriodicAverager(machines, torch.optim.SGD(machines.parameters(), lr=0.1), 1, participation=0.5, participation_seed=3)
+    averager = PeriodicAverager(
+        machines, torch.optim.SGD(machines.parameters(), lr=0.1), 1, participation=0.5, participation_seed=3
+    )
     assert averager.participants == 2
     rounds = [averager.participant_weights(r) for r in range(20)]
     assert all(w.sum().item() == 1.0 and (w > 0).sum().item() == 2 for w in rounds)
@@ -158,7 +162,11 @@ def test_participants_are_sampled_per_round_from_the_seed_and_counted_for_what_t
 def test_bad_server_options_are_refused():
     machines = SimulatedMachines(Point(torch.zeros(DIM, dtype=F64)), M)
     sgd = torch.optim.SGD(machines.parameters(), lr=0.1)
-    for bad, message in ((0, r"Invalid participation: 0 \(must be an integer >= 1\)"), (1.5, r"Invalid participation: 1.5"), (0.0, "Invalid participation: 0.0")):
+    for bad, message in (
+        (0, r"Invalid participation: 0 \(must be an integer >= 1\)"),
+        (1.5, r"Invalid participation: 1.5"),
+        (0.0, "Invalid participation: 0.0"),
+    ):
         with pytest.raises(ValueError, match=message):
             PeriodicAverager(machines, sgd, 1, participation=bad)
     with pytest.raises(ValueError, match=r"Invalid participation: 8 \(must be <= M = 4"):
@@ -211,7 +219,9 @@ def test_outer_state_resumes_exactly():
         averager.step()
     saved = averager.state_dict()
     assert set(saved["outer"]) == {"round_start", "optimizer"}
-    resumed = PeriodicAverager(machines, torch.optim.SGD(machines.parameters(), lr=0.05), sync_every=K, outer_optimizer=make_outer)
+    resumed = PeriodicAverager(
+        machines, torch.optim.SGD(machines.parameters(), lr=0.05), sync_every=K, outer_optimizer=make_outer
+    )
     with torch.no_grad():
         resumed.global_params[0].zero_()  # whatever it held: the state restores it
     resumed.load_state_dict(saved)
@@ -222,6 +232,7 @@ def test_outer_state_resumes_exactly():
     assert torch.equal(machines.x.detach(), whole)
 
 
+@pytest.mark.slow
 def test_two_processes_match_the_reference(tmp_path):
     """2 gloo processes x 2 simulated machines: DiLoCo (inner Adam), FedAdam and FedAvg with 2 of 4 machines a round."""
     out = tmp_path / "result.pt"
@@ -280,7 +291,9 @@ def test_trainer_and_fabric_strategies_take_the_server_options(name, tmp_path):
     problem = Quadratics(machines=M, dim=DIM, steps=ROUNDS * K, seed=6)
     _, _, make_inner, make_outer = CASES[name]
     module = _QuadraticMachines.build(problem, make_inner)
-    strategy = PeriodicAveragingStrategy(sync_every=K, outer_optimizer=make_outer, participation=2, participation_seed=5)
+    strategy = PeriodicAveragingStrategy(
+        sync_every=K, outer_optimizer=make_outer, participation=2, participation_seed=5
+    )
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=ROUNDS * K, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
@@ -290,9 +303,14 @@ def test_trainer_and_fabric_strategies_take_the_server_options(name, tmp_path):
     deviation = (module.machines.x.detach() - want).abs().max().item()
     assert deviation < 1e-12, deviation
     fabric_strategy = PeriodicAveragingFabricStrategy(sync_every=K, outer_optimizer=make_outer, participation=2)
-    assert fabric_strategy.server_options == {"outer_optimizer": make_outer, "participation": 2, "participation_seed": 0}
+    assert fabric_strategy.server_options == {
+        "outer_optimizer": make_outer,
+        "participation": 2,
+        "participation_seed": 0,
+    }
 
 
+@pytest.mark.slow
 def test_the_app_takes_diloco_server_options_participation_and_non_linear_models(tmp_path):
     """``fit --method=diloco --participation=0.5 --model.arch=mlp``: the run's averager takes DiLoCo's outer
     Nesterov step over half the machines a round; the stacked engine runs such trials one at a time, saying why."""
@@ -301,11 +319,23 @@ def test_the_app_takes_diloco_server_options_participation_and_non_linear_models
 
     base = {"trainer": {"max_epochs": 1, "devices": 1, "accelerator": "cpu", "strategy": "periodic_averaging"}}
     assert stackable({**base, "method": "slowcal", "model": {}}) is None
-    assert stackable({**base, "method": "diloco", "model": {}}) == "it takes a server step (diloco, model.outer; stacking takes the plain average)"
-    assert stackable({**base, "model": {"outer": "adam"}}) == "it takes a server step (diloco, model.outer; stacking takes the plain average)"
+    assert (
+        stackable({**base, "method": "diloco", "model": {}})
+        == "it takes a server step (diloco, model.outer; stacking takes the plain average)"
+    )
+    assert (
+        stackable({**base, "model": {"outer": "adam"}})
+        == "it takes a server step (diloco, model.outer; stacking takes the plain average)"
+    )
     assert stackable({**base, "model": {"arch": "cnn"}}) == "model.arch is cnn (stacking trains the linear model only)"
-    assert stackable({**base, "model": {}, "participation": 4}) == "participation is set (stacking averages every machine every round)"
-    for arch, shapes in (("mlp", [(4, 64, 784), (4, 64), (4, 10, 64), (4, 10)]), ("cnn", [(4, 8, 1, 5, 5), (4, 8), (4, 16, 8, 5, 5), (4, 16), (4, 10, 784), (4, 10)])):
+    assert (
+        stackable({**base, "model": {}, "participation": 4})
+        == "participation is set (stacking averages every machine every round)"
+    )
+    for arch, shapes in (
+        ("mlp", [(4, 64, 784), (4, 64), (4, 10, 64), (4, 10)]),
+        ("cnn", [(4, 8, 1, 5, 5), (4, 8), (4, 16, 8, 5, 5), (4, 16), (4, 10, 784), (4, 10)]),
+    ):
         model = MachinesModel(num_machines=4, arch=arch, init="default")
         model.configure_model()
         assert [tuple(p.shape) for p in model.machines.parameters()] == shapes

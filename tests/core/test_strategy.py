@@ -121,7 +121,7 @@ def test_minibatch_sgd_by_parameter_averaging_is_one_step_on_the_averaged_gradie
     lr = 0.1
     module = Regression("sgd", lr=lr).double()
     x0 = {k: v[0].detach().clone() for k, v in module.machines.stacked_parameters().items()}
-    (x, y), = machine_data(1).batches
+    ((x, y),) = machine_data(1).batches
     x, y = x.double(), y.double()
     # Closed form: the gradient of machine i's mean squared error at the common point x0.
     w0, b0 = x0["weight"], x0["bias"]
@@ -281,6 +281,7 @@ def run_cli(out: Path, *args: str, **env_vars: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", ["slowcal", "accel_minibatch_sgd", "scaffold"])
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_sync_once_per_round(tmp_path, method):
     """2 gloo processes x 2 simulated machines == 1 process x 4 machines, one all-reduce per round,
     and the initial weights are rank 0's on every rank; for SLowcal-SGD, AC-SA (one step a round)

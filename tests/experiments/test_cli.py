@@ -41,6 +41,7 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
     ("method", "floats_per_machine_per_round"),
     [("slowcal", 2 * D), ("local_sgd", D), ("minibatch_sgd", D), ("accel_minibatch_sgd", D), ("scaffold", 2 * D)],
 )
+@pytest.mark.slow
 def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats_per_machine_per_round):
     M, K, b, rounds = 8, 4, 2, 12
     run_dir = tmp_path / "runs"
@@ -85,11 +86,15 @@ def test_main_job_end_to_end_writes_metrics_and_summary(tmp_path, method, floats
     assert summary_acc == pytest.approx(float(evals[-1]["test_acc"]), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_print_config_shows_the_four_settings_once(tmp_path):
     proc = lit_slowcal(tmp_path, "fit", "--config=configs/minibatch_sgd.yaml", "--local_steps=8", "--print_config")
     config = yaml.safe_load(proc.stdout)
     assert (config["method"], config["num_machines"], config["local_steps"], config["batch_size"]) == (
-        "minibatch_sgd", 16, 8, 1,
+        "minibatch_sgd",
+        16,
+        8,
+        1,
     )
     # Derived values are computed, not configurable: they do not appear in the config.
     assert "batch_size" not in config["data"] and "steps_per_round" not in config["data"]
@@ -127,24 +132,54 @@ BAD_INPUT = [
     (["--data.split=plain"], ["Invalid data.split: 'plain' (allowed: official, balanced, dirichlet)"]),
     (["--model.weight_power=-1"], ["weight_power: -1"]),
     (["--model.gamma=1.5"], ["gamma: 1.5", "(0, 1]"]),
-    (["--model.weight_power=1e6"], ["Invalid model.weight_power: 1000000.0 (must be finite, >= 0 and < 1024: the first "
-                                    "step's weight 2^p overflows float64 beyond"]),
-    (["--model.weight_power=86"], ["Invalid model.weight_power: 86.0 (must be from 0 to 85.75 for this run's 3760 "
-                                   "optimizer steps: beyond it the weights alpha_t = (t+1)^p and their sum overflow)"]),
-    (["--model.weight_power=400", "--model.scale_lr_by_weight=true"],
-     ["Invalid model.weight_power: 400.0 (must be from 0 to 11.33 for this run's 3760 optimizer steps at lr 0.01 with "
-      "scale_lr_by_weight (lr (t+1)^p must fit float32)"]),
-    (["--model.weight_power=17", "--model.scale_lr_by_weight=true", "--trainer.limit_train_batches=10",
-      "--trainer.max_epochs=2"], ["Invalid model.weight_power: 17.0 (must be from 0 to 16.17 for this run's 320 "]),
+    (
+        ["--model.weight_power=1e6"],
+        [
+            "Invalid model.weight_power: 1000000.0 (must be finite, >= 0 and < 1024: the first "
+            "step's weight 2^p overflows float64 beyond"
+        ],
+    ),
+    (
+        ["--model.weight_power=86"],
+        [
+            "Invalid model.weight_power: 86.0 (must be from 0 to 85.75 for this run's 3760 "
+            "optimizer steps: beyond it the weights alpha_t = (t+1)^p and their sum overflow)"
+        ],
+    ),
+    (
+        ["--model.weight_power=400", "--model.scale_lr_by_weight=true"],
+        [
+            "Invalid model.weight_power: 400.0 (must be from 0 to 11.33 for this run's 3760 optimizer steps at lr 0.01 with "
+            "scale_lr_by_weight (lr (t+1)^p must fit float32)"
+        ],
+    ),
+    (
+        [
+            "--model.weight_power=17",
+            "--model.scale_lr_by_weight=true",
+            "--trainer.limit_train_batches=10",
+            "--trainer.max_epochs=2",
+        ],
+        ["Invalid model.weight_power: 17.0 (must be from 0 to 16.17 for this run's 320 "],
+    ),
     (["--num_machines=3", "--trainer.devices=2"], ["num_machines = 3", "not divisible", "processes (2"]),
-    (["--trainer.strategy=periodic_averaging", "--trainer.strategy.sync_every=8"],
-     ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"]),
+    (
+        ["--trainer.strategy=periodic_averaging", "--trainer.strategy.sync_every=8"],
+        ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"],
+    ),
     (["--data.derived=1"], ["unrecognized arguments: --data.derived=1"]),
-    (["--trainer.gradient_clip_val=1.0"], ["Invalid trainer setting: Automatic gradient clipping is not supported for "
-                                           "manual optimization. Remove `Trainer(gradient_clip_val=1.0)` (every method "
-                                           "steps its own optimizer, K steps per round)."]),
-    (["--trainer.accumulate_grad_batches=2"], ["Invalid trainer setting: Automatic gradient accumulation is not "
-                                               "supported for manual optimization. Remove"]),
+    (
+        ["--trainer.gradient_clip_val=1.0"],
+        [
+            "Invalid trainer setting: Automatic gradient clipping is not supported for "
+            "manual optimization. Remove `Trainer(gradient_clip_val=1.0)` (every method "
+            "steps its own optimizer, K steps per round)."
+        ],
+    ),
+    (
+        ["--trainer.accumulate_grad_batches=2"],
+        ["Invalid trainer setting: Automatic gradient accumulation is not supported for manual optimization. Remove"],
+    ),
     (["--run_dir="], ["Invalid run_dir: '' (must be a folder; . for the current one)"]),
     (["--data.root={empty}"], ["missing from", "MNIST/raw", "train-images-idx3-ubyte.gz", "data.root"]),
     (["--data.root={size}"], ["Corrupt MNIST file", "train-labels-idx1-ubyte", "100 bytes, expected 60008"]),
@@ -169,8 +204,11 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
     trained = []
     monkeypatch.setattr(MachinesModel, "training_step", lambda *a: trained.append(1))
     (tmp_path / "empty").mkdir()
-    roots = {"empty": tmp_path / "empty", "size": corrupt_root(tmp_path / "s", "size"),
-             "magic": corrupt_root(tmp_path / "m", "magic")}
+    roots = {
+        "empty": tmp_path / "empty",
+        "size": corrupt_root(tmp_path / "s", "size"),
+        "magic": corrupt_root(tmp_path / "m", "magic"),
+    }
     args = [a.format(**roots) for a in args]
     monkeypatch.chdir(REPO)
     with pytest.raises((SystemExit, ValueError, FileNotFoundError)) as info:
@@ -181,7 +219,9 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
         # One line: the check's own message, without jsonargparse's usage or the link's name.
         lines = [line for line in captured.err.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("lit_slowcal: error: ")]
-        assert len(errors) == 1 and not any(line.startswith(("usage:", "error:")) for line in lines), captured.err[-2000:]
+        assert len(errors) == 1 and not any(line.startswith(("usage:", "error:")) for line in lines), captured.err[
+            -2000:
+        ]
         assert "compute_fn" not in errors[0]
     message = f"{info.value}\n{captured.err}\n{captured.out}"
     for text in expected:
@@ -189,6 +229,7 @@ def test_bad_input_is_refused_before_training_with_the_field_named(tmp_path, mon
     assert not trained  # refused before any training step
 
 
+@pytest.mark.slow
 def test_logged_in_without_network_falls_back_to_offline(tmp_path):
     """A W&B key but no reachable server: the run goes on, logged offline, and says so."""
     env = clean_env(tmp_path)
@@ -197,8 +238,14 @@ def test_logged_in_without_network_falls_back_to_offline(tmp_path):
     env["WANDB_INIT_TIMEOUT"] = "5"
     run_dir = tmp_path / "runs"
     cmd = [
-        sys.executable, "-m", "lit_slowcal", "fit", "--config=configs/slowcal.yaml",
-        "--trainer.limit_train_batches=2", "--trainer.enable_progress_bar=false", f"--run_dir={run_dir}",
+        sys.executable,
+        "-m",
+        "lit_slowcal",
+        "fit",
+        "--config=configs/slowcal.yaml",
+        "--trainer.limit_train_batches=2",
+        "--trainer.enable_progress_bar=false",
+        f"--run_dir={run_dir}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

@@ -250,7 +250,15 @@ def test_seed_fixes_the_stream():
 
 @pytest.mark.parametrize(
     "machines, steps, batch, rounds",
-    [(16, 16, 1, 235), (64, 64, 1, 15), (1024, 16, 1, 4), (16, 16, 8, 30), (16, 1, 16, 235), (1, 1, 1, 60000), (1, 1, 60000, 1)],
+    [
+        (16, 16, 1, 235),
+        (64, 64, 1, 15),
+        (1024, 16, 1, 4),
+        (16, 16, 8, 30),
+        (16, 1, 16, 235),
+        (1, 1, 1, 60000),
+        (1, 1, 60000, 1),
+    ],
 )
 def test_num_rounds(machines, steps, batch, rounds):
     dm = ProblemDataModule(num_machines=machines, steps_per_round=steps, batch_size=batch)
@@ -333,7 +341,9 @@ def test_constructor_rejects_bad_values(field, value):
 
 
 def test_split_names_the_allowed_values():
-    with pytest.raises(ValueError, match=r"^Invalid data\.split: 'Official' \(allowed: official, balanced, dirichlet\)$"):
+    with pytest.raises(
+        ValueError, match=r"^Invalid data\.split: 'Official' \(allowed: official, balanced, dirichlet\)$"
+    ):
         ProblemDataModule(split="Official")
 
 
@@ -536,7 +546,9 @@ def test_a_label_outside_the_classes_is_refused_when_read_naming_the_file(raw_co
     (raw_copy / name).write_bytes(bytes(data))
     with pytest.raises(ValueError) as err:
         load_mnist(raw_copy.parents[1])
-    assert str(err.value).startswith(f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)")
+    assert str(err.value).startswith(
+        f"Corrupt MNIST file {raw_copy / name}: label 200 at index 1234 (1 labels outside 0..9)"
+    )
 
 
 def test_the_data_module_exports_what_its_neighbours_define():
@@ -544,7 +556,10 @@ def test_the_data_module_exports_what_its_neighbours_define():
     import lit_slowcal.experiments.mnist as mnist_module
     import lit_slowcal.experiments.streams as streams_module
 
-    assert data_module.load_mnist is mnist_module.load_mnist and data_module.MachineStreams is streams_module.MachineStreams
+    assert (
+        data_module.load_mnist is mnist_module.load_mnist
+        and data_module.MachineStreams is streams_module.MachineStreams
+    )
     assert (data_module.MNIST_MEAN, data_module.MNIST_STD) == (0.1307, 0.3081)
     assert {"load_mnist", "MachineStreams", "MNIST_MEAN", "MNIST_STD"} <= set(data_module.__all__)
 
@@ -557,8 +572,10 @@ def test_two_processes_preparing_mnist_on_a_fresh_copy_both_succeed(tmp_path):
     raw.mkdir(parents=True)
     for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw / gz.name)
-    prepare = "from pathlib import Path\nfrom lit_slowcal.experiments.mnist import prepare_mnist\n" + BARRIER + (
-        "prepare_mnist(Path(sys.argv[1]))\n"
+    prepare = (
+        "from pathlib import Path\nfrom lit_slowcal.experiments.mnist import prepare_mnist\n"
+        + BARRIER
+        + ("prepare_mnist(Path(sys.argv[1]))\n")
     )
     env = subprocess_env(PYTHONPATH=str(REPO))
     procs = [

@@ -3,7 +3,6 @@
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-import torch
 from test_objective import quadratic_closed_form
 
 from lit_slowcal.experiments.data import ProblemDataModule
@@ -19,7 +18,9 @@ class Recorder(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         self.syncs, self.steps = [], []
         params = list(pl_module.machines.parameters())
-        trainer.strategy.register_sync_pre_hook(lambda a: self.syncs.append([p.detach().double().clone() for p in params]))
+        trainer.strategy.register_sync_pre_hook(
+            lambda a: self.syncs.append([p.detach().double().clone() for p in params])
+        )
         optimizer = trainer.optimizers[0]
 
         def state(opt):

@@ -30,16 +30,26 @@ def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, mon
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
+@pytest.mark.slow
 def test_a_crashed_process_ends_the_other_within_a_bound(tmp_path, failing_rank):
     env = subprocess_env(WANDB_MODE="disabled", FAIL=f"{failing_rank}:3")
     args = [
-        f"--config={REPO / 'configs' / 'slowcal.yaml'}", f"--data.root={REPO / 'data'}", "--wandb=false",
-        "--trainer.enable_progress_bar=false", "--num_machines=4", "--trainer.devices=2", f"--run_dir={tmp_path}",
+        f"--config={REPO / 'configs' / 'slowcal.yaml'}",
+        f"--data.root={REPO / 'data'}",
+        "--wandb=false",
+        "--trainer.enable_progress_bar=false",
+        "--num_machines=4",
+        "--trainer.devices=2",
+        f"--run_dir={tmp_path}",
     ]
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "run_cli.py"), str(tmp_path / "out"), "fit", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0

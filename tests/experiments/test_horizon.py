@@ -3,12 +3,12 @@ and in a stacked group alike, and the model refuses what the option cannot take.
 
 import pytest
 import torch
+from test_stacked import REPO, grid_file, single_runs
 
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.experiments.sweep.contract import differences
-from test_stacked import REPO, grid_file, single_runs
 
 ROUNDS = 7  # grid_file: --trainer.limit_train_batches=7, one epoch; AC-SA takes one step per round
 
@@ -48,7 +48,10 @@ def test_horizon_aware_run_takes_gamma_c_over_rounds_and_stacks_bit_for_bit(tmp_
     assert differences(first.outcome["metrics"], aware_run["metrics"]) == []  # the contract: diagnostics within 1e-12
     for name, value in aware_params.items():
         assert torch.equal(first.final_state["params"][name], value), name
-    assert second.outcome["status"] == "finished" and second.outcome["metrics"]["test_loss"] != aware_run["metrics"]["test_loss"]
+    assert (
+        second.outcome["status"] == "finished"
+        and second.outcome["metrics"]["test_loss"] != aware_run["metrics"]["test_loss"]
+    )
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -29,8 +29,14 @@ def test_last_checkpoint_is_written_at_the_last_step(tmp_path):
 
     callback = LastCheckpoint(every_n_train_steps=2, dirpath=tmp_path / "ckpt")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[callback],
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(Tiny(), train_dataloaders=DataLoader(torch.ones(3, 2), batch_size=1))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
@@ -61,8 +67,14 @@ def test_no_warning_about_manual_optimization(tmp_path):
 
     callback = LastCheckpoint(every_n_train_steps=1, dirpath=tmp_path / "ckpt")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[callback],
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -22,7 +22,6 @@ from in_process import RUN, command, error_line
 from lit_slowcal.experiments.main import DEBUG_ENV, main
 from lit_slowcal.experiments.model import MachinesModel
 
-
 # ---------------------------------------------------------------------- unreadable checkpoints
 
 
@@ -57,6 +56,7 @@ def test_an_unreadable_checkpoint_gets_one_line_without_unsafe_advice(
     assert "without --ckpt_path" in line and not no_training
 
 
+@pytest.mark.slow
 def test_the_command_prints_one_line_and_the_traceback_only_when_asked(tmp_path, capsys, monkeypatch):
     from lit_slowcal.checkpoint_io import CheckpointReadError
 
@@ -98,7 +98,9 @@ if not torch.cuda.is_available():  # a machine without a GPU asked for one
 
 
 @pytest.mark.parametrize(("args", "message"), MACHINE_OR_FILE, ids=[" ".join(a) for a, _ in MACHINE_OR_FILE])
-def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(tmp_path, capsys, no_training, args, message):
+def test_a_checkpoint_of_another_kind_or_a_device_the_machine_lacks_is_one_line(
+    tmp_path, capsys, no_training, args, message
+):
     _not_lightning(tmp_path / "plain.ckpt")
     code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
     assert code == 1 and message.format(tmp=tmp_path) in error_line(err) and not no_training
@@ -166,7 +168,9 @@ ONE_LINE = [
 
 
 @pytest.mark.parametrize(("args", "status", "message"), ONE_LINE, ids=[" ".join(a) for a, _, _ in ONE_LINE])
-def test_values_and_files_the_parser_meets_are_one_line_naming_them(tmp_path, capsys, no_training, args, status, message):
+def test_values_and_files_the_parser_meets_are_one_line_naming_them(
+    tmp_path, capsys, no_training, args, status, message
+):
     (tmp_path / "empty.yaml").write_text("\n")
     (tmp_path / "binary.yaml").write_bytes(b"\x90\x00\xff" * 10)
     code, err = command(capsys, *(a.format(tmp=tmp_path) for a in args), run_dir=tmp_path / "runs")
@@ -196,7 +200,9 @@ def test_the_command_freezes_its_imports_and_collects_what_comes_after():
         "atexit.register(after)\n"
         "runpy.run_module('lit_slowcal', run_name='__main__')\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     words = done.stdout.strip().splitlines()[-1].split()
     assert words[0] == "frozen" and int(words[1]) > 100_000  # torch and Lightning: hundreds of thousands of objects

@@ -220,8 +220,18 @@ def test_server_options_of_the_local_methods():
     params = [torch.zeros(2, requires_grad=True)]
     sgd = METHODS["local_sgd"].optimizer(params, hparams(outer="nesterov", outer_lr=0.5, outer_momentum=0.8))
     outer = sgd.outer_optimizer([torch.zeros(2)])
-    assert type(outer) is torch.optim.SGD and outer.defaults["lr"] == 0.5 and outer.defaults["momentum"] == 0.8 and outer.defaults["nesterov"]
-    assert type(METHODS["slowcal"].optimizer(params, hparams(outer="adam", outer_lr=0.01)).outer_optimizer([torch.zeros(2)])) is torch.optim.Adam
+    assert (
+        type(outer) is torch.optim.SGD
+        and outer.defaults["lr"] == 0.5
+        and outer.defaults["momentum"] == 0.8
+        and outer.defaults["nesterov"]
+    )
+    assert (
+        type(
+            METHODS["slowcal"].optimizer(params, hparams(outer="adam", outer_lr=0.01)).outer_optimizer([torch.zeros(2)])
+        )
+        is torch.optim.Adam
+    )
     assert not hasattr(METHODS["slowcal"].optimizer(params, hparams()), "outer_optimizer")  # none: the plain average
     diloco = METHODS["diloco"].optimizer(params, hparams())
     assert type(diloco) is torch.optim.AdamW and diloco.outer_optimizer([torch.zeros(2)]).defaults["lr"] == 0.7
@@ -230,7 +240,10 @@ def test_server_options_of_the_local_methods():
         METHODS["local_sgd"].optimizer(params, hparams(outer="momentum"))
     with pytest.raises(ValueError, match=r"Invalid outer_lr: -1"):
         METHODS["local_sgd"].optimizer(params, hparams(outer="sgd", outer_lr=-1))
-    with pytest.raises(ValueError, match=r"Invalid outer: 'sgd' with method scaffold \(SCAFFOLD's server step is SGD at model.server_lr\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid outer: 'sgd' with method scaffold \(SCAFFOLD's server step is SGD at model.server_lr\)",
+    ):
         METHODS["scaffold"].optimizer(params, hparams(outer="sgd"))
 
 
@@ -255,7 +268,9 @@ def test_slowcal_sgd_refuses_a_weight_power_whose_first_weight_overflows(power):
 
     with pytest.raises(ValueError) as info:
         SlowcalSGD([torch.zeros(1, requires_grad=True)], lr=0.1, weight_power=power)
-    assert str(info.value).startswith(f"Invalid weight_power: {power} (must be finite, >= 0 and < 1024: the first step's")
+    assert str(info.value).startswith(
+        f"Invalid weight_power: {power} (must be finite, >= 0 and < 1024: the first step's"
+    )
     assert _train(1023.99, 1)[0] == 1 + 2.0**1023.99  # just below: the first step's sum is finite
 
 

@@ -40,7 +40,9 @@ def test_quadratic_optimum_excess_loss_and_g_star_equal_their_closed_forms(lam):
     theta, f_star, h, g_star = quadratic_closed_form(data, lam)
     found = solve(obj, (1, 6), tol=1e-10)
     assert found.converged and found.grad_norm <= 1e-10
-    assert found.iterations == 1 and found.cg_iterations <= 7  # f is quadratic: one Newton step, CG exact in 7 dimensions
+    assert (
+        found.iterations == 1 and found.cg_iterations <= 7
+    )  # f is quadratic: one Newton step, CG exact in 7 dimensions
     assert abs(found.value - f_star) <= 1e-9 * max(1.0, abs(f_star))
     np.testing.assert_allclose(np.r_[found.weight[0].numpy(), found.bias.numpy()], theta, atol=1e-9, rtol=0)
     assert abs(heterogeneity(obj, found.params) - g_star) <= 1e-9
@@ -95,16 +97,17 @@ def test_solver_on_a_small_logistic_problem_matches_newtons_method():
     lam = 1e-2
     obj = Objective(data, "cross_entropy", lam)
     found = solve(obj, (3, 5), tol=1e-9)
-    theta, f_newton, _ = newton_logistic(
-        data.train_x.double().numpy(), data.train_y.numpy(), _weights(data), 3, lam
-    )
+    theta, f_newton, _ = newton_logistic(data.train_x.double().numpy(), data.train_y.numpy(), _weights(data), 3, lam)
     assert found.converged and found.grad_norm <= 1e-9
     assert abs(found.value - f_newton) <= 1e-12
     # f is lam-strongly convex: ||x - x*|| <= ||grad f(x)|| / lam.
     distance = np.linalg.norm(np.hstack([found.weight.numpy(), found.bias.numpy()[:, None]]) - theta)
     assert distance <= found.grad_norm / lam
     # And the objective agrees with the independent one at another point.
-    params = {"weight": torch.ones(3, 5, dtype=torch.float64) * 0.1, "bias": torch.tensor([0.3, -0.2, 0.0], dtype=torch.float64)}
+    params = {
+        "weight": torch.ones(3, 5, dtype=torch.float64) * 0.1,
+        "bias": torch.tensor([0.3, -0.2, 0.0], dtype=torch.float64),
+    }
     a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
     t = np.hstack([params["weight"].numpy(), params["bias"].numpy()[:, None]])
     z = a @ t.T
@@ -142,7 +145,9 @@ def test_the_solver_is_deterministic_and_reports_the_true_gradient_norm():
     obj = Objective(data, "cross_entropy", lam)
     found = solve(obj, (4, 6), tol=1e-10)
     again = solve(obj, (4, 6), tol=1e-10)
-    assert torch.equal(found.weight, again.weight) and torch.equal(found.bias, again.bias) and found.value == again.value
+    assert (
+        torch.equal(found.weight, again.weight) and torch.equal(found.bias, again.bias) and found.value == again.value
+    )
     # The reported gradient norm is that of f at the returned x*, computed independently (numpy).
     a = np.hstack([data.train_x.double().numpy(), np.ones((len(data.train_y), 1))])
     t = np.hstack([found.weight.numpy(), found.bias.numpy()[:, None]])
@@ -163,7 +168,9 @@ def _exact_logits(x, weight, bias):
     import math
 
     xs, ws, bs = x.double().tolist(), weight.double().tolist(), bias.double().tolist()
-    return torch.tensor([[math.fsum([*(a * b for a, b in zip(row, w)), c]) for w, c in zip(ws, bs)] for row in xs], dtype=torch.float64)
+    return torch.tensor(
+        [[math.fsum([*(a * b for a, b in zip(row, w)), c]) for w, c in zip(ws, bs)] for row in xs], dtype=torch.float64
+    )
 
 
 def _logit_bound(x, weight, bias, columns):
@@ -171,7 +178,11 @@ def _logit_bound(x, weight, bias, columns):
     gamma_(k+1) * (sum_j |x_j - c_j| |w_j| + |c . w + b|) <= gamma_(k+2) * (sum_j |x_j| |w_j| + 2 sum_j |c_j w_j| + |b|)."""
     u = 2.0**-53
     gamma = (columns + 2) * u / (1 - (columns + 2) * u)
-    return gamma * (x.double().abs() @ weight.double().abs().T + 2 * x.double().abs().amax(0) @ weight.double().abs().T + bias.double().abs())
+    return gamma * (
+        x.double().abs() @ weight.double().abs().T
+        + 2 * x.double().abs().amax(0) @ weight.double().abs().T
+        + bias.double().abs()
+    )
 
 
 def test_the_blocked_logits_are_within_their_float64_bound_of_the_correctly_rounded_ones():
@@ -275,7 +286,9 @@ def test_a_problem_with_samples_left_out_is_evaluated_on_its_used_rows_without_c
         logits = _exact_logits(data.train_x[used], weight, bias)  # the used rows alone, correctly rounded
         w = torch.tensor(_weights(data))[used]
         penalty = 0.5e-3 * (weight.double().square().sum() + bias.double().square().sum())
-        expected = float((w * torch.nn.functional.cross_entropy(logits, data.train_y[used], reduction="none")).sum() + penalty)
+        expected = float(
+            (w * torch.nn.functional.cross_entropy(logits, data.train_y[used], reduction="none")).sum() + penalty
+        )
         assert abs(obj({"weight": weight, "bias": bias}) - expected) <= 1e-14 * expected
     assert torch.equal(obj.inputs64(), data.train_x[used].double())  # the solver's float64 inputs
 
@@ -285,7 +298,11 @@ def test_values_of_several_objectives_in_one_pass_equal_each_alone_within_1e_12(
     one. And affine_rows, the test set's product of every trial, is each trial's float32 addmm bit for bit."""
     problem = Synthetic(dim=12, num_classes=5)
     one, other = problem.build(4, seed=1), problem.build(4, seed=2)
-    objectives = [Objective(one, "cross_entropy"), Objective(one, "cross_entropy", 1e-3), Objective(other, "cross_entropy")]
+    objectives = [
+        Objective(one, "cross_entropy"),
+        Objective(one, "cross_entropy", 1e-3),
+        Objective(other, "cross_entropy"),
+    ]
     assert objectives[0].x.dtype == torch.float32
     assert objectives[0].inputs()[0] is objectives[1].inputs()[0]  # one arrangement of the inputs for both
     g = torch.Generator().manual_seed(3)
@@ -294,7 +311,9 @@ def test_values_of_several_objectives_in_one_pass_equal_each_alone_within_1e_12(
     alone = [o(p) for o, p in zip(objectives, points)]
     assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(got, alone))
     assert len(set(got)) == 3
-    logits = objective_module.affine_rows(objectives[0].x, [p["weight"] for p in points], [p["bias"] for p in points], rows=100)
+    logits = objective_module.affine_rows(
+        objectives[0].x, [p["weight"] for p in points], [p["bias"] for p in points], rows=100
+    )
     for z, p in zip(logits, points):
         assert torch.equal(z, torch.addmm(p["bias"], objectives[0].x, p["weight"].T))
 
@@ -308,7 +327,9 @@ def test_a_cache_folder_that_cannot_hold_the_optimum_is_refused_before_the_solve
     (tmp_path / "a_file").write_text("")
     with pytest.raises(OSError) as err:
         optimum(obj, (1, 4), identity, tmp_path / "a_file", solving=said.append)
-    assert str(err.value).startswith(f"--cache_dir {tmp_path / 'a_file'}: cannot create {tmp_path / 'a_file' / 'optima'}")
+    assert str(err.value).startswith(
+        f"--cache_dir {tmp_path / 'a_file'}: cannot create {tmp_path / 'a_file' / 'optima'}"
+    )
     assert solves == [] and said == []
 
     monkeypatch.undo()
@@ -337,6 +358,7 @@ def test_objectives_of_one_split_share_their_samples_on_the_device():
     assert [o(point) for o in (a, b, c)] == before
 
 
+@pytest.mark.slow
 def test_on_mnist_the_objective_of_many_points_in_one_pass_equals_each_alone_within_1e_12():
     """The paper's setting: MNIST, the official split over M = 16. Points as trained models are (about the
     size of the paper runs' weights); 20 in one pass, as the stacked trials compute them."""
@@ -351,7 +373,10 @@ def test_on_mnist_the_objective_of_many_points_in_one_pass_equals_each_alone_wit
 
     assert 0.5 < BlockedInputs(objective.x).density < 0.56  # by their first and last ink pixel only: 53%
     g = torch.Generator().manual_seed(0)
-    points = [{"weight": torch.randn(10, 784, generator=g) * 0.05, "bias": torch.randn(10, generator=g) * 0.1} for _ in range(20)]
+    points = [
+        {"weight": torch.randn(10, 784, generator=g) * 0.05, "bias": torch.randn(10, generator=g) * 0.1}
+        for _ in range(20)
+    ]
     together = objective_module.values([objective] * 20, points)
     x64 = objective.inputs64()  # the used samples' rows (the official split leaves some out)
     for point, value in zip(points, together):
@@ -359,5 +384,7 @@ def test_on_mnist_the_objective_of_many_points_in_one_pass_equals_each_alone_wit
         assert abs(value - alone) <= 1e-12 * alone
         # And both against a dense float64 product of the whole inputs (another summation order).
         logits = torch.addmm(point["bias"].double(), x64, point["weight"].double().T)
-        dense = float((objective.weights * torch.nn.functional.cross_entropy(logits, objective.y, reduction="none")).sum())
+        dense = float(
+            (objective.weights * torch.nn.functional.cross_entropy(logits, objective.y, reduction="none")).sum()
+        )
         assert abs(alone - dense) <= 1e-13 * dense

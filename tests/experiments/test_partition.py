@@ -179,7 +179,10 @@ def test_iid_with_uneven_classes_and_gaps():
         (dict(min_size=11), r"min_size=11 is impossible: 10 machines x 11 samples > 100"),
         (dict(max_retries=-1), r"Invalid max_retries: -1 \(must be an integer >= 0\)"),
         (dict(split="plain"), r"Invalid split: 'plain' \(allowed: official, balanced, dirichlet\)"),
-        (dict(split="official", seed=2**32), r"Invalid seed: 4294967296 \(the official split's RandomState takes seeds < 2\*\*32\)"),
+        (
+            dict(split="official", seed=2**32),
+            r"Invalid seed: 4294967296 \(the official split's RandomState takes seeds < 2\*\*32\)",
+        ),
         (dict(seed=-1), r"Invalid seed: -1 \(must be an integer >= 0\)"),
         (dict(seed=1.5), r"Invalid seed: 1.5 "),
         (

@@ -44,6 +44,7 @@ def test_synthetic_sizes_labels_and_feature_covariance_are_fedprox_s():
     expected = torch.arange(1, 61, dtype=torch.float64) ** -1.2
     assert len(x) > 2000  # enough samples for a 15 % check
     assert torch.allclose(variance / expected, torch.ones(60, dtype=torch.float64), atol=0.15)
+
     # beta spreads the machines' input means: the spread of machine means grows with beta.
     def spread(beta):
         d = Synthetic(alpha=0.0, beta=beta).build(machines, seed)

@@ -61,9 +61,7 @@ def test_report_writes_both_figures_and_a_table_of_seed_means(tmp_path, capsys):
     table = (docs / "paper_results.md").read_text()
     assert table.startswith("# Results of paper.jsonl\n\n![test accuracy](paper_accuracy.png)")
     rows = [line for line in table.splitlines() if line.startswith("|")]
-    assert rows[0] == (
-        "| M | K | SLowcal-SGD acc | Local-SGD acc | SLowcal-SGD loss | Local-SGD loss |"
-    )
+    assert rows[0] == ("| M | K | SLowcal-SGD acc | Local-SGD acc | SLowcal-SGD loss | Local-SGD loss |")
     # Means and sample standard deviations by hand:
     # slowcal 16/4: acc (0.90+0.91+0.92)/3 = 0.91, std 0.01; loss 0.32, std 0.02
     # local_sgd 16/4: acc 0.90, std 0.02; loss 0.55, std 0.05
@@ -87,7 +85,9 @@ def test_aggregate_means_and_refuses_a_second_varying_parameter():
     with pytest.raises(ValueError, match="model.lr takes several values"):
         report.aggregate(records, "test_acc")
     with pytest.raises(ValueError, match="lacks num_machines"):
-        report.aggregate([{"params": {"method": "slowcal", "local_steps": 4}, "status": "finished", "metrics": {}}], "test_acc")
+        report.aggregate(
+            [{"params": {"method": "slowcal", "local_steps": 4}, "status": "finished", "metrics": {}}], "test_acc"
+        )
 
 
 def test_report_of_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
@@ -107,7 +107,15 @@ def test_any_number_of_methods_registry_order_first_then_others(tmp_path):
     loss = report.aggregate(records, "test_loss")
     table = report.markdown_table(acc, loss)
     header = table.splitlines()[0]
-    labels = ["SLowcal-SGD", "Local-SGD", "Minibatch-SGD", "Accelerated Minibatch-SGD", "SCAFFOLD", "another", "my_method"]
+    labels = [
+        "SLowcal-SGD",
+        "Local-SGD",
+        "Minibatch-SGD",
+        "Accelerated Minibatch-SGD",
+        "SCAFFOLD",
+        "another",
+        "my_method",
+    ]
     assert header == "| M | K | " + " | ".join(f"{lab} acc" for lab in labels) + " | " + " | ".join(
         f"{lab} loss" for lab in labels) + " |"  # fmt: skip
     # The best mean accuracy of a row is bold: "another" (i = 6), 0.86 + 0.0015.
@@ -125,8 +133,7 @@ def test_report_adds_excess_loss_figures_and_g_star_per_split(tmp_path, capsys):
             run.mkdir()
             # Validation rows hold round and excess_loss; training rows leave excess_loss empty.
             (run / "metrics.csv").write_text(
-                "epoch,excess_loss,round,step,train_loss\n"
-                f"0,,5.0,4,0.5\n0,{10 * final},5.0,4,\n0,{final},10.0,9,\n"
+                f"epoch,excess_loss,round,step,train_loss\n0,,5.0,4,0.5\n0,{10 * final},5.0,4,\n0,{final},10.0,9,\n"
             )
             r = record(method, 64, 64, seed, 0.9, 0.3)
             r["metrics"].update(excess_loss=final, G_star=2.0 + seed)  # G_* of seed 1's split: 3, seed 2's: 4
@@ -162,14 +169,19 @@ def test_trials_run_with_different_command_lines_are_never_averaged_into_one_cel
     base = ["fit", "--config", "configs/paper.yaml", "--method=slowcal", "--num_machines=16", "--local_steps=4"]
     records = [
         {**record("slowcal", 16, 4, 1, 0.90, 0.30), "args": [*base, "--seed_everything=1", "--model.lr=0.01"]},
-        {**record("slowcal", 16, 4, 2, 0.10, 9e5), "args": [*base, "--seed_everything=2", "--model.lr=3.0", "--wandb=false"]},
+        {
+            **record("slowcal", 16, 4, 2, 0.10, 9e5),
+            "args": [*base, "--seed_everything=2", "--model.lr=3.0", "--wandb=false"],
+        },
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert report.main([str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "M=16, K=4, slowcal" in err and "--model.lr 0.01 in one, 3.0 in another" in err
-    assert "--wandb" not in err and "--seed_everything" not in err  # what may differ between the seeds of one setting is not named
+    assert (
+        "--wandb" not in err and "--seed_everything" not in err
+    )  # what may differ between the seeds of one setting is not named
     assert not (tmp_path / "out").exists()
 
     # The same arguments and identities that differ beyond the seed (a config file edited in between): refused too.
@@ -188,8 +200,14 @@ def test_trials_run_with_different_command_lines_are_never_averaged_into_one_cel
     ("line", "message"),
     [
         ('{"params": {"method": "slowcal"}}', "'status' is None, expected one of finished, diverged, failed"),
-        ('{"params": {"method": "slowcal"}, "status": "finished", "metrics": [1]}', "'metrics' is [1], expected an object"),
-        ('{"params": {"method": "slowcal"}, "status": "finished", "metrics": {"test_acc": "high"}}', "metric 'test_acc' is 'high'"),
+        (
+            '{"params": {"method": "slowcal"}, "status": "finished", "metrics": [1]}',
+            "'metrics' is [1], expected an object",
+        ),
+        (
+            '{"params": {"method": "slowcal"}, "status": "finished", "metrics": {"test_acc": "high"}}',
+            "metric 'test_acc' is 'high'",
+        ),
         ('{"params": 3, "status": "finished"}', "'params' is 3, expected an object"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"params": {}, "status": "finished", "args": "fit"}', "'args' is 'fit', expected a list of strings"),

@@ -59,6 +59,7 @@ def uninterrupted(tmp_path_factory):
         ("accel_minibatch_sgd", "SIGKILL", 29, "one step a round: killed in round 29, resumes from round 28"),
     ],
 )
+@pytest.mark.slow
 def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, step, where):
     killed = run(tmp_path, "killed", method, kill=f"{signal}:{step}")
     assert killed.returncode == (143 if signal == "SIGTERM" else -9), where
@@ -81,7 +82,11 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, ste
     for name, state in want["state"].items():
         assert got["state"][name].keys() == state.keys()
         for key, value in state.items():
-            same = torch.equal(got["state"][name][key], value) if isinstance(value, torch.Tensor) else got["state"][name][key] == value
+            same = (
+                torch.equal(got["state"][name][key], value)
+                if isinstance(value, torch.Tensor)
+                else got["state"][name][key] == value
+            )
             assert same, (name, key)
     assert got["metrics"] == want["metrics"]
     assert got["metrics"]["round"] == 59
@@ -91,6 +96,7 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, method, signal, ste
     assert (run_folder / "version_0" / "metrics.csv").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = run(tmp_path, "none", "slowcal", "--ckpt_path=last")
     assert proc.returncode != 0
@@ -125,8 +131,10 @@ def test_a_finished_run_of_limited_epochs_is_refused_before_anything_is_built(tm
     no_training.clear()
     code, err = command(capsys, *limited, "--ckpt_path=last", run_dir=tmp_path / "runs")
     assert code == 1 and not no_training
-    assert "its run has trained 2 epoch(s) (256 steps) and trainer.max_epochs is 2, so there is nothing to train. " \
+    assert (
+        "its run has trained 2 epoch(s) (256 steps) and trainer.max_epochs is 2, so there is nothing to train. "
         "Pass --trainer.max_epochs=3 (or more)" in error_line(err)
+    )
     assert "Restoring states" not in err
 
 
@@ -148,7 +156,10 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_this_runs_identity(half_r
 
     code, err = command(capsys, "--ckpt_path=last", "--model.lr=0.1", run_dir=runs)
     line = error_line(err)
-    assert code == 1 and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
+    assert (
+        code == 1
+        and f"--ckpt_path last: none of the 3 checkpoints of run {RUN} in {runs / RUN} is of this run: " in line
+    )
     assert "version_1/checkpoints/last.ckpt (model.lr 0.03 in the checkpoint, 0.1 now)" in line
     assert "version_0/checkpoints/last.ckpt (model.lr 0.01 in the checkpoint, 0.1 now)" in line
 
@@ -172,8 +183,12 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_the_epoch(half
 
 def test_max_steps_between_rounds_says_where_the_run_stops(tmp_path, capsys):
     code, err = command(capsys, "--trainer.max_steps=100", run_dir=tmp_path / "runs")
-    assert code == 0 and "note: trainer.max_steps=100 is not a whole number of rounds (64 optimizer steps each): " \
-        "training stops after the round that reaches it, at step 128" in err
+    assert (
+        code == 0
+        and "note: trainer.max_steps=100 is not a whole number of rounds (64 optimizer steps each): "
+        "training stops after the round that reaches it, at step 128"
+        in err
+    )
     assert torch.load(tmp_path / "runs" / RUN / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == 128
 
 
@@ -186,15 +201,19 @@ def test_ckpt_path_last_says_which_newer_checkpoint_it_could_not_read(half_run, 
     code, err = command(capsys, "--ckpt_path=last", "--trainer.max_steps=192", run_dir=runs)
     assert code == 0, err[-3000:]
     (note,) = [line for line in err.splitlines() if line.startswith("note: --ckpt_path last: ")]
-    assert "skipped 1 newer checkpoint(s) that cannot be read: version_1/checkpoints/last.ckpt (the file is damaged " \
+    assert (
+        "skipped 1 newer checkpoint(s) that cannot be read: version_1/checkpoints/last.ckpt (the file is damaged "
         "or not a PyTorch checkpoint (100 bytes" in note
+    )
     assert "resuming from version_0/checkpoints/last.ckpt, the newest readable one of this run" in note
     assert "Use another checkpoint file" not in note
     resumed = torch.load(runs / RUN / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 192  # from version_0's step 128, one more round
 
 
-def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(half_run, tmp_path, capsys, closes_the_process_group):
+def test_test_with_ckpt_path_last_evaluates_this_runs_newest_checkpoint(
+    half_run, tmp_path, capsys, closes_the_process_group
+):
     runs = tmp_path / "runs"
     shutil.copytree(half_run / "runs", runs)
     code, err = command(capsys, "test", "--ckpt_path=last", "--trainer.limit_test_batches=1", run_dir=runs)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from in_process import RUN, command
+from test_stacked import REPO, grid_file
 from torch import nn
 
 from lit_slowcal.averaging import PeriodicAverager
@@ -19,7 +20,6 @@ from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.rounds import TrainingDiverged
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.simulated import SimulatedMachines
-from test_stacked import REPO, grid_file
 
 
 def test_round_losses_are_each_trials_mean_and_the_single_runs_own_reduction():
@@ -58,7 +58,9 @@ def test_divergence_and_the_trial_status_it_gives():
     err = rounds.divergence(float("nan"), 3, "slowcal", 0.5)
     assert isinstance(err, TrainingDiverged) and isinstance(err, FloatingPointError)
     assert str(err) == "Training diverged: train loss nan in round 3 (method=slowcal, lr=0.5). Try a smaller lr."
-    assert str(rounds.divergence(1.25, 7, "local_sgd", 2.0)).startswith("Training diverged: non-finite parameters in round 7 ")
+    assert str(rounds.divergence(1.25, 7, "local_sgd", 2.0)).startswith(
+        "Training diverged: non-finite parameters in round 7 "
+    )
     assert rounds.trial_status(None) == "finished"
     assert rounds.trial_status(err) == "diverged"
     # The type decides, not the message
@@ -82,7 +84,12 @@ def test_the_train_loss_is_the_float32_mean_of_the_rounds_since_the_last_log():
 
 def test_train_row():
     row = rounds.train_row(0.5, syncs=6, steps_per_round=4, batch_size=2, machines=16, rounds_done=6, floats=6 * 7850)
-    assert row == {"train_loss": 0.5, "round": 6.0, "samples_seen": 4 * 2 * 16 * 6.0, "floats_communicated": 6 * 7850 * 16.0}
+    assert row == {
+        "train_loss": 0.5,
+        "round": 6.0,
+        "samples_seen": 4 * 2 * 16 * 6.0,
+        "floats_communicated": 6 * 7850 * 16.0,
+    }
 
 
 def test_swap_outputs_calls_each_optimizers_swap_and_skips_the_others():
@@ -215,7 +222,8 @@ def test_the_single_run_and_the_stacked_trial_diverge_through_the_same_type(tmp_
 
 
 @pytest.mark.parametrize(
-    "error, status", [(TrainingDiverged("anything"), "diverged"), (FloatingPointError("Training diverged: look-alike"), "failed")]
+    "error, status",
+    [(TrainingDiverged("anything"), "diverged"), (FloatingPointError("Training diverged: look-alike"), "failed")],
 )
 def test_the_runner_takes_the_status_from_the_type(tmp_path, monkeypatch, error, status):
     monkeypatch.chdir(REPO)

@@ -49,7 +49,9 @@ def test_logged_in_but_unreachable_falls_back_to_offline_for_the_runs_that_follo
 
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     finished = []
-    fake = types.SimpleNamespace(finish=lambda exit_code: finished.append(exit_code), teardown=lambda: finished.append("teardown"))
+    fake = types.SimpleNamespace(
+        finish=lambda exit_code: finished.append(exit_code), teardown=lambda: finished.append("teardown")
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     calls = []
 
@@ -62,7 +64,9 @@ def test_logged_in_but_unreachable_falls_back_to_offline_for_the_runs_that_follo
     assert start_wandb(start, "f") == ("offline run", True)
     assert calls == [False, True] and finished == [1, "teardown"]
     assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_INIT_TIMEOUT"] == "30"
-    assert capsys.readouterr().out.startswith("W&B: cannot reach W&B (ConnectionError: no route to host); logging offline.")
+    assert capsys.readouterr().out.startswith(
+        "W&B: cannot reach W&B (ConnectionError: no route to host); logging offline."
+    )
     calls.clear()
     assert start_wandb(start, "f", announce=False) == ("offline run", True)  # the next run does not wait again
     assert calls == [True] and capsys.readouterr().out == ""
@@ -71,7 +75,10 @@ def test_logged_in_but_unreachable_falls_back_to_offline_for_the_runs_that_follo
 def test_a_process_that_does_not_probe_starts_online_with_credentials(capsys, monkeypatch, no_wandb_env):
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     calls = []
-    assert start_wandb(lambda off: calls.append(off) or "online run", "f", probe=False, announce=False) == ("online run", False)
+    assert start_wandb(lambda off: calls.append(off) or "online run", "f", probe=False, announce=False) == (
+        "online run",
+        False,
+    )
     assert calls == [False] and capsys.readouterr().out == ""
 
 
@@ -87,14 +94,19 @@ def test_without_a_logger_every_output_stays_in_the_run_folder(tmp_path, capsys,
         assert sorted(p.name for p in (tmp_path / "runs" / RUN / version).iterdir()) == [
             "checkpoints", "class_counts.csv", "class_distribution.png", "config.yaml"
         ]  # fmt: skip
-    code, err = command(capsys, "--trainer.logger=false", "--ckpt_path=last", "--trainer.max_epochs=2", run_dir=Path("runs"))
+    code, err = command(
+        capsys, "--trainer.logger=false", "--ckpt_path=last", "--trainer.max_epochs=2", run_dir=Path("runs")
+    )
     assert code == 0, err[-2000:]
     assert torch.load(tmp_path / "runs" / RUN / "version_2" / "checkpoints" / "last.ckpt")["global_step"] == 2 * 4 * 64
 
 
 def test_a_run_dir_that_is_not_a_folder_is_one_line_naming_it(tmp_path, capsys, no_training):
     (tmp_path / "a_file").write_text("")
-    for run_dir, blocking in ((Path("/dev/null"), "/dev/null"), (tmp_path / "a_file" / "runs", str(tmp_path / "a_file"))):
+    for run_dir, blocking in (
+        (Path("/dev/null"), "/dev/null"),
+        (tmp_path / "a_file" / "runs", str(tmp_path / "a_file")),
+    ):
         code, err = command(capsys, run_dir=run_dir)
         assert code == 1 and error_line(err) == (
             f"lit_slowcal: error: --run_dir {run_dir}: cannot write {run_dir / RUN / 'version_0'}: {blocking} is not a "
@@ -120,5 +132,7 @@ def test_a_full_disk_mid_run_is_one_line_naming_run_dir_the_file_and_how_to_cont
     assert code == 1 and line.startswith(
         f"lit_slowcal: error: --run_dir {tmp_path / 'runs'}: cannot write {target}: the disk is full ("
     ), line
-    assert "MiB free there): free space or pass another --run_dir, then continue with the same command and " \
+    assert (
+        "MiB free there): free space or pass another --run_dir, then continue with the same command and "
         "--ckpt_path last" in line
+    )

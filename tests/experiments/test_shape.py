@@ -43,7 +43,11 @@ def test_a_sync_period_other_than_the_round_is_refused_in_one_line():
 
 def test_machines_must_be_a_multiple_of_the_processes():
     shape = RunShape.of("slowcal", 6, 4, 1, train_size=600, world_size=3)
-    assert shape.machines_per_process == 2 and shape.on(2).machines_per_process == 3 and shape.on(6).machines_per_process == 1
+    assert (
+        shape.machines_per_process == 2
+        and shape.on(2).machines_per_process == 3
+        and shape.on(6).machines_per_process == 1
+    )
     with pytest.raises(ValueError) as info:
         shape.on(4)
     message = str(info.value)
@@ -74,7 +78,15 @@ def test_bad_values_are_refused_naming_the_field(kwargs, message):
 
 def test_limits_count_rounds_as_lightning_counts_batches():
     """None or 1.0: every round; a count: at most that many; a fraction f < 1: int(R f)."""
-    assert [limited_rounds(235, limit) for limit in (None, 1.0, 12, 500, 0, 0.5, 0.01)] == [235, 235, 12, 235, 0, 117, 2]
+    assert [limited_rounds(235, limit) for limit in (None, 1.0, 12, 500, 0, 0.5, 0.01)] == [
+        235,
+        235,
+        12,
+        235,
+        0,
+        117,
+        2,
+    ]
     assert RunShape.of("slowcal", 16, 16, 1, train_size=60_000, limit_train_batches=12).trained_rounds == 12
 
 
@@ -82,7 +94,11 @@ def test_the_problem_gives_its_training_set_size():
     assert MNIST().train_size(16, 1) == 60_000
     assert Quadratic(dim=3, samples=7).train_size(4, 1) == 28 == len(Quadratic(dim=3, samples=7).build(4, 1).train_y)
     synthetic = Synthetic(alpha=0.5, beta=0.5)
-    assert synthetic.train_size(5, 3) == len(synthetic.build(5, 3).train_y) == sum(len(s) for s in synthetic.build(5, 3).shards)
+    assert (
+        synthetic.train_size(5, 3)
+        == len(synthetic.build(5, 3).train_y)
+        == sum(len(s) for s in synthetic.build(5, 3).shards)
+    )
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -105,7 +121,10 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
         assert shape == RunShape.of(method, M, K, b, train_size=30 * M, world_size=devices, eval_every=100)
         assert cli.trainer.strategy.sync_every == shape.sync_every
         # The values linked while parsing (what a stacked trial reads from its parsed configuration) agree.
-        assert (cli.config.data.steps_per_round, cli.config.data.batch_size) == (shape.steps_per_round, shape.per_step_batch)
+        assert (cli.config.data.steps_per_round, cli.config.data.batch_size) == (
+            shape.steps_per_round,
+            shape.per_step_batch,
+        )
         assert cli.trainer.val_check_interval == shape.rounds == math.ceil(30 / (K * b))
         data.trainer = cli.trainer
         data.setup("fit")

@@ -74,12 +74,16 @@ def test_zero_is_torchs_default():
 
 def test_evaluation_batches_are_described_without_machines():
     work = WorkSize(1, 10_000, 784, what="evaluation batch")
-    assert choose_threads("auto", work, cpus=2).reason.startswith("auto: 10000 samples x 784 features per evaluation batch")
+    assert choose_threads("auto", work, cpus=2).reason.startswith(
+        "auto: 10000 samples x 784 features per evaluation batch"
+    )
 
 
 # ---- refusals ---------------------------------------------------------------------------------
 
-ALLOWED = f"(must be auto, 0 for torch's default, or an integer from 1 to {4 * os.cpu_count()} (4 x this machine's CPUs))"
+ALLOWED = (
+    f"(must be auto, 0 for torch's default, or an integer from 1 to {4 * os.cpu_count()} (4 x this machine's CPUs))"
+)
 
 
 @pytest.mark.parametrize("value", [-1, "-1", "x", "1.5", 1.5, "", True, None, "two", 4 * os.cpu_count() + 1, "100000"])
@@ -118,7 +122,9 @@ def test_the_cli_refuses_bad_values_before_anything_is_built(tmp_path, monkeypat
 def test_the_sweep_refuses_more_threads_than_the_machine_can_run_before_anything_starts(tmp_path, capsys, threads):
     from lit_slowcal.experiments.sweep import main as sweep_main
 
-    code = sweep_main([str(tmp_path / "missing.yaml"), "--workers=1", f"--threads={threads}"])  # refused before the file
+    code = sweep_main(
+        [str(tmp_path / "missing.yaml"), "--workers=1", f"--threads={threads}"]
+    )  # refused before the file
     assert code == 2
     assert capsys.readouterr().err.strip() == (
         f"lit_slowcal sweep: error: Invalid --threads: {threads} (must be 0 for torch's default or an integer from 1 to "
@@ -204,7 +210,9 @@ def test_validate_and_test_size_the_evaluation_batch(monkeypatch, capsys, restor
         "threads: 1 (auto: 500 samples x 784 features per evaluation batch; --threads N to choose)"
     )
     with pytest.raises(Stop):
-        SlowcalCLI(args=["fit", "--config=configs/slowcal.yaml", "--trainer.devices=2", "--num_machines=8", "--threads=3"])
+        SlowcalCLI(
+            args=["fit", "--config=configs/slowcal.yaml", "--trainer.devices=2", "--num_machines=8", "--threads=3"]
+        )
     assert capsys.readouterr().out.startswith("threads: 3 (--threads 3)")
     assert torch.get_num_threads() == 3
 
@@ -242,6 +250,7 @@ def run_job(tmp_path: Path, *args: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_the_main_job_trains_with_the_thread_count_it_prints(tmp_path):
     out = run_job(tmp_path)
     lines = re.findall(r"^threads: .*$", out, re.M)
@@ -250,9 +259,12 @@ def test_the_main_job_trains_with_the_thread_count_it_prints(tmp_path):
     assert probes == ["probe: rank 0 threads 1 omp 1 wandb False"] * 2  # and W&B is never imported
 
 
+@pytest.mark.slow
 def test_ddp_processes_keep_the_chosen_count(tmp_path):
     # Lightning's launcher would give each of 2 processes CPUs / 2 threads; the exported count wins.
     out = run_job(tmp_path, "--trainer.devices=2", "--threads=2")
     assert re.findall(r"^threads: .*$", out, re.M) == ["threads: 2 (--threads 2)"]  # rank 0 only
     probes = sorted(re.findall(PROBE_LINE, out))
-    assert probes == ["probe: rank 0 threads 2 omp 2 wandb False"] * 2 + ["probe: rank 1 threads 2 omp 2 wandb False"] * 2
+    assert (
+        probes == ["probe: rank 0 threads 2 omp 2 wandb False"] * 2 + ["probe: rank 1 threads 2 omp 2 wandb False"] * 2
+    )

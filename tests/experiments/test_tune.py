@@ -27,7 +27,12 @@ def record(method, m, k, seed, lr, objective, acc, loss, status="finished", exce
         metrics["train_objective"] = objective
         if excess:
             metrics["excess_loss"] = objective - F_STAR[seed]
-    return {"params": params, "status": status, "error": None if status == "finished" else "Training diverged: ...", "metrics": metrics}
+    return {
+        "params": params,
+        "status": status,
+        "error": None if status == "finished" else "Training diverged: ...",
+        "metrics": metrics,
+    }
 
 
 RECORDS = [
@@ -67,7 +72,12 @@ def test_tune_chooses_by_the_objective_and_reports_the_test_figures_at_the_choic
     assert app_main_exit(["tune", str(results), "--out", str(out)]) == 0
     assert out.read_text().splitlines()[0] == HEADER
     rows = {(r["method"], int(r["M"]), int(r["K"])): r for r in read_csv(out)}
-    assert list(rows) == [("slowcal", 16, 4), ("local_sgd", 16, 4), ("minibatch_sgd", 32, 8), ("accel_minibatch_sgd", 64, 64)]
+    assert list(rows) == [
+        ("slowcal", 16, 4),
+        ("local_sgd", 16, 4),
+        ("minibatch_sgd", 32, 8),
+        ("accel_minibatch_sgd", 64, 64),
+    ]
 
     slowcal = rows["slowcal", 16, 4]
     assert (float(slowcal["lr"]), slowcal["lr_at_edge"], slowcal["n_seeds"]) == (0.01, "no", "2")
@@ -88,7 +98,9 @@ def test_tune_chooses_by_the_objective_and_reports_the_test_figures_at_the_choic
     assert float(local["excess_loss_std"]) == pytest.approx(0.10, abs=1e-15)
     assert float(local["test_acc_mean"]) == pytest.approx(0.88, abs=1e-15)
     assert float(local["test_acc_std"]) == pytest.approx(0.03, abs=1e-15)
-    assert float(local["test_loss_std"]) == pytest.approx(math.sqrt(((0.40 - 0.44) ** 2 + 0.01**2 + 0.03**2) / 2), abs=1e-15)
+    assert float(local["test_loss_std"]) == pytest.approx(
+        math.sqrt(((0.40 - 0.44) ** 2 + 0.01**2 + 0.03**2) / 2), abs=1e-15
+    )
 
     minibatch = rows["minibatch_sgd", 32, 8]
     assert (float(minibatch["lr"]), minibatch["lr_at_edge"], minibatch["n_seeds"]) == (0.1, "low", "1")
@@ -101,7 +113,10 @@ def test_tune_chooses_by_the_objective_and_reports_the_test_figures_at_the_choic
 
     printed = capsys.readouterr().out
     assert "| slowcal | 16 | 4 | 0.01 | no | 2 | 0.26 |" in printed
-    assert "At the edge of its grid (3): local_sgd M=16 K=4 (high); minibatch_sgd M=32 K=8 (low); accel_minibatch_sgd M=64 K=64 (only)." in printed
+    assert (
+        "At the edge of its grid (3): local_sgd M=16 K=4 (high); minibatch_sgd M=32 K=8 (low); accel_minibatch_sgd M=64 K=64 (only)."
+        in printed
+    )
 
 
 def app_main_exit(argv):
@@ -116,7 +131,10 @@ def test_excess_loss_and_validation_criteria(tmp_path):
     assert chosen[("local_sgd", 16, 4)] == (0.1, pytest.approx(0.20, abs=1e-15))
     # A validation accuracy is maximised, a validation loss minimised.
     val = [
-        {**record("scaffold", 16, 16, 1, lr, 0.3, 0.9, 0.3), "metrics": {"val_acc": acc, "val_loss": loss, "test_acc": 0.5}}
+        {
+            **record("scaffold", 16, 16, 1, lr, 0.3, 0.9, 0.3),
+            "metrics": {"val_acc": acc, "val_loss": loss, "test_acc": 0.5},
+        }
         for lr, acc, loss in ((0.003, 0.80, 0.50), (0.01, 0.85, 0.45), (0.03, 0.83, 0.40))
     ]
     assert [c.lr for c in tune.tune(val, "val_acc")] == [0.01]
@@ -138,10 +156,18 @@ def test_the_test_set_is_never_a_criterion(tmp_path, capsys, criterion):
 
 
 def test_refusals_name_the_cell(tmp_path, capsys):
-    mixed = [record("accel_minibatch_sgd", 16, 16, 1, 30.0, 0.3, 0.9, 0.3, **{"model.horizon_aware": flag}) for flag in (True, False)]
-    with pytest.raises(ValueError, match=r"model.horizon_aware takes several values \(false, true\) at accel_minibatch_sgd M=16 K=16"):
+    mixed = [
+        record("accel_minibatch_sgd", 16, 16, 1, 30.0, 0.3, 0.9, 0.3, **{"model.horizon_aware": flag})
+        for flag in (True, False)
+    ]
+    with pytest.raises(
+        ValueError, match=r"model.horizon_aware takes several values \(false, true\) at accel_minibatch_sgd M=16 K=16"
+    ):
         tune.tune(mixed)
-    no_objective = [record("slowcal", 16, 4, 1, 0.01, None, 0.9, 0.3), record("slowcal", 16, 4, 1, 0.03, None, 0.9, 0.3)]
+    no_objective = [
+        record("slowcal", 16, 4, 1, 0.01, None, 0.9, 0.3),
+        record("slowcal", 16, 4, 1, 0.03, None, 0.9, 0.3),
+    ]
     results = write(tmp_path / "old.jsonl", no_objective)
     assert app_main_exit(["tune", str(results)]) == 2
     assert capsys.readouterr().err.startswith(
@@ -167,7 +193,11 @@ def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
         rates = next(p.spec["values"] for p in sweep.params if p.name == "model.lr")
         ratios = [b / a for a, b in zip(rates, rates[1:])]
         assert len(rates) >= 6 and all(abs(r / 10 ** (1 / 3) - 1) < 0.01 for r in ratios), rates  # log-spaced
-        centres = [centre] if centre else [m.paper_lr for m in METHODS.values() if m.table1 and m.name != "accel_minibatch_sgd"]
+        centres = (
+            [centre]
+            if centre
+            else [m.paper_lr for m in METHODS.values() if m.table1 and m.name != "accel_minibatch_sgd"]
+        )
         for rate in centres:  # every method's registry rate inside its grid, 3 rates or more on either side
             assert sum(r < rate * 0.99 for r in rates) >= 3 and sum(r > rate * 1.01 for r in rates) >= 3, (rate, rates)
         args = sweep.args_before
@@ -175,7 +205,9 @@ def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
         # One evaluation, after the last round, however long the run (M = 16, K = 4: 938 rounds).
         every = int(next(a for a in args if a.startswith("--eval_every=")).split("=")[1])
         assert every >= num_rounds(MNIST_TRAIN_SIZE, 16, 4, 1) == 938
-    assert "--model.horizon_aware=true" in c_grid.args_before and "--model.horizon_aware=true" not in lr_grid.args_before
+    assert (
+        "--model.horizon_aware=true" in c_grid.args_before and "--model.horizon_aware=true" not in lr_grid.args_before
+    )
 
 
 def test_winners_and_docs_by_hand(tmp_path):
@@ -189,7 +221,12 @@ def test_winners_and_docs_by_hand(tmp_path):
     assert math.isclose(w.margin_in_spreads, 1.35, rel_tol=1e-12)
     assert wins[32, 8].runner_up is None and (64, 64) not in wins  # one method; no excess loss logged
     written = tune.write_docs(choices, "train_objective", tmp_path, "table1_tuned")
-    assert [p.name for p in written] == ["table1_tuned.md", "table1_tuned_excess_loss.png", "table1_tuned_test_acc.png", "table1_tuned_wins.png"]
+    assert [p.name for p in written] == [
+        "table1_tuned.md",
+        "table1_tuned_excess_loss.png",
+        "table1_tuned_test_acc.png",
+        "table1_tuned_wins.png",
+    ]
     text = (tmp_path / "table1_tuned.md").read_text()
     assert "**SLowcal-SGD** over Local-SGD: 1.35e-01 (1.35 σ)" in text and "**Minibatch-SGD** (alone)" in text
     assert all(p.stat().st_size > 1000 for p in written)
@@ -232,7 +269,10 @@ def test_train_loss_criterion_chooses_by_the_seeds_mean_train_loss(tmp_path, cap
     assert choices[0].mean("test_acc") == pytest.approx(0.91, abs=1e-15)  # not 0.99: the test set never chooses
     assert choices[0].std("train_loss") == pytest.approx(0.06 / math.sqrt(2), abs=1e-15)
     # The records of a non-linear model hold no train_objective: the default criterion finds no rate.
-    with pytest.raises(ValueError, match=r"no rate at local_sgd M=16 K=4 has every seed finished with train_objective .* runs log train_loss"):
+    with pytest.raises(
+        ValueError,
+        match=r"no rate at local_sgd M=16 K=4 has every seed finished with train_objective .* runs log train_loss",
+    ):
         tune.tune(CNN_RECORDS, "train_objective")
     results = write(tmp_path / "cnn.jsonl", CNN_RECORDS)
     assert app_main_exit(["tune", str(results), "--criterion", "train_loss"]) == 0
@@ -253,7 +293,9 @@ def test_communication_table_and_the_accuracy_against_floats_figure(tmp_path, ca
     out = capsys.readouterr().out
     assert lines[2] in out and f"wrote {figure}" in out
     # Records without the floats (or the accuracy): nothing to draw, one line naming the file.
-    bare = [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "floats_communicated"}} for r in CNN_RECORDS]
+    bare = [
+        {**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "floats_communicated"}} for r in CNN_RECORDS
+    ]
     with pytest.raises(ValueError, match="no chosen cell has test_acc and floats_communicated"):
         tune.plot_accuracy_vs_floats(tune.tune(bare, "train_loss"), tmp_path / "none.png", "t")
 
@@ -312,9 +354,15 @@ def test_a_results_file_concatenated_with_itself_counts_each_trial_once(tmp_path
     assert app_main_exit(["tune", str(twice), "--out", str(tmp_path / "twice.csv")]) == 0
     assert (tmp_path / "twice.csv").read_text() == (tmp_path / "once.csv").read_text()
     slowcal = read_csv(tmp_path / "twice.csv")[0]
-    assert (slowcal["n_seeds"], float(slowcal["excess_loss_std"])) == ("2", pytest.approx(0.03 / math.sqrt(2), abs=1e-15))
+    assert (slowcal["n_seeds"], float(slowcal["excess_loss_std"])) == (
+        "2",
+        pytest.approx(0.03 / math.sqrt(2), abs=1e-15),
+    )
     err = capsys.readouterr().err
-    assert err == f"note: {twice}: {len(RECORDS)} records repeat another of the same trial with the same status and metrics; each trial is counted once\n"
+    assert (
+        err
+        == f"note: {twice}: {len(RECORDS)} records repeat another of the same trial with the same status and metrics; each trial is counted once\n"
+    )
     assert len(sw.ResultsFile(twice).records) == len(RECORDS)  # the sweep counts them so too
 
     # A third seed out of a duplicate with another value: refused, the file and both lines named.
@@ -322,7 +370,9 @@ def test_a_results_file_concatenated_with_itself_counts_each_trial_once(tmp_path
     clash = write(tmp_path / "clash.jsonl", [*RECORDS, other])
     assert app_main_exit(["tune", str(clash)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"lit_slowcal tune: error: {clash}, lines 3 and {len(RECORDS) + 1}: two records of one trial (")
+    assert err.count("\n") == 1 and err.startswith(
+        f"lit_slowcal tune: error: {clash}, lines 3 and {len(RECORDS) + 1}: two records of one trial ("
+    )
     assert '"model.lr":0.01' in err and "with different status or metrics" in err
     with pytest.raises(ValueError, match=f"lines 3 and {len(RECORDS) + 1}: two records of one trial"):
         sw.ResultsFile(clash)
@@ -332,7 +382,10 @@ def test_tune_of_an_empty_results_file_is_refused(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert app_main_exit(["tune", str(empty)]) == 2
-    assert capsys.readouterr().err == f"lit_slowcal tune: error: {empty}: no trial records (the file is empty); give the results file a sweep wrote\n"
+    assert (
+        capsys.readouterr().err
+        == f"lit_slowcal tune: error: {empty}: no trial records (the file is empty); give the results file a sweep wrote\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -341,11 +394,20 @@ def test_tune_of_an_empty_results_file_is_refused(tmp_path, capsys):
         (lambda r: r["params"].update(num_machines=[16]), "num_machines is [16], expected an integer"),
         (lambda r: r["params"].update(local_steps=float("inf")), "local_steps is inf, expected an integer"),
         (lambda r: r["params"].update({"model.lr": [0.01]}), "model.lr is [0.01], expected a finite number"),
-        (lambda r: r["params"].update({"model.lr": {"a": {"b": 1}}}), "model.lr is {'a': {'b': 1}}, expected a finite number"),
+        (
+            lambda r: r["params"].update({"model.lr": {"a": {"b": 1}}}),
+            "model.lr is {'a': {'b': 1}}, expected a finite number",
+        ),
         (lambda r: r["params"].pop("method"), "a trial lacks method in its params"),
         (lambda r: r["params"].update(method=["slowcal"]), "method is ['slowcal'], expected a method's name"),
-        (lambda r: r["params"].update(deep=json.loads("[" * 40 + "]" * 40)), "not a trial record: nested more than 32 levels deep"),
-        (lambda r: r.update(wall_time_s=[1.5]), "not a trial record: 'wall_time_s' is [1.5], expected a number or null"),
+        (
+            lambda r: r["params"].update(deep=json.loads("[" * 40 + "]" * 40)),
+            "not a trial record: nested more than 32 levels deep",
+        ),
+        (
+            lambda r: r.update(wall_time_s=[1.5]),
+            "not a trial record: 'wall_time_s' is [1.5], expected a number or null",
+        ),
     ],
 )
 def test_a_hand_edited_record_is_one_line_naming_the_file_and_line(tmp_path, capsys, edit, message):
@@ -361,7 +423,10 @@ def test_a_hand_edited_record_is_one_line_naming_the_file_and_line(tmp_path, cap
     ("line", "message"),
     [
         ("[" * 100000 + "]" * 100000, "not a trial record: nested too deeply (at most 32 levels)"),
-        ('{"params": ' + "[" * 100000 + "]" * 100000 + ', "status": "finished"}', "not a trial record: nested too deeply"),
+        (
+            '{"params": ' + "[" * 100000 + "]" * 100000 + ', "status": "finished"}',
+            "not a trial record: nested too deeply",
+        ),
     ],
 )
 def test_a_line_nested_too_deeply_is_one_line_for_tune_report_and_sweep(tmp_path, capsys, line, message):
@@ -391,7 +456,10 @@ def test_records_of_one_cell_run_with_another_command_are_refused_and_one_run_co
     assert app_main_exit(["tune", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the trials at M=16, K=4, slowcal were run with different command lines" in err
-    assert "--model.weight_decay 1e-4 in one, 0 in another" in err and "tuning compares rates averaged over seeds only" in err
+    assert (
+        "--model.weight_decay 1e-4 in one, 0 in another" in err
+        and "tuning compares rates averaged over seeds only" in err
+    )
     # The same arguments, identities of two settings at one rate (a config file edited between two sweeps).
     for i, r in enumerate(records):
         r["args"][-1] = "--model.weight_decay=1e-4"
@@ -406,22 +474,36 @@ def test_records_of_one_cell_run_with_another_command_are_refused_and_one_run_co
     write(path, [*records, again])
     assert app_main_exit(["tune", str(path), "--out", str(tmp_path / "t.csv")]) == 0
     (row,) = read_csv(tmp_path / "t.csv")
-    assert (row["lr"], row["n_seeds"], float(row["train_objective_mean"])) == ("0.01", "2", pytest.approx(0.26, abs=1e-15))
+    assert (row["lr"], row["n_seeds"], float(row["train_objective_mean"])) == (
+        "0.01",
+        "2",
+        pytest.approx(0.26, abs=1e-15),
+    )
     assert "1 record repeats another of the same trial" in capsys.readouterr().err
 
 
 def test_output_paths_of_the_wrong_kind_are_one_line_naming_the_option(tmp_path, capsys):
     results = write(tmp_path / "grid.jsonl", RECORDS)
     assert app_main_exit(["tune", str(results), "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"lit_slowcal tune: error: Invalid --out: {tmp_path} is a folder; give a file's path\n"
+    assert (
+        capsys.readouterr().err
+        == f"lit_slowcal tune: error: Invalid --out: {tmp_path} is a folder; give a file's path\n"
+    )
     assert app_main_exit(["tune", str(results), "--docs", str(results)]) == 2
-    assert capsys.readouterr().err == f"lit_slowcal tune: error: Invalid --docs: {results} is a file; give a folder (made if missing)\n"
+    assert (
+        capsys.readouterr().err
+        == f"lit_slowcal tune: error: Invalid --docs: {results} is a file; give a folder (made if missing)\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.jsonl"]
 
 
 def test_two_records_of_one_trial_within_float_rounding_are_the_same_values(tmp_path, capsys):
     """The same trial stacked and alone (or on two machines) agrees within 1e-12 in its diagnostics: counted once."""
-    close = {**RECORDS[0], "metrics": {**RECORDS[0]["metrics"], "train_objective": 0.30 * (1 + 1e-12)}, "run_dir": "elsewhere"}
+    close = {
+        **RECORDS[0],
+        "metrics": {**RECORDS[0]["metrics"], "train_objective": 0.30 * (1 + 1e-12)},
+        "run_dir": "elsewhere",
+    }
     far = {**RECORDS[0], "metrics": {**RECORDS[0]["metrics"], "train_objective": 0.30 * (1 + 1e-6)}}
     assert app_main_exit(["tune", str(write(tmp_path / "close.jsonl", [*RECORDS, close]))]) == 0
     assert "| slowcal | 16 | 4 | 0.01 | no | 2 | 0.26 |" in capsys.readouterr().out

@@ -36,11 +36,20 @@ def test_close_round_averages_mid_round_and_keeps_the_schedule():
     assert averager.close_round()
     for name, value in machines.state_dict().items():
         if value.is_floating_point():
-            torch.testing.assert_close(value.double(), before[name].mean(0, keepdim=True).expand_as(value), rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                value.double(), before[name].mean(0, keepdim=True).expand_as(value), rtol=0, atol=1e-6
+            )
     for p, w in zip(machines.parameters(), w_before):
-        torch.testing.assert_close(optimizer.state[p]["w"].double(), w.mean(0, keepdim=True).expand_as(w), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            optimizer.state[p]["w"].double(), w.mean(0, keepdim=True).expand_as(w), rtol=0, atol=1e-6
+        )
     assert not averager.in_round and not averager.close_round()  # nothing to close twice
-    assert averager.state_dict() == {"steps": 3, "num_syncs": 1, "last_sync_step": 3, "floats_communicated": averager.floats_per_sync()}
+    assert averager.state_dict() == {
+        "steps": 3,
+        "num_syncs": 1,
+        "last_sync_step": 3,
+        "floats_communicated": averager.floats_per_sync(),
+    }
     _steps(machines, optimizer, 1, seed=1)  # the 4th step: the schedule's own sync, still at K
     assert averager.num_syncs == 2 and averager.last_sync_step == 4
     _steps(machines, optimizer, 4, seed=2)
@@ -140,7 +149,9 @@ def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tm
     fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})  # closes the round at 10
     assert strategy.num_syncs == 2 and strategy.floats_communicated == 0  # one machine sends nothing
     saved = torch.load(tmp_path / "state.ckpt", weights_only=False)
-    assert saved["periodic_averaging"] == [{"steps": 10, "num_syncs": 2, "last_sync_step": 10, "floats_communicated": 0}]
+    assert saved["periodic_averaging"] == [
+        {"steps": 10, "num_syncs": 2, "last_sync_step": 10, "floats_communicated": 0}
+    ]
 
     other = PeriodicAveragingFabricStrategy(sync_every=4, process_group_backend="gloo")
     fabric2, model2, optimizer2 = _fabric(other)
@@ -161,7 +172,12 @@ def test_lightning_cli_sets_k_by_the_registered_name_and_by_class_path(tmp_path,
 
     def strategy_of(*args):
         monkeypatch.setattr(sys, "argv", ["prog", *args])
-        cli = LightningCLI(BoringModel, BoringDataModule, run=False, trainer_defaults={"accelerator": "cpu", "devices": 1, "logger": False})
+        cli = LightningCLI(
+            BoringModel,
+            BoringDataModule,
+            run=False,
+            trainer_defaults={"accelerator": "cpu", "devices": 1, "logger": False},
+        )
         return cli.trainer.strategy
 
     from lit_slowcal import PeriodicAveragingStrategy
@@ -171,7 +187,9 @@ def test_lightning_cli_sets_k_by_the_registered_name_and_by_class_path(tmp_path,
     by_path = strategy_of("--trainer.strategy=lit_slowcal.PeriodicAveragingStrategy", "--trainer.strategy.sync_every=5")
     assert isinstance(by_path, PeriodicAveragingStrategy) and by_path.sync_every == 5
     config = tmp_path / "config.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: periodic_averaging\n    init_args:\n      sync_every: 16\n")
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: periodic_averaging\n    init_args:\n      sync_every: 16\n"
+    )
     from_yaml = strategy_of(f"--config={config}")
     assert isinstance(from_yaml, PeriodicAveragingStrategy) and from_yaml.sync_every == 16
     spawn = strategy_of("--trainer.strategy=periodic_averaging_spawn", "--trainer.strategy.sync_every=4")

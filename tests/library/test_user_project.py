@@ -16,12 +16,24 @@ import pytest
 import torch
 from helpers import subprocess_env
 
+pytestmark = pytest.mark.slow  # every test launches the user project on two processes
+
 SCRIPT = Path(__file__).with_name("user_project.py")
 K, STEPS, EPOCH = 7, 30, 12  # K, max_steps, batches per epoch (384 images, 2 shards, batch 16)
-CNN_ARGS = ["--sync-every", str(K), "--max-steps", str(STEPS), "--train-size", "384", "--batch-size", "16", "--val-size", "128"]
+CNN_ARGS = [
+    "--sync-every",
+    str(K),
+    "--max-steps",
+    str(STEPS),
+    "--train-size",
+    "384",
+    "--batch-size",
+    "16",
+    "--val-size",
+    "128",
+]
 # SlowcalSGD sends x and w of the CNN's 9,114 parameters and BatchNorm's 16 running statistics.
 CNN_FLOATS_PER_SYNC = 2 * 9114 + 16
-
 
 
 def sync_points(start: int, end: int, k: int, boundaries) -> set[int]:
@@ -41,7 +53,9 @@ def run(scenario: str, out: Path, *args: str) -> list[dict]:
 def assert_same(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for key in a:
-        assert torch.equal(a[key], b[key]), f"{what}: {key} differs by {(a[key].double() - b[key].double()).abs().max():.3g}"
+        assert torch.equal(a[key], b[key]), (
+            f"{what}: {key} differs by {(a[key].double() - b[key].double()).abs().max():.3g}"
+        )
 
 
 def assert_ranks_agree(ranks: list[dict]) -> None:
@@ -50,7 +64,11 @@ def assert_ranks_agree(ranks: list[dict]) -> None:
     for other in ranks[1:]:
         assert_same(first["final"], other["final"], "final model")
         for mine, theirs in zip(first["optimizers"], other["optimizers"]):
-            assert_same({k: v for k, v in mine.items() if not k.endswith("step")}, {k: v for k, v in theirs.items() if not k.endswith("step")}, "optimizer state")
+            assert_same(
+                {k: v for k, v in mine.items() if not k.endswith("step")},
+                {k: v for k, v in theirs.items() if not k.endswith("step")},
+                "optimizer state",
+            )
         assert first["averagers"] == other["averagers"]
 
 
@@ -62,10 +80,16 @@ def cnn(tmp_path_factory):
     root = tmp_path_factory.mktemp("cnn")
     a = run("cnn", root / "A", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "A" / "run"))
     at12 = root / "A" / "run" / "epochs" / "epoch=0-step=12.ckpt"
-    b = run("cnn", root / "B", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "B" / "run"), "--ckpt-path", str(at12))
-    c = run("cnn", root / "C", *CNN_ARGS, "--devices", "1", "--run-dir", str(root / "C" / "run"), "--ckpt-path", str(at12))
+    b = run(
+        "cnn", root / "B", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "B" / "run"), "--ckpt-path", str(at12)
+    )
+    c = run(
+        "cnn", root / "C", *CNN_ARGS, "--devices", "1", "--run-dir", str(root / "C" / "run"), "--ckpt-path", str(at12)
+    )
     at24 = root / "C" / "run" / "epochs" / "epoch=1-step=24.ckpt"
-    d = run("cnn", root / "D", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "D" / "run"), "--ckpt-path", str(at24))
+    d = run(
+        "cnn", root / "D", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "D" / "run"), "--ckpt-path", str(at24)
+    )
     return {"A": a, "B": b, "C": c, "D": d, "root": root}
 
 
@@ -77,7 +101,14 @@ def test_fit_ending_mid_round_returns_one_averaged_model_on_every_rank(cnn):
     assert expected == 7
     for rank in a:
         assert rank["num_syncs"] == expected
-        assert rank["averagers"] == [{"steps": STEPS, "num_syncs": expected, "last_sync_step": STEPS, "floats_communicated": expected * CNN_FLOATS_PER_SYNC}]
+        assert rank["averagers"] == [
+            {
+                "steps": STEPS,
+                "num_syncs": expected,
+                "last_sync_step": STEPS,
+                "floats_communicated": expected * CNN_FLOATS_PER_SYNC,
+            }
+        ]
         assert rank["floats_communicated"] == expected * CNN_FLOATS_PER_SYNC
 
 
@@ -121,7 +152,14 @@ def test_resume_mid_round_two_to_one_and_one_to_two_processes(cnn):
     syncs_at_12 = len(sync_points(0, EPOCH, K, {EPOCH}))  # 7, 12
     c_syncs = syncs_at_12 + len(sync_points(EPOCH, STEPS, K, {2 * EPOCH}))  # + 14, 21, 24, 28, 30
     # One machine sends nothing: C's count of floats stays where A's checkpoint left it.
-    assert c["averagers"] == [{"steps": STEPS, "num_syncs": c_syncs, "last_sync_step": STEPS, "floats_communicated": syncs_at_12 * CNN_FLOATS_PER_SYNC}]
+    assert c["averagers"] == [
+        {
+            "steps": STEPS,
+            "num_syncs": c_syncs,
+            "last_sync_step": STEPS,
+            "floats_communicated": syncs_at_12 * CNN_FLOATS_PER_SYNC,
+        }
+    ]
     at24 = {step: state for step, state, _ in c["saved"]}[2 * EPOCH]
     syncs_at_24 = syncs_at_12 + len(sync_points(EPOCH, 2 * EPOCH, K, {2 * EPOCH}))
     assert_ranks_agree(d)
@@ -140,7 +178,9 @@ def test_resume_mid_round_two_to_one_and_one_to_two_processes(cnn):
 def _floats(module: torch.nn.Module) -> int:
     """SlowcalSGD's x and w of ``module``'s parameters and its BatchNorm running statistics."""
     bn = [m for m in module.modules() if isinstance(m, torch.nn.BatchNorm1d)]
-    return 2 * sum(p.numel() for p in module.parameters()) + sum(m.running_mean.numel() + m.running_var.numel() for m in bn)
+    return 2 * sum(p.numel() for p in module.parameters()) + sum(
+        m.running_mean.numel() + m.running_var.numel() for m in bn
+    )
 
 
 def test_two_optimizers_keep_their_own_schedules_across_a_resume_and_average_each_buffer_once(tmp_path):
@@ -151,12 +191,21 @@ def test_two_optimizers_keep_their_own_schedules_across_a_resume_and_average_eac
     from user_project import GAN
 
     whole = run("gan", tmp_path / "whole", "--max-epochs", "2")
-    resumed = run("gan", tmp_path / "resumed", "--max-epochs", "2", "--ckpt-path", str(tmp_path / "whole" / "checkpoints" / "epoch=0.ckpt"))
+    resumed = run(
+        "gan",
+        tmp_path / "resumed",
+        "--max-epochs",
+        "2",
+        "--ckpt-path",
+        str(tmp_path / "whole" / "checkpoints" / "epoch=0.ckpt"),
+    )
     model = GAN()
     per_sync = [_floats(model.generator), _floats(model.discriminator)]
     syncs = len(sync_points(0, 20, 6, {10}))
     assert syncs == 5
-    expected = [{"steps": 20, "num_syncs": syncs, "last_sync_step": 20, "floats_communicated": syncs * n} for n in per_sync]
+    expected = [
+        {"steps": 20, "num_syncs": syncs, "last_sync_step": 20, "floats_communicated": syncs * n} for n in per_sync
+    ]
     for run_ in (whole, resumed):
         assert_ranks_agree(run_)
         for rank in run_:
@@ -176,7 +225,12 @@ def test_a_gradscaler_skip_on_one_rank_is_caught_attached_and_harmless_counted_p
         message = rank["attached"]["error"]
         assert "rank 0: 4 steps, 4 backward passes, rank 1: 4 steps, 5 backward passes" in message
         assert "call averager.step() once per iteration" in message
-        assert rank["explicit"]["state"] == {"steps": 8, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 2 * (2 * 29 + 8)}
+        assert rank["explicit"]["state"] == {
+            "steps": 8,
+            "num_syncs": 2,
+            "last_sync_step": 8,
+            "floats_communicated": 2 * (2 * 29 + 8),
+        }
     assert ranks[1]["explicit"]["scale"] < ranks[0]["explicit"]["scale"]  # rank 1's scaler did skip
     assert_same(ranks[0]["explicit"]["final"], ranks[1]["explicit"]["final"], "model")
     w = [{k: v for k, v in r["explicit"]["w"].items() if k.endswith(".w")} for r in ranks]
@@ -229,7 +283,10 @@ def test_per_machine_state_of_two_processes_is_refused_on_one(per_machine):
     model = CharLM("adamw")
     optimizer = model.configure_optimizers()
     optimizer.load_state_dict(saved["optimizer_states"][0])
-    with pytest.raises(ValueError, match=r"^Cannot resume the per-machine optimizer state \(exp_avg, exp_avg_sq\) of 2 processes on 1: it differs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Cannot resume the per-machine optimizer state \(exp_avg, exp_avg_sq\) of 2 processes on 1: it differs",
+    ):
         PeriodicAverager(model, optimizer, sync_every=5).load_state_dict(saved["periodic_averaging"][0])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=3, strategy=PeriodicAveragingStrategy(sync_every=5), logger=False,
@@ -246,5 +303,7 @@ def test_trainer_ranks_with_different_k_stop_with_one_error_before_the_first_ste
     for rank in ranks:
         kind, message = rank["outcome"]
         assert kind == "RuntimeError", rank
-        assert message.startswith("PeriodicAverager: the ranks were set up differently: sync_every (rank 0: 10, rank 1: 20);")
+        assert message.startswith(
+            "PeriodicAverager: the ranks were set up differently: sync_every (rank 0: 10, rank 1: 20);"
+        )
         assert rank["global_step"] == 0 and rank["seconds"] < 60

@@ -148,7 +148,9 @@ def _scaled_loop(rank: int, out: str, port: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     result = {}
     for pattern in ("explicit", "attached"):
         torch.manual_seed(0)
@@ -173,7 +175,12 @@ def _scaled_loop(rank: int, out: str, port: int) -> None:
                 if pattern == "explicit":
                     averager.step()  # once per iteration, skipped or not
             averager.close_round()
-            result[pattern] = {"final": snapshot(model), "w": optimizer_tensors(optimizer), "state": averager.state_dict(), "scale": scaler.get_scale()}
+            result[pattern] = {
+                "final": snapshot(model),
+                "w": optimizer_tensors(optimizer),
+                "state": averager.state_dict(),
+                "scale": scaler.get_scale(),
+            }
         except RuntimeError as err:
             result[pattern] = {"error": str(err)}
         finally:
@@ -253,7 +260,9 @@ def per_machine(out: Path, argv: list[str]) -> None:
     epoch's end: steps 6 and 12, both mid-round), and the same fit resumed from step 6, in one launch."""
     result = {}
     for inner in argv:
-        outer = (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)) if inner == "diloco" else None
+        outer = (
+            (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)) if inner == "diloco" else None
+        )
         for name, ckpt in (("whole", None), ("resumed", out / inner / "whole" / "epoch=0.ckpt")):
             recorder = StateRecorder()
             trainer = L.Trainer(
@@ -293,11 +302,16 @@ def different_k(out: Path, argv: list[str]) -> None:
         outcome = ("finished", "")
     except RuntimeError as err:
         outcome = ("RuntimeError", str(err))
-    torch.save({"outcome": outcome, "seconds": time.monotonic() - start, "global_step": trainer.global_step}, out / f"rank{rank}.pt")
+    torch.save(
+        {"outcome": outcome, "seconds": time.monotonic() - start, "global_step": trainer.global_step},
+        out / f"rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     scenario, out, rest = sys.argv[1], Path(sys.argv[2]), [a for a in sys.argv[3:] if a != "--"]
     out.mkdir(parents=True, exist_ok=True)
-    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine, "different_k": different_k}[scenario](out, rest)
+    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine, "different_k": different_k}[
+        scenario
+    ](out, rest)

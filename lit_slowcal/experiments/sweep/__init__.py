@@ -10,10 +10,10 @@ The same YAML works both ways. With a W&B account, ``wandb sweep sweeps/lr.yaml`
 3. ``checks``: every trial's arguments are checked by the CLI's own parser before anything runs
    (``CommandLine``), and each trial gets its identity; ``cli`` is the command line (``main``).
 4. ``runner``: the pending trials run in units (``units``), one after another in this process or with
-   ``--workers N`` in N processes at once (``workers``). A trial runs alone as the training CLI in this
-   process (``single``: ``run_trial``); with ``--stack`` the trials that differ only in the learning
-   rate, the seed and K are grouped (``grouping``) and each group trains as one vectorized program
-   (``stacked``), each trial exactly as it trains alone.
+   ``--workers N`` in N processes at once (``workers``). By default (``--stack``) the trials that differ
+   only in the learning rate, the seed and K are grouped (``grouping``) and each group trains as one
+   vectorized program (``stacked``), each trial exactly as it trains alone; the others, and every trial
+   with ``--no-stack``, run alone as the training CLI in this process (``single``: ``run_trial``).
 5. ``results``: every finished trial is added to the results file (JSON lines) at once, atomically
    (``ResultsFile``); running the same command again skips the trials it holds.
 6. ``table``: the sweep ends with a markdown table (``summary_table``): the best ``model.lr`` per

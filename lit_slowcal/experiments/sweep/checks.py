@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import param_text
@@ -151,7 +152,11 @@ def _own_keys(name: str) -> Optional[frozenset[str]]:
         return None
     targets = [target for sources, target, _ in PARSE_LINKS if name == sources]
     for sources, target, _ in PARSE_LINKS:
-        if (name in sources and not isinstance(sources, str)) or (target in targets and sources != name) or target == name:
+        if (
+            (name in sources and not isinstance(sources, str))
+            or (target in targets and sources != name)
+            or target == name
+        ):
             return None
     return frozenset(f"fit.{k}" for k in (name, *targets))
 
@@ -163,7 +168,9 @@ def _parse_or_refuse(make_args: Any, params: dict[str, Any], what: str) -> Any:
     return config
 
 
-def _leaf_values(trials: list[tuple[dict[str, Any], list[str]]], make_args: Any, candidates: dict[str, frozenset[str]]) -> tuple[dict[str, Any], Any]:
+def _leaf_values(
+    trials: list[tuple[dict[str, Any], list[str]]], make_args: Any, candidates: dict[str, frozenset[str]]
+) -> tuple[dict[str, Any], Any]:
     """Of the ``candidates`` (name -> its own keys, ``_own_keys``), the options each of whose values changes its own
     keys of the configuration only: name -> value's trial key -> (its keys' parsed values, its dumped value); and
     the first trial's parse."""
@@ -281,7 +288,12 @@ def check_distinct(trials: list[dict[str, Any]], checked: dict[str, Any]) -> Non
         other = seen.setdefault(identity, params)
         if other is params:
             continue
-        differ = [n for n in params if trial_key({n: params[n]}) + type(params[n]).__name__ != trial_key({n: other[n]}) + type(other[n]).__name__]
+        differ = [
+            n
+            for n in params
+            if trial_key({n: params[n]}) + type(params[n]).__name__
+            != trial_key({n: other[n]}) + type(other[n]).__name__
+        ]
         if all(not may_change_on_resume(n) or n in RESULT_SETTINGS for n in differ):
             shown = ", ".join(f"{n} {other.get(n)!r} and {params[n]!r}" for n in differ)
             raise ValueError(

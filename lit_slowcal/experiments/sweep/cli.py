@@ -14,8 +14,9 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments.limits import available_memory
@@ -91,7 +92,10 @@ def _parser() -> argparse.ArgumentParser:
         "said once (default: --stack; --no-stack runs every trial one at a time)",
     )
     p.add_argument(
-        "--stack-memory", type=float, metavar="GIB", help="memory budget of one stacked group in GiB (default: a "
+        "--stack-memory",
+        type=float,
+        metavar="GIB",
+        help="memory budget of one stacked group in GiB (default: a "
         "quarter of this machine's memory, at most 8 GiB); larger groups are split",
     )
     p.add_argument(
@@ -102,7 +106,10 @@ def _parser() -> argparse.ArgumentParser:
         "printed); 1 runs every trial in this process; records, resume and the table are the same",
     )
     p.add_argument(
-        "--wandb", type=_bool, metavar="{true,false}", help="add --wandb=true|false to every trial (default: the config's)"
+        "--wandb",
+        type=_bool,
+        metavar="{true,false}",
+        help="add --wandb=true|false to every trial (default: the config's)",
     )
     return p
 
@@ -153,11 +160,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             arguments = [(p, trial_args(sweep, p, extra)) for p in trials]
             start = time.perf_counter()
             if len(trials) > checks.LARGE_GRID:  # say what takes the time before it does
-                print(f"sweep {opts.sweep}: {len(trials)} trials; checking their arguments with the CLI first ...", flush=True)
+                print(
+                    f"sweep {opts.sweep}: {len(trials)} trials; checking their arguments with the CLI first ...",
+                    flush=True,
+                )
             checked = checks.check_trials(arguments, pool, workers, lambda p: trial_args(sweep, p, extra))
             checks.check_distinct(trials, checked)
             if len(trials) > checks.LARGE_GRID:
-                print(f"checked the arguments of {len(trials)} trials in {time.perf_counter() - start:.1f} s", flush=True)
+                print(
+                    f"checked the arguments of {len(trials)} trials in {time.perf_counter() - start:.1f} s", flush=True
+                )
         except ValueError as err:
             print(f"lit_slowcal sweep: error: {err}", file=sys.stderr)
             return 2

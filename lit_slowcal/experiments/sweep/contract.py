@@ -20,13 +20,23 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["DIAGNOSTICS", "DIAGNOSTICS_RTOL", "csv_differences", "differences"]
 
 #: Metrics computed from a trial's trajectory: equal within ``DIAGNOSTICS_RTOL`` relative; all others bit for bit.
 DIAGNOSTICS = frozenset(
-    {"train_objective", "excess_loss", "dispersion", "query_step", "iterate_step", "f_star", "G_star", "optimum_grad_norm"}
+    {
+        "train_objective",
+        "excess_loss",
+        "dispersion",
+        "query_step",
+        "iterate_step",
+        "f_star",
+        "G_star",
+        "optimum_grad_norm",
+    }
 )
 DIAGNOSTICS_RTOL = 1e-12
 

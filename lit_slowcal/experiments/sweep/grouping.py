@@ -29,7 +29,15 @@ __all__ = [
 # Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
 # method's steps per round: every machine takes one step per b samples whatever K, so the trials of
 # one epoch step together and each synchronises and evaluates on its own schedule).
-_PER_TRIAL = ("seed_everything", "model.lr", "model.seed", "data.seed", "run_dir", "local_steps", "data.steps_per_round")
+_PER_TRIAL = (
+    "seed_everything",
+    "model.lr",
+    "model.seed",
+    "data.seed",
+    "run_dir",
+    "local_steps",
+    "data.steps_per_round",
+)
 
 
 @dataclass
@@ -203,7 +211,9 @@ def plan_stacked(
             alone.append((params, list(args)))
             reasons[why] = reasons.get(why, 0) + 1
     if budget is None:
-        budget = min([default_memory_budget(d) for d in {trial_device(t.config) for t in stacked}] or [default_memory_budget()])
+        budget = min(
+            [default_memory_budget(d) for d in {trial_device(t.config) for t in stacked}] or [default_memory_budget()]
+        )
     groups = group_trials(stacked, budget)
     print(
         f"stacking: {len(stacked)} trials in {len(groups)} groups (memory budget {budget / 2**20:.0f} MiB, "
@@ -223,8 +233,8 @@ def group_title(group: list[StackedTrial]) -> str:
     return f"method={c['method']} M={c['num_machines']} K={ks} b={c['batch_size']}: {len(group)} trials stacked (about {size:.0f} MiB)"
 
 
-#: An evaluation's cost in ``group_cost``'s units (a machine's step, about 9 us on a CPU): the test set and the
-#: training objective (MNIST, one CPU core: about 25 ms), or the test set alone (about 8 ms).
+#: An evaluation's cost in ``group_cost``'s units (a machine's step on a CPU): the test set and the training
+#: objective, or the test set alone; timed against a step on MNIST on one CPU core.
 EVALUATION_COST, TEST_COST = 2800, 900
 
 
@@ -239,5 +249,7 @@ def group_cost(group: list[StackedTrial]) -> float:
     m, b = c["num_machines"], c["data"]["batch_size"]
     steps = MNIST_TRAIN_SIZE / (m * b)
     every = max(1, int(c.get("eval_every") or 1))
-    evaluations = sum(-(-num_rounds(MNIST_TRAIN_SIZE, m, t.config["data"]["steps_per_round"], b) // every) for t in group)
+    evaluations = sum(
+        -(-num_rounds(MNIST_TRAIN_SIZE, m, t.config["data"]["steps_per_round"], b) // every) for t in group
+    )
     return steps * (len(group) * m + 40) + evaluations * (EVALUATION_COST if c.get("objective", True) else TEST_COST)

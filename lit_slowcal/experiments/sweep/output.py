@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["EXIT_STATUS", "OutputClosed", "guarded", "in_worker"]
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lit_slowcal.experiments.sweep.trials import record_key, trial_key
 from lit_slowcal.files import atomic_write, locked
@@ -79,7 +80,10 @@ def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
     ma, mb = a.get("metrics", {}), b.get("metrics", {})
     if a["status"] != b["status"] or ma.keys() != mb.keys():
         return False
-    return all(x == y or (x is not None and y is not None and math.isclose(x, y, rel_tol=SAME_METRICS)) for x, y in ((ma[k], mb[k]) for k in ma))
+    return all(
+        x == y or (x is not None and y is not None and math.isclose(x, y, rel_tol=SAME_METRICS))
+        for x, y in ((ma[k], mb[k]) for k in ma)
+    )
 
 
 def duplicate_error(path: Any, record: dict[str, Any], first: int, second: int) -> ValueError:
@@ -157,7 +161,9 @@ class ResultsFile:
                         raise ValueError(f"{self.path}, line {n}: {err}; remove or repair that line") from None
                     wrong = check_record(record)
                     if wrong is not None:
-                        raise ValueError(f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line")
+                        raise ValueError(
+                            f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line"
+                        )
                     key = record_key(record["params"], self._identity(record))
                     if key in records and not same_values(records[key], record):
                         raise duplicate_error(self.path, record, lines[key], n)
@@ -173,7 +179,9 @@ class ResultsFile:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise OSError(f"results file {self.path}: cannot create its folder ({err.strerror or err}); pass --results elsewhere") from None
+            raise OSError(
+                f"results file {self.path}: cannot create its folder ({err.strerror or err}); pass --results elsewhere"
+            ) from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise OSError(f"results file {self.path}: its folder {folder} is not writable; pass --results elsewhere")
         if self.path.exists():
@@ -182,7 +190,9 @@ class ResultsFile:
             with open(self.path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
                 if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
-                    raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
+                    raise OSError(
+                        f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again"
+                    )
 
     def get(self, params: dict[str, Any], identity: Optional[str] = None) -> Optional[dict[str, Any]]:
         """The record of the trial ``params`` whose run has this identity (``None``: records that store none)."""
@@ -202,13 +212,17 @@ class ResultsFile:
                         for r in self.records.values():
                             f.write(json.dumps(r, allow_nan=False) + "\n")
                 except OSError as err:
-                    raise OSError(f"{self.path}: cannot replace a record ({err.strerror or err}); the file is as it was") from None
+                    raise OSError(
+                        f"{self.path}: cannot replace a record ({err.strerror or err}); the file is as it was"
+                    ) from None
                 return
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 data, size = line.encode(), os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # no append is under way: we hold the lock
-                    raise OSError(f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again")
+                    raise OSError(
+                        f"{self.path}: its last line is cut short (a write that did not end); remove that line and run again"
+                    )
                 try:
                     written = os.write(fd, data)
                     if written != len(data):  # a full disk: never leave half a record
@@ -216,6 +230,8 @@ class ResultsFile:
                     os.fsync(fd)
                 except OSError as err:
                     os.ftruncate(fd, size)
-                    raise OSError(f"{self.path}: cannot add a record ({err.strerror or err}); the file is as it was") from None
+                    raise OSError(
+                        f"{self.path}: cannot add a record ({err.strerror or err}); the file is as it was"
+                    ) from None
             finally:
                 os.close(fd)

@@ -63,7 +63,9 @@ class _SweepRun:
                 state += ", will retry"
             print(f"  [{i}/{len(self.trials)}] {state:<20} {' '.join(self.checked[trial_key(params)][0])}")
 
-    def record(self, params: dict[str, Any], identity: str, outcome: dict[str, Any], args: list[str], label: str) -> None:
+    def record(
+        self, params: dict[str, Any], identity: str, outcome: dict[str, Any], args: list[str], label: str
+    ) -> None:
         """A trial's outcome into the results file, and its line; once the first unit of a large grid ends, an estimate."""
         ended = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.results.put({"params": params, "identity": identity, **outcome, "args": args, "ended_at": ended})
@@ -121,7 +123,10 @@ class _SweepRun:
 
         if workers > 1 and groups:
             groups = balance_groups(groups, workers)
-        units = [Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group)) for g, group in enumerate(groups, 1)]
+        units = [
+            Unit(f"group {g}/{len(groups)}", group_title(group), group, group_cost(group))
+            for g, group in enumerate(groups, 1)
+        ]
         for i, (p, _) in enumerate(alone, 1):
             units.append(Unit(f"{i}/{len(alone)}", param_text(p), (p, *self.checked[trial_key(p)])))
         return units
@@ -144,10 +149,14 @@ class _SweepRun:
     def summary(self, died: list[str]) -> int:
         """The counts and the table; 1 where a worker died (its trials are recorded as failed), else 0."""
         if self.todo:
-            print(f"\n{len(self.todo)} trials in {time.perf_counter() - self.start:.1f} s; results in {self.results_path}")
+            print(
+                f"\n{len(self.todo)} trials in {time.perf_counter() - self.start:.1f} s; results in {self.results_path}"
+            )
         done = [r for r in map(self.get, self.trials) if r is not None]
         counts = {s: sum(r["status"] == s for r in done) for s in ("finished", "diverged", "failed")}
-        print(f"{counts['finished']} finished, {counts['diverged']} diverged, {counts['failed']} failed of {len(self.trials)} trials\n")
+        print(
+            f"{counts['finished']} finished, {counts['diverged']} diverged, {counts['failed']} failed of {len(self.trials)} trials\n"
+        )
         print(summary_table(self.sweep, done))
         if died:
             print(

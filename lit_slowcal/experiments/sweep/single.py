@@ -14,7 +14,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 __all__ = ["run_trial"]
 
@@ -42,7 +43,7 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trial_cli() -> Any:
     """``SlowcalCLI`` for trials: it keeps the trainer reachable when fit raises, and builds its parsers once.
 
@@ -56,7 +57,7 @@ def _trial_cli() -> Any:
     built: dict[str, dict[str, Any]] = {}
 
     class TrialCLI(SlowcalCLI):
-        last: Optional["TrialCLI"] = None  # the running trial's CLI
+        last: Optional[TrialCLI] = None  # the running trial's CLI
         given: Any = None  # the running trial's arguments as the sweep's check parsed them, or None
 
         def parse_arguments(self, parser: Any, args: Any) -> None:

@@ -19,9 +19,10 @@ import math
 import os
 import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import yaml
 
@@ -83,7 +84,7 @@ _PYTHON = re.compile(r"^(.*/)?python[0-9.]*$")
 _ENVVAR = re.compile(r"\$\{envvar:([A-Z0-9_]*)\}")
 
 
-def _allowed(values: Sequence[str]) -> str:
+def _allowed(values: Iterable[str]) -> str:
     return ", ".join(values)
 
 
@@ -178,7 +179,9 @@ class Sweep:
 
 def _parse_param(name: Any, spec: Any) -> Param:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"parameters: invalid name {name!r} (letters, digits, _, . and -, as the CLI option: model.lr)")
+        raise ValueError(
+            f"parameters: invalid name {name!r} (letters, digits, _, . and -, as the CLI option: model.lr)"
+        )
     where = f"parameters.{name}"
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected a mapping such as {{values: [...]}} or {{value: ...}}, got {spec!r}")
@@ -198,7 +201,9 @@ def _parse_param(name: Any, spec: Any) -> Param:
                 f"(keys given: {_allowed(sorted(map(str, spec))) or 'none'})"
             )
     if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"{where}.distribution: unknown distribution {distribution!r} (allowed: {_allowed(DISTRIBUTIONS)})")
+        raise ValueError(
+            f"{where}.distribution: unknown distribution {distribution!r} (allowed: {_allowed(DISTRIBUTIONS)})"
+        )
     required, optional = DISTRIBUTIONS[distribution]
     allowed = ("distribution", *required, *optional)
     for key in spec:
@@ -263,7 +268,10 @@ def _parse_command(command: Any, program: Any) -> tuple[list[str], list[str]]:
             raise ValueError(f"command: ${{program}} is {program!r}; here the program must be lit_slowcal")
         start += 1
     rest = tokens[start:]
-    if tokens[:start].count("lit_slowcal") + tokens[:start].count("lit-slowcal") + tokens[:start].count("${program}") != 1:
+    if (
+        tokens[:start].count("lit_slowcal") + tokens[:start].count("lit-slowcal") + tokens[:start].count("${program}")
+        != 1
+    ):
         raise ValueError(f"command: must run lit_slowcal (python -m lit_slowcal fit ...), got {command!r}")
     macros = [t for t in rest if t.startswith("${")]
     if macros != ["${args}"]:
@@ -308,7 +316,9 @@ def parse_sweep(config: Any) -> Sweep:
         if key not in METRIC_KEYS:
             raise ValueError(f"metric: unknown key {key!r} (allowed: {_allowed(METRIC_KEYS)})")
     if metric["name"] not in KNOWN_METRICS:
-        raise ValueError(f"metric.name: {metric['name']!r} is not logged by lit_slowcal (allowed: {_allowed(KNOWN_METRICS)})")
+        raise ValueError(
+            f"metric.name: {metric['name']!r} is not logged by lit_slowcal (allowed: {_allowed(KNOWN_METRICS)})"
+        )
     goal = metric.get("goal", "minimize")  # W&B's default
     if goal not in ("minimize", "maximize"):
         raise ValueError(f"metric.goal: {goal!r} (allowed: minimize, maximize)")

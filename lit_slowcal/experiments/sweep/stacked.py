@@ -44,14 +44,36 @@ import torch
 from torch import Tensor, nn
 
 from lit_slowcal.experiments.rounds import (
-    add_round_loss, divergence, diverged_trials, epoch_values, evaluation_row, mean_train_loss, round_losses, swap_outputs,
-    train_row, trial_status,
-)  # fmt: skip
+    add_round_loss,
+    diverged_trials,
+    divergence,
+    epoch_values,
+    evaluation_row,
+    mean_train_loss,
+    round_losses,
+    swap_outputs,
+    train_row,
+    trial_status,
+)
 from lit_slowcal.experiments.sweep.grouping import (
-    StackedTrial, balance_groups, default_memory_budget, group_cost, group_title, group_trials, plan_stacked, stackable,
-    trial_bytes, trial_device,
-)  # fmt: skip
-from lit_slowcal.experiments.sweep.stacked_trial import config_yaml, data_and_model, model_settings, trial_logger, wandb_run
+    StackedTrial,
+    balance_groups,
+    default_memory_budget,
+    group_cost,
+    group_title,
+    group_trials,
+    plan_stacked,
+    stackable,
+    trial_bytes,
+    trial_device,
+)
+from lit_slowcal.experiments.sweep.stacked_trial import (
+    config_yaml,
+    data_and_model,
+    model_settings,
+    trial_logger,
+    wandb_run,
+)
 
 __all__ = [
     "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
@@ -59,8 +81,8 @@ __all__ = [
 ]  # fmt: skip
 
 
-#: Evaluations computed in one pass over the test set and one over the training inputs (MNIST, one CPU core: the
-#: objective 14 ms an evaluation at 64, 58 ms alone; the test product 5.7 ms a point at 64, 7.2 ms at 3).
+#: Evaluations computed in one pass over the test set and one over the training inputs: many points a pass cost
+#: far less each than one at a time (``benchmarks/bench_evaluation.py`` times it).
 POINTS_PER_PASS = 64
 
 
@@ -136,7 +158,9 @@ class _Group:
         self.metrics: list[dict[str, float]] = [{} for _ in range(self.T)]
         self.history: list[list[tuple[int, dict[str, float]]]] = [[] for _ in range(self.T)]  # (step, row) as logged
         self.written = [0] * self.T  # rows of each trial's history written to its log and metrics
-        self.unscored: list[tuple[int, dict[str, Any], dict[str, Tensor]]] = []  # (trial, row, point): test and f to compute
+        self.unscored: list[
+            tuple[int, dict[str, Any], dict[str, Tensor]]
+        ] = []  # (trial, row, point): test and f to compute
         self.errors: list[Optional[BaseException]] = [None] * self.T
         self.loss_since_log = torch.zeros(self.T, 2, dtype=torch.float64, device=self.device)
         self.losses = torch.empty(self.steps, self.T, self.M, device=self.device)  # every step's per-machine losses
@@ -168,7 +192,9 @@ class _Group:
         from lit_slowcal.experiments.model import MachinesModel
 
         M = self.M
-        self.stack = stack = MachinesModel(**{**model_settings(self.first), "num_machines": self.T * M, "init": "zeros"})
+        self.stack = stack = MachinesModel(
+            **{**model_settings(self.first), "num_machines": self.T * M, "init": "zeros"}
+        )
         stack.configure_model()
         stack.to(self.device)  # the trials' initial points are drawn on the CPU, as in their CPU runs, and copied
         big = dict(stack.machines.named_parameters())
@@ -377,7 +403,13 @@ class _Group:
                 "stacked": self.T,
             }
             if t.config.get("wandb"):
-                wandb_run(t.config, run_name(t.config.get), str(self.loggers[i].log_dir), self.history[i], t.outcome["status"] != "finished")
+                wandb_run(
+                    t.config,
+                    run_name(t.config.get),
+                    str(self.loggers[i].log_dir),
+                    self.history[i],
+                    t.outcome["status"] != "finished",
+                )
             t.final_state = {
                 "params": {n: p.detach().to("cpu", copy=True) for n, p in self.models[i].machines.named_parameters()},
             }
@@ -397,4 +429,3 @@ def _linear_grads(x: Tensor, grad_logits: Tensor, grad_weight: Tensor, grad_bias
     else:
         torch.bmm(g, x, out=grad_weight)
         grad_bias.copy_(g.sum_to_size(*grad_bias.shape, 1).squeeze(-1))  # the bias broadcast's backward
-

@@ -41,11 +41,13 @@ def trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) -> 
     split's class counts and its ``config.yaml``."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_slowcal.experiments.run_folder import claim_version, run_name
     from lit_slowcal.experiments.class_distribution import write_class_counts
+    from lit_slowcal.experiments.run_folder import claim_version, run_name
 
     name = run_name(trial.config.get)
-    logger = CSVLogger(save_dir=trial.config["run_dir"], name=name, version=claim_version(trial.config["run_dir"], name))
+    logger = CSVLogger(
+        save_dir=trial.config["run_dir"], name=name, version=claim_version(trial.config["run_dir"], name)
+    )
     logger.experiment
     write_class_counts(data.class_counts(), os.path.join(logger.log_dir, "class_counts.csv"))
     if config_text is not None:
@@ -77,4 +79,3 @@ def config_yaml(trial: StackedTrial) -> str:
 
     plain = json.loads(json.dumps({k: v for k, v in trial.config.items() if k != "config"}, default=str))
     return yaml.safe_dump(plain, sort_keys=False)
-

@@ -38,6 +38,7 @@ def summary_table(sweep: Sweep, records: list[dict[str, Any]]) -> str:
             "|---|---|" + "---|" * len(cols) + "---|---|---|",
         ]
         for method, by_lr in groups.items():
+
             def mean(rs: list[dict[str, Any]], key: str) -> Optional[float]:
                 vals = [r["metrics"].get(key) for r in rs if r["status"] == "finished"]
                 vals = [v for v in vals if v is not None]

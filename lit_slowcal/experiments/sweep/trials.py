@@ -18,7 +18,8 @@ import itertools
 import json
 import math
 import random
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.experiments.sweep.spec import Sweep
@@ -46,7 +47,9 @@ def expand_trials(sweep: Sweep, count: Optional[int] = None, seed: int = 0) -> l
         shown = " x ".join(f"{p.grid_size():,} values of {p.name}" for p in sweep.params)
         raise ValueError(f"method: grid: {shown}: more trials than a sweep runs here ({MAX_TRIALS:,}); narrow the grid")
     if sweep.method == "random" and limit is not None and limit > MAX_TRIALS:
-        raise ValueError(f"method: random: {limit:,} draws, more trials than a sweep runs here ({MAX_TRIALS:,}); draw fewer")
+        raise ValueError(
+            f"method: random: {limit:,} draws, more trials than a sweep runs here ({MAX_TRIALS:,}); draw fewer"
+        )
     if sweep.method == "grid":  # a value listed twice makes one trial, not two
         grid = itertools.product(*(_distinct(p.grid_values()) for p in sweep.params))
         return [dict(zip(names, values)) for values in itertools.islice(grid, limit)]

@@ -61,7 +61,11 @@ def run_unit(check: tuple[str, bool], unit: Unit) -> tuple[str, list[Outcome]]:
     if not group:
         print(f"\n[{unit.label}] {unit.title}: already in {check[0]}", flush=True)
         return unit.label, []
-    title = unit.title if len(group) == len(unit.trials) else f"{group_title(group)} ({len(unit.trials) - len(group)} already in {check[0]})"
+    title = (
+        unit.title
+        if len(group) == len(unit.trials)
+        else f"{group_title(group)} ({len(unit.trials) - len(group)} already in {check[0]})"
+    )
     print(f"\n[{unit.label}] {title}", flush=True)
     run_group(group, config_yaml)
     return unit.label, [(t.params, t.identity, t.outcome, t.args) for t in group]

@@ -17,8 +17,9 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
 from lit_slowcal.experiments.sweep import output
@@ -64,10 +65,16 @@ def choose_workers(
         per_worker: a worker process's own memory (``WORKER_BYTES``).
     """
     how = "--workers N to set"
-    each = f"{threads} thread{'s' if threads > 1 else ''} each" if threads > 0 else "torch's default threads (every core) each"
+    each = (
+        f"{threads} thread{'s' if threads > 1 else ''} each"
+        if threads > 0
+        else "torch's default threads (every core) each"
+    )
     if given is not None:
         workers = max(1, min(given, trials))
-        return WorkerChoice(workers, f"--workers {given}" + (": every trial in this process" if workers == 1 else f", {each}"))
+        return WorkerChoice(
+            workers, f"--workers {given}" + (": every trial in this process" if workers == 1 else f", {each}")
+        )
     if cuda:
         return WorkerChoice(1, f"the trials train on the GPU: one process; {how}")
     by_cores = max(1, cores // threads) if threads > 0 else 1

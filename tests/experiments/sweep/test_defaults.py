@@ -8,13 +8,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_lightning import lightning_has_tip
+from test_stacked import REPO, grid_file
 
 from lit_slowcal._lightning import LIGHTNING_INFO_LOGGERS
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, differences
 from lit_slowcal.experiments.sweep.workers import WORKER_BYTES, choose_workers
-from test_lightning import lightning_has_tip
-from test_stacked import REPO, grid_file
 
 GIB = 2**30
 NOTE = "excess_loss: not logged: MNIST softmax regression without weight decay has no attained minimiser"
@@ -24,7 +24,10 @@ def records(path: Path) -> dict:
     return {sw.trial_key(r["params"]): r for r in map(json.loads, path.read_text().splitlines())}
 
 
-def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_the_same_records(tmp_path, monkeypatch, capfd):
+@pytest.mark.slow
+def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_the_same_records(
+    tmp_path, monkeypatch, capfd
+):
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"))
     assert sw.main([str(path), "--results", str(tmp_path / "default.jsonl")]) == 0
@@ -47,7 +50,10 @@ def test_a_sweep_without_flags_stacks_and_no_stack_runs_each_trial_alone_with_th
     assert len({r["metrics"]["test_loss"] for r in default.values()}) == 4  # four different trials
 
 
-def test_trials_that_cannot_stack_run_alone_by_default_each_reason_said_once_with_its_count(tmp_path, monkeypatch, capfd):
+@pytest.mark.slow
+def test_trials_that_cannot_stack_run_alone_by_default_each_reason_said_once_with_its_count(
+    tmp_path, monkeypatch, capfd
+):
     monkeypatch.chdir(REPO)
     path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("local_sgd",), extra=("--trainer.max_epochs=2",))
     assert sw.main([str(path), "--results", str(tmp_path / "r.jsonl")]) == 0
@@ -77,10 +83,26 @@ CASES = [
     ((16, 1, 100 * GIB, 3, 0, False), 3, "16 cores, 1 thread each; 3 trials to run; --workers N to set"),
     ((16, 1, 100 * GIB, 1, 0, False), 1, "16 cores, 1 thread each; 1 trial to run; --workers N to set"),
     # memory: (768 MiB + the largest group) per worker
-    ((16, 1, 4 * GIB, 135, GIB // 4, False), 4, "16 cores, 1 thread each; memory for 4: 1.0 GiB each of 4.0 GiB available; --workers N to set"),
-    ((16, 1, 3 * GIB, 135, 2 * GIB, False), 1, "16 cores, 1 thread each; memory for 1: 2.8 GiB each of 3.0 GiB available; --workers N to set"),
-    ((16, 1, GIB // 2, 135, 0, False), 1, "16 cores, 1 thread each; memory for 1: 0.8 GiB each of 0.5 GiB available; --workers N to set"),
-    ((16, 1, 4 * GIB, 2, GIB // 4, False), 2, "16 cores, 1 thread each; memory for 4: 1.0 GiB each of 4.0 GiB available; 2 trials to run; --workers N to set"),
+    (
+        (16, 1, 4 * GIB, 135, GIB // 4, False),
+        4,
+        "16 cores, 1 thread each; memory for 4: 1.0 GiB each of 4.0 GiB available; --workers N to set",
+    ),
+    (
+        (16, 1, 3 * GIB, 135, 2 * GIB, False),
+        1,
+        "16 cores, 1 thread each; memory for 1: 2.8 GiB each of 3.0 GiB available; --workers N to set",
+    ),
+    (
+        (16, 1, GIB // 2, 135, 0, False),
+        1,
+        "16 cores, 1 thread each; memory for 1: 0.8 GiB each of 0.5 GiB available; --workers N to set",
+    ),
+    (
+        (16, 1, 4 * GIB, 2, GIB // 4, False),
+        2,
+        "16 cores, 1 thread each; memory for 4: 1.0 GiB each of 4.0 GiB available; 2 trials to run; --workers N to set",
+    ),
     ((2, 1, 4 * GIB, 135, GIB // 4, False), 2, "2 cores, 1 thread each; --workers N to set"),  # the cores bind first
     # a GPU: one process
     ((16, 1, 100 * GIB, 135, 0, True), 1, "the trials train on the GPU: one process; --workers N to set"),
@@ -92,7 +114,9 @@ CASES = [
 @pytest.mark.parametrize(("given", "workers", "reason"), CASES)
 def test_the_workers_are_the_cores_per_thread_capped_by_the_memory_the_trials_and_the_gpu(given, workers, reason):
     cores, threads, available, trials, group_bytes, cuda = given
-    choice = choose_workers(cores=cores, threads=threads, available=available, trials=trials, group_bytes=group_bytes, cuda=cuda)
+    choice = choose_workers(
+        cores=cores, threads=threads, available=available, trials=trials, group_bytes=group_bytes, cuda=cuda
+    )
     assert (choice.workers, choice.reason) == (workers, reason)
     assert choice.line() == f"workers: {workers} ({reason})"
 
@@ -101,10 +125,13 @@ def test_workers_given_are_taken_up_to_the_trials_whatever_the_machine():
     machine = dict(cores=2, threads=1, available=GIB // 2, cuda=True)
     assert choose_workers(given=4, trials=135, **machine).line() == "workers: 4 (--workers 4, 1 thread each)"
     assert choose_workers(given=4, trials=3, **machine).line() == "workers: 3 (--workers 4, 1 thread each)"
-    assert choose_workers(given=1, trials=135, **machine).line() == "workers: 1 (--workers 1: every trial in this process)"
+    assert (
+        choose_workers(given=1, trials=135, **machine).line() == "workers: 1 (--workers 1: every trial in this process)"
+    )
     assert WORKER_BYTES == 768 * 2**20
 
 
+@pytest.mark.slow
 def test_a_sweep_prints_how_many_workers_and_why_and_runs_its_trials_here_with_one(tmp_path, monkeypatch, capfd):
     import os
 
@@ -128,7 +155,10 @@ def test_a_sweep_prints_how_many_workers_and_why_and_runs_its_trials_here_with_o
     monkeypatch.setattr(runner, "available_memory", lambda: WORKER_BYTES + 2**20)
     assert sw.main([str(path), "--results", str(tmp_path / "c.jsonl"), "--no-stack"]) == 0
     out = capfd.readouterr().out
-    assert "workers: 1 (2 cores, 1 thread each; memory for 1: 0.8 GiB each of 0.8 GiB available; --workers N to set)\n" in out
+    assert (
+        "workers: 1 (2 cores, 1 thread each; memory for 1: 0.8 GiB each of 0.8 GiB available; --workers N to set)\n"
+        in out
+    )
     assert ran_in == [os.getpid()] * 6 and len(records(tmp_path / "c.jsonl")) == 3
 
 
@@ -137,9 +167,17 @@ LIGHTNING_LINES = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--workers", "1"], ["--no-stack", "--workers", "1"], ["--no-stack", "--workers", "2"], ["--workers", "2"], ["--no-stack", "--workers", "2", "spawn"]],
+    [
+        [],
+        ["--workers", "1"],
+        ["--no-stack", "--workers", "1"],
+        ["--no-stack", "--workers", "2"],
+        ["--workers", "2"],
+        ["--no-stack", "--workers", "2", "spawn"],
+    ],
     ids=["default", "stacked-here", "alone-here", "alone-2-workers", "stacked-2-workers", "alone-2-spawned-workers"],
 )
+@pytest.mark.slow
 def test_each_repeated_line_is_printed_once_per_sweep(tmp_path, monkeypatch, capfd, flags):
     from lit_slowcal.experiments.sweep import workers
 
@@ -148,7 +186,13 @@ def test_each_repeated_line_is_printed_once_per_sweep(tmp_path, monkeypatch, cap
         flags.remove("spawn")
         monkeypatch.setattr(workers, "_forks", lambda: False)
     # 4 trials; log_every_n_steps above the 7 batches: Lightning warns in every trial run alone.
-    path = grid_file(tmp_path, lrs=(0.01, 0.03), seeds=(1,), methods=("slowcal", "local_sgd"), extra=("--trainer.log_every_n_steps=10",))
+    path = grid_file(
+        tmp_path,
+        lrs=(0.01, 0.03),
+        seeds=(1,),
+        methods=("slowcal", "local_sgd"),
+        extra=("--trainer.log_every_n_steps=10",),
+    )
     # Lightning prints its lines through its own handler, or through the root logger's where there was one when it
     # was imported (pytest's: then they are not on stderr): what its loggers emit is counted here, after their filters.
     said: list[str] = []
@@ -166,12 +210,17 @@ def test_each_repeated_line_is_printed_once_per_sweep(tmp_path, monkeypatch, cap
     out, err = capfd.readouterr()
     lines = (out + err).splitlines()
     assert sum(line.startswith(NOTE) for line in lines) == 1, out
-    assert not any(line.startswith(f"  ({NOTE}") for line in lines)  # the summaries of trials alone leave it to the note
+    assert not any(
+        line.startswith(f"  ({NOTE}") for line in lines
+    )  # the summaries of trials alone leave it to the note
     # (a process prints its threads once: not again where an earlier test of this process printed them)
     assert sum(line.startswith("threads: 1 (") for line in lines) <= (0 if "--no-stack" not in flags else 1)
     for start in LIGHTNING_LINES:
         printed = start != "💡 Tip: " or lightning_has_tip()  # the tip is Lightning 2.6's
-        assert sum(line.startswith(start) for line in said) == (1 if "--no-stack" in flags and printed else 0), (start, said)
+        assert sum(line.startswith(start) for line in said) == (1 if "--no-stack" in flags and printed else 0), (
+            start,
+            said,
+        )
     logging_interval = [w for w in caught if "smaller than the logging interval" in str(w.message)]
     assert len(logging_interval) == (1 if "--no-stack" in flags else 0)
     # What differs per trial stays: each trial's result line.
@@ -192,6 +241,7 @@ def test_a_fit_alone_still_prints_its_note_and_its_summary_line(tmp_path, monkey
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-stack", "--workers", "2"]], ids=["stacked", "alone-2-workers"])
+@pytest.mark.slow
 def test_an_optimum_read_from_the_cache_is_said_once_per_sweep(tmp_path, monkeypatch, capfd, flags):
     """Every trial of a split reads the same x* from the cache: its line (f*, G_*, where it is cached) once per
     sweep, not once per trial; the solve that filled the cache is said where it happens."""
@@ -210,5 +260,7 @@ def test_an_optimum_read_from_the_cache_is_said_once_per_sweep(tmp_path, monkeyp
     (line,) = [line for line in lines if line.startswith("optimum of ")]
     assert "read from " in line and "f* = " in line
     first, second = records(tmp_path / "first.jsonl"), records(tmp_path / "second.jsonl")
-    assert len(first) == 4 and {k: r["metrics"] for k, r in first.items()} == {k: r["metrics"] for k, r in second.items()}
+    assert len(first) == 4 and {k: r["metrics"] for k, r in first.items()} == {
+        k: r["metrics"] for k, r in second.items()
+    }
     assert all(r["metrics"]["excess_loss"] > 0 for r in first.values())

@@ -7,25 +7,31 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from helpers import BARRIER, REPO, subprocess_env
 
-WRITER = textwrap.dedent(
-    """
+WRITER = (
+    textwrap.dedent(
+        """
     import sys, time
     from lit_slowcal.experiments.sweep.results import ResultsFile
     path, name = sys.argv[1], sys.argv[2]
     results = ResultsFile(path)  # read before the other writer's records exist, like a sweep's start
     """
-) + BARRIER + textwrap.dedent(
-    """
+    )
+    + BARRIER
+    + textwrap.dedent(
+        """
     for i in range(40):
         results.put({"params": {"writer": name, "i": i}, "status": "failed"})
         if i % 8 == 0:  # a retried trial: its record is replaced, not duplicated
             results.put({"params": {"writer": name, "i": i}, "status": "finished"})
     """
+    )
 )
 
 
+@pytest.mark.slow
 def test_two_processes_writing_one_results_file_lose_and_duplicate_nothing(tmp_path):
     path = tmp_path / "X.jsonl"
     path.write_text(json.dumps({"params": {"writer": "earlier"}, "status": "finished"}) + "\n")

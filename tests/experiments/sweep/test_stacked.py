@@ -2,19 +2,18 @@
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from test_sweep import wandb_records
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
+from lit_slowcal.experiments.methods import TABLE1_METHODS
 from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import grouping, stacked
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, csv_differences, differences
-from test_sweep import wandb_records
 
 REPO = Path(__file__).resolve().parents[3]
 LRS = (0.01, 0.03)
@@ -70,6 +69,7 @@ def command_line():
     return sw.CommandLine()
 
 
+@pytest.mark.slow
 def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line):
     # 20 single runs through Lightning (the reference) and 5 stacked groups: about 20 s, the price
     # of checking every method of the registry against the runner itself.
@@ -80,7 +80,10 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
     reference = single_runs(monkeypatch, sweep, trials)
 
     sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked"))
-    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict()) for p in trials]
+    parsed = [
+        stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict())
+        for p in trials
+    ]
     groups = stacked.group_trials(parsed, budget=2**30)
     assert [len(g) for g in groups] == [4] * len(TABLE1_METHODS)  # one group per method: 2 lrs x 2 seeds
     for group in groups:
@@ -91,8 +94,17 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
         assert differences(t.outcome["metrics"], outcome["metrics"]) == [], t.params
         assert all(t.outcome["metrics"][k] == outcome["metrics"][k] for k in outcome["metrics"] if k not in DIAGNOSTICS)
         # The defaults: the training objective and the per-round diagnostics (no f* without weight decay).
-        assert set(t.outcome["metrics"]) == {"train_loss", "round", "samples_seen", "floats_communicated", "test_loss", "test_acc",
-                                             "train_objective", "dispersion", "query_step"} | ({"iterate_step"} if t.params["method"] == "slowcal" else set())
+        assert set(t.outcome["metrics"]) == {
+            "train_loss",
+            "round",
+            "samples_seen",
+            "floats_communicated",
+            "test_loss",
+            "test_acc",
+            "train_objective",
+            "dispersion",
+            "query_step",
+        } | ({"iterate_step"} if t.params["method"] == "slowcal" else set())
         for name, value in params.items():
             assert torch.equal(t.final_state["params"][name], value), (t.params, name)
         assert csv_differences(metrics_csv(t.outcome["run_dir"]), csv_text) == []
@@ -103,6 +115,7 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 
+@pytest.mark.slow
 def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monkeypatch, command_line):
     # K = 2 and 4 in one group for the local methods (SCAFFOLD: an optimizer with pre_sync / post_sync,
     # one per K): 7 rounds are 14 and 28 steps, each K synchronising, logging and evaluating on its own
@@ -116,7 +129,10 @@ def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monk
     trials = sw.expand_trials(sweep)
     reference = single_runs(monkeypatch, sweep, trials)
     sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked", methods=("scaffold", "minibatch_sgd"), **grid))
-    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict()) for p in trials]
+    parsed = [
+        stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict())
+        for p in trials
+    ]
     groups = stacked.group_trials(parsed, budget=2**30)
     assert [sorted({t.params["local_steps"] for t in g}) for g in groups] == [[2, 4], [2], [4]]
     for group in groups:
@@ -131,6 +147,7 @@ def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monk
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 
+@pytest.mark.slow
 def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_path, monkeypatch, command_line):
     monkeypatch.chdir(REPO)
     torch.set_num_threads(1)
@@ -139,7 +156,10 @@ def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_
     sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01, 1e38), seeds=(1,), methods=("local_sgd",), extra=extra))
     trials = sw.expand_trials(sweep)
     reference = single_runs(monkeypatch, sweep, trials)
-    parsed = [stacked.StackedTrial(p, sw.trial_args(sweep, p), command_line.parse(sw.trial_args(sweep, p)).fit.as_dict()) for p in trials]
+    parsed = [
+        stacked.StackedTrial(p, sw.trial_args(sweep, p), command_line.parse(sw.trial_args(sweep, p)).fit.as_dict())
+        for p in trials
+    ]
     stacked.run_group(parsed)
     ok, bad = parsed
     assert ok.outcome["status"] == "finished" and differences(ok.outcome["metrics"], reference[0][0]["metrics"]) == []
@@ -184,7 +204,9 @@ def test_stacked_sweep_killed_between_groups_reruns_only_the_unfinished_trials(t
     first = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["params"]["method"] for r in first] == ["slowcal", "slowcal"] and calls == [2, 2]
     out = capsys.readouterr().out
-    assert "stacking: 4 trials in 2 groups (memory budget" in out and "method=slowcal M=4 K=4 b=1: 2 trials stacked" in out
+    assert (
+        "stacking: 4 trials in 2 groups (memory budget" in out and "method=slowcal M=4 K=4 b=1: 2 trials stacked" in out
+    )
 
     monkeypatch.setattr(stacked, "run_group", run_group)
     assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 0
@@ -211,7 +233,11 @@ def test_stacked_trials_with_wandb_get_one_offline_run_each_in_the_sweeps_group(
         (run,) = [i.run for i in items if i.WhichOneof("record_type") == "run"]
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
         assert run.run_group == "sweep-grid" and config["model.lr"] == r["params"]["model.lr"]
-        rows = [{(h.key or "/".join(h.nested_key)): json.loads(h.value_json) for h in i.history.item} for i in items if i.WhichOneof("record_type") == "history"]
+        rows = [
+            {(h.key or "/".join(h.nested_key)): json.loads(h.value_json) for h in i.history.item}
+            for i in items
+            if i.WhichOneof("record_type") == "history"
+        ]
         assert [row["test_acc"] for row in rows if "test_acc" in row][-1] == r["metrics"]["test_acc"]
         assert [row["train_loss"] for row in rows if "train_loss" in row][-1] == r["metrics"]["train_loss"]
 
@@ -265,6 +291,7 @@ def test_linear_gradients_equal_autograds(b):
     assert (machines.weight.grad == 0).any()  # the zero products are among those compared
 
 
+@pytest.mark.slow
 def test_workers_run_groups_and_lone_trials_with_the_same_results(tmp_path, monkeypatch, capfd):
     # --workers 2: two processes, each a group (or, with --no-stack, a trial) at a time; every trial
     # recorded once, with the metrics of the same sweep run in one process. Forked workers (Linux) also
@@ -305,7 +332,12 @@ def test_workers_must_be_a_positive_integer(tmp_path, capsys):
 
 def test_groups_are_halved_only_while_that_shortens_the_workers_time():
     def group(n, method="slowcal", batch=1, k=16):
-        config = {"method": method, "num_machines": 16, "eval_every": 10, "data": {"batch_size": batch, "steps_per_round": k}}
+        config = {
+            "method": method,
+            "num_machines": 16,
+            "eval_every": 10,
+            "data": {"batch_size": batch, "steps_per_round": k},
+        }
         return [stacked.StackedTrial({"seed": i}, [], config) for i in range(n)]
 
     # One group of 6 M = 16 trials (3,750 steps, 234 rounds of K = 16: 24 evaluations each) on 2 workers: two
@@ -323,7 +355,9 @@ def test_groups_are_halved_only_while_that_shortens_the_workers_time():
     assert stacked.group_cost(group(6, k=4)) == 3750 * (96 + 40) + 6 * 94 * grouping.EVALUATION_COST
 
 
-def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the_same_versions(tmp_path, monkeypatch, capsys):
+def test_stacked_trials_claim_their_own_run_folders_when_another_sweep_lists_the_same_versions(
+    tmp_path, monkeypatch, capsys
+):
     """Two sweeps (or a sweep's workers) may both see version_0 as the next free folder of a run name: each trial
     claims its folder by creating it, as a single run does, so no two trials share one."""
     from lightning.pytorch.loggers import CSVLogger
@@ -358,9 +392,17 @@ def test_a_stacked_sweep_reads_the_results_again_before_each_group(tmp_path, mon
         calls.append([t.params["method"] for t in group])
         run_group(group, *args)
         if len(calls) == 1:  # meanwhile another sweep records one trial of the next group
-            params = {"local_steps": 4, "method": "local_sgd", "model.lr": 0.03, "num_machines": 4, "seed_everything": 1}
+            params = {
+                "local_steps": 4,
+                "method": "local_sgd",
+                "model.lr": 0.03,
+                "num_machines": 4,
+                "seed_everything": 1,
+            }
             identity = checks.trial_identity_of(sw.CommandLine().parse(sw.trial_args(sweep, params)))
-            sw.ResultsFile(results).put({"params": params, "identity": identity, "status": "finished", "metrics": {"test_acc": 0.5}})
+            sw.ResultsFile(results).put(
+                {"params": params, "identity": identity, "status": "finished", "metrics": {"test_acc": 0.5}}
+            )
 
     monkeypatch.setattr(stacked, "run_group", with_another_sweep)
     assert sw.main([str(path), "--results", str(results), "--stack", "--workers", "1"]) == 0

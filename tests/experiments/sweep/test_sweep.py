@@ -46,7 +46,11 @@ def command_line():
 
 
 def test_grid_is_the_product_of_values_in_wandb_order():
-    params = {"model.lr": {"values": [0.01, 0.1]}, "method": {"values": ["slowcal", "local_sgd"]}, "num_machines": {"value": 4}}
+    params = {
+        "model.lr": {"values": [0.01, 0.1]},
+        "method": {"values": ["slowcal", "local_sgd"]},
+        "num_machines": {"value": 4},
+    }
     sweep = sw.parse_sweep(config(params))
     assert sweep.param_names == ["method", "model.lr", "num_machines"]  # W&B sorts the names
     assert [p.distribution for p in sweep.params] == ["categorical", "categorical", "constant"]
@@ -66,7 +70,12 @@ def sweep_params():
 
 def test_grid_over_int_range_and_q_uniform_as_wandb_enumerates_them():
     sweep = sw.parse_sweep(
-        config({"local_steps": {"min": 2, "max": 4}, "model.lr": {"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0.25}})
+        config(
+            {
+                "local_steps": {"min": 2, "max": 4},
+                "model.lr": {"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0.25},
+            }
+        )
     )
     assert [p.distribution for p in sweep.params] == ["int_uniform", "q_uniform"]  # int min/max -> int_uniform
     trials = sw.expand_trials(sweep)
@@ -127,9 +136,15 @@ def test_random_draws_count_trials_reproducibly_within_their_spaces():
     [
         ({**config(sweep_params()), "early_stop": 1}, ["'early_stop'", "allowed here: method, parameters"]),
         (config({"model.lr": {"vals": [0.1]}}), ["parameters.model.lr", "keys given: vals"]),
-        (config({"model.lr": {"values": [0.1], "q": 2}}), ["parameters.model.lr", "unknown key 'q'", "allowed: distribution, values"]),
+        (
+            config({"model.lr": {"values": [0.1], "q": 2}}),
+            ["parameters.model.lr", "unknown key 'q'", "allowed: distribution, values"],
+        ),
         (config({"model.lr": {"distribution": "gaussian"}}), ["'gaussian'", "log_uniform_values", "int_uniform"]),
-        (config({"model.lr": {"distribution": "int_uniform", "min": 0.5, "max": 2}}), ["int_uniform needs integer min and max"]),
+        (
+            config({"model.lr": {"distribution": "int_uniform", "min": 0.5, "max": 2}}),
+            ["int_uniform needs integer min and max"],
+        ),
         (config({"model.lr": {"distribution": "log_uniform_values", "min": 0, "max": 1}}), ["needs min > 0"]),
         (config(sweep_params(), method="bayes"), ["'bayes' needs W&B's server", "allowed here: grid, random"]),
         (config(sweep_params(), method="hyperband"), ["'hyperband'", "allowed here: grid, random"]),
@@ -138,7 +153,10 @@ def test_random_draws_count_trials_reproducibly_within_their_spaces():
         ({**config(sweep_params()), "metric": {"name": "test_acc", "goal": "max"}}, ["'max'", "minimize, maximize"]),
         ({**config(sweep_params()), "command": ["python", "train.py", "${args}"]}, ["must run lit_slowcal"]),
         ({**config(sweep_params()), "command": COMMAND[:-1]}, ["exactly one ${args}"]),
-        ({**config(sweep_params()), "command": [*COMMAND[:-1], "${args_json}"]}, ["exactly one ${args}", "${args_json}"]),
+        (
+            {**config(sweep_params()), "command": [*COMMAND[:-1], "${args_json}"]},
+            ["exactly one ${args}", "${args_json}"],
+        ),
         ({**config(sweep_params()), "command": ["python", "-m", "lit_slowcal", "test", "${args}"]}, ["must be fit"]),
         ({k: v for k, v in config(sweep_params()).items() if k != "command"}, ["command: required here"]),
     ],
@@ -151,7 +169,9 @@ def test_refusals_name_the_key_and_the_allowed_values(cfg, needles):
 
 
 def test_command_gives_the_base_arguments_around_args():
-    sweep = sw.parse_sweep({**config(sweep_params()), "command": [*COMMAND[:-1], "--eval_every=5", "${args}", "--wandb=false"]})
+    sweep = sw.parse_sweep(
+        {**config(sweep_params()), "command": [*COMMAND[:-1], "--eval_every=5", "${args}", "--wandb=false"]}
+    )
     assert sweep.args_before == ["fit", "--config", "configs/paper.yaml", "--eval_every=5"]
     assert sw.trial_args(sweep, {"local_steps": 2}, ["--run_dir=x"]) == [
         "fit", "--config", "configs/paper.yaml", "--eval_every=5", "--local_steps=2", "--wandb=false", "--run_dir=x",
@@ -181,6 +201,7 @@ def wandb_values(param: sw.Param) -> list:
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.name for p in SWEEP_FILES])
+@pytest.mark.slow
 def test_every_sweep_parameter_reaches_its_cli_key_as_wandb_passes_it(path, command_line):
     from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
@@ -251,7 +272,11 @@ def test_cli_refusals_are_reported_before_anything_runs(tmp_path, capsys, worker
     bad.write_text(yaml.safe_dump(config({"local_steps": {"values": [2, 4, 8, 0, 16]}})))
     assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), *workers]) == 2
     err = capsys.readouterr().err
-    assert err.count("error") == 1 and "trial local_steps=0" in err and "Invalid local_steps: 0 (must be an integer >= 1)" in err
+    assert (
+        err.count("error") == 1
+        and "trial local_steps=0" in err
+        and "Invalid local_steps: 0 (must be an integer >= 1)" in err
+    )
     assert not (tmp_path / "r.jsonl").exists()
 
 
@@ -316,8 +341,12 @@ def test_results_file_keeps_its_permission_bits(tmp_path):
 
 @pytest.mark.parametrize(
     ("module", "absent"),
-    [("lit_slowcal.experiments.sweep", "lit_slowcal.experiments.cli"), ("lit_slowcal.experiments.cli", "lit_slowcal.experiments.sweep")],
+    [
+        ("lit_slowcal.experiments.sweep", "lit_slowcal.experiments.cli"),
+        ("lit_slowcal.experiments.cli", "lit_slowcal.experiments.sweep"),
+    ],
 )
+@pytest.mark.slow
 def test_sweep_reaches_the_cli_only_to_run_trials_and_the_cli_never_imports_sweep(module, absent):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({absent!r})))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
@@ -326,12 +355,20 @@ def test_sweep_reaches_the_cli_only_to_run_trials_and_the_cli_never_imports_swee
 
 
 def test_summary_table_gives_the_best_lr_per_method():
-    params = {"method": {"values": ["slowcal", "local_sgd"]}, "model.lr": {"values": [0.01, 0.1]}, "seed_everything": {"values": [1, 2]}}
+    params = {
+        "method": {"values": ["slowcal", "local_sgd"]},
+        "model.lr": {"values": [0.01, 0.1]},
+        "seed_everything": {"values": [1, 2]},
+    }
     sweep = sw.parse_sweep(config(params))
 
     def rec(method, lr, seed, acc, status="finished"):
         metrics = {"test_acc": acc, "test_loss": None if acc is None else round(1 - acc, 6)}
-        return {"params": {"method": method, "model.lr": lr, "seed_everything": seed}, "status": status, "metrics": metrics}
+        return {
+            "params": {"method": method, "model.lr": lr, "seed_everything": seed},
+            "status": status,
+            "metrics": metrics,
+        }
 
     records = [
         rec("slowcal", 0.01, 1, 0.90), rec("slowcal", 0.01, 2, 0.80),  # mean 0.85
@@ -391,12 +428,26 @@ def completed_run_folders(runs: Path) -> dict[tuple[str, float], list[Path]]:
     return done
 
 
+@pytest.mark.slow
 def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_path, monkeypatch, capsys):
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     # One trial at a time, in the sweep's process: killed once the first is recorded, before the second is.
-    cmd = [sys.executable, "-m", "lit_slowcal", "sweep", str(yaml_path), "--results", str(results), "--no-stack", "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lit_slowcal",
+        "sweep",
+        str(yaml_path),
+        "--results",
+        str(results),
+        "--no-stack",
+        "--workers",
+        "1",
+    ]
     env = clean_env(tmp_path)  # W&B on, offline (no account): every trial gets its own offline run
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300
         while not (results.exists() and results.read_text().count("\n") >= 1):
@@ -455,7 +506,15 @@ def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_pat
         monkeypatch.delenv(key)
     torch_threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     yaml_path, results = tiny_sweep(tmp_path, lrs=(0.01, 1e38)), tmp_path / "results.jsonl"
-    args = [str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"]  # each trial alone, here
+    args = [
+        str(yaml_path),
+        "--results",
+        str(results),
+        "--wandb=false",
+        "--no-stack",
+        "--workers",
+        "1",
+    ]  # each trial alone, here
     assert sw.main(args) == 0
     by_trial = {(r["params"]["method"], r["params"]["model.lr"]): r for r in read_records(results)}
     assert by_trial["slowcal", 0.01]["status"] == "finished"
@@ -526,6 +585,7 @@ def wandb_records(path: Path):
             chunk = b""
 
 
+@pytest.mark.slow
 def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
     """The agent's command and environment, rebuilt with W&B's own functions, offline (no server)."""
     from wandb.sdk.launch.sweeps import utils as sweep_utils
@@ -540,7 +600,11 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
     param_path = tmp_path / "wandb" / "sweep-sw1" / "config-run1.yaml"
     param_path.parent.mkdir(parents=True)
     config_util.save_config_file_from_dict(str(param_path), args)  # as Agent._command_run does
-    macros = {**sweep_utils.create_sweep_command_args({"args": args}), "env": ["/usr/bin/env"], "interpreter": ["python"]}
+    macros = {
+        **sweep_utils.create_sweep_command_args({"args": args}),
+        "env": ["/usr/bin/env"],
+        "interpreter": ["python"],
+    }
     cmd = []
     for token in map(str, sweep_utils.create_sweep_command(lr_yaml["command"])):
         cmd += macros[token[2:-1]] if token.startswith("${") else [sys.executable if token == "python" else token]
@@ -576,7 +640,10 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
     yaml_path, results = tiny_sweep(tmp_path), tmp_path / "results.jsonl"
     try:
-        assert sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"]) == code
+        assert (
+            sw.main([str(yaml_path), "--results", str(results), "--wandb=false", "--no-stack", "--workers", "1"])
+            == code
+        )
     finally:
         signal.signal(signal.SIGINT, sigint)
     assert "sweep interrupted" in capsys.readouterr().err
@@ -584,6 +651,7 @@ def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, mon
     assert [(r["params"]["method"], r["status"]) for r in records] == [("slowcal", "finished"), ("slowcal", "finished")]
 
 
+@pytest.mark.slow
 def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path, monkeypatch, command_line):
     """The parsers are built by the first trial of the process and reused; every trial still gets
     exactly the metrics and the saved config of a fresh ``SlowcalCLI`` run of its arguments, also when
@@ -616,7 +684,11 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
         kept = parsed.clone()
         with monkeypatch.context() as m:  # the given parse is used: the trial parses nothing
             parse_args = type(command_line.parser).parse_args
-            m.setattr(type(command_line.parser), "parse_args", lambda self, *a, **k: parses.append(a) or parse_args(self, *a, **k))
+            m.setattr(
+                type(command_line.parser),
+                "parse_args",
+                lambda self, *a, **k: parses.append(a) or parse_args(self, *a, **k),
+            )
             given.append(sw.run_trial(args, parsed))
         assert parsed == kept
     assert len(builds) <= 1 and parses == []
@@ -655,7 +727,10 @@ def test_a_record_of_another_command_or_config_is_never_taken_for_a_trials(tmp_p
     out = capsys.readouterr().out
     records = read_records(results)
     assert len(records) == 2 and records[0] == first and records[1]["params"] == first["params"]
-    assert records[1]["identity"] != first["identity"] and records[1]["metrics"]["test_loss"] != first["metrics"]["test_loss"]
+    assert (
+        records[1]["identity"] != first["identity"]
+        and records[1]["metrics"]["test_loss"] != first["metrics"]["test_loss"]
+    )
     assert f"| {records[1]['metrics']['test_acc']:.4f} |" in out  # the table shows this command's trial
     # A config file edited between two runs of the same command: another identity too.
     config = tmp_path / "paper.yaml"
@@ -672,6 +747,7 @@ def test_a_record_of_another_command_or_config_is_never_taken_for_a_trials(tmp_p
     assert "1 trials, 1 already in" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_own(tmp_path, monkeypatch, capsys):
     # The shipped results were written before identities were stored: their arguments give theirs.
     monkeypatch.chdir(REPO)
@@ -686,7 +762,9 @@ def test_a_sweep_with_another_command_does_not_take_the_shipped_results_as_its_o
     assert (REPO / "sweeps" / "results" / "lr.jsonl").read_bytes() == before
 
 
-def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_ends_non_zero(tmp_path, monkeypatch, capsys):
+def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_ends_non_zero(
+    tmp_path, monkeypatch, capsys
+):
     from lit_slowcal.experiments.sweep import single
 
     monkeypatch.chdir(REPO)
@@ -711,7 +789,9 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "lit_slowcal sweep: error: the worker process (pid " in err and "--retry-failed" in err
+    assert (
+        err.count("\n") == 1 and "lit_slowcal sweep: error: the worker process (pid " in err and "--retry-failed" in err
+    )
     statuses = {(r["params"]["method"], r["params"]["model.lr"]): r["status"] for r in read_records(results)}
     assert statuses == {
         ("slowcal", 0.01): "finished", ("slowcal", 0.1): "finished", ("local_sgd", 0.01): "finished", ("local_sgd", 0.1): "failed",
@@ -728,8 +808,14 @@ def test_a_killed_worker_is_noticed_its_trial_recorded_as_failed_and_the_sweep_e
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("method: grid\nparameters:\n  model.lr: {values: [0.1, 0.2}\n", "not valid YAML: expected ',' or ']', but got '}' at line 3, column 31"),
-        ("method: grid\n\tparameters: {}\n", "not valid YAML: found character '\\t' that cannot start any token at line 2, column 1"),
+        (
+            "method: grid\nparameters:\n  model.lr: {values: [0.1, 0.2}\n",
+            "not valid YAML: expected ',' or ']', but got '}' at line 3, column 31",
+        ),
+        (
+            "method: grid\n\tparameters: {}\n",
+            "not valid YAML: found character '\\t' that cannot start any token at line 2, column 1",
+        ),
         (b"\x89PNG\r\n\x1a\n\x00\xff", "not a text file"),
     ],
     ids=["syntax", "tab", "binary"],
@@ -753,7 +839,9 @@ def test_a_results_path_that_is_a_link_is_followed_when_a_retried_trial_is_repla
     assert [json.loads(line)["status"] for line in real.read_text().splitlines()] == ["finished", "finished"]
 
 
-def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_once_a_trial_ran(tmp_path, monkeypatch, capsys):
+def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_once_a_trial_ran(
+    tmp_path, monkeypatch, capsys
+):
     from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
@@ -777,7 +865,9 @@ def test_a_large_grid_says_its_size_and_the_checks_time_first_and_an_estimate_on
 
 
 def test_a_value_listed_twice_in_a_grid_is_one_trial():
-    sweep = sw.parse_sweep(config({"model.lr": {"values": [0.01, 0.01, 0.1, 1, 1.0]}, "local_steps": {"values": [2, 2]}}))
+    sweep = sw.parse_sweep(
+        config({"model.lr": {"values": [0.01, 0.01, 0.1, 1, 1.0]}, "local_steps": {"values": [2, 2]}})
+    )
     assert sw.expand_trials(sweep) == [
         {"local_steps": 2, "model.lr": 0.01}, {"local_steps": 2, "model.lr": 0.1},
         {"local_steps": 2, "model.lr": 1}, {"local_steps": 2, "model.lr": 1.0},
@@ -831,9 +921,13 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
     bad.write_text(yaml.safe_dump(config({"model.lr": {"values": [0.1, "abc"]}})))
     assert sw.main([str(bad), "--results", str(tmp_path / "r.jsonl"), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "trial model.lr=abc: the CLI refuses it: model.lr: 'abc' is not a number or null" in err
+    assert (
+        err.count("\n") == 1
+        and "trial model.lr=abc: the CLI refuses it: model.lr: 'abc' is not a number or null" in err
+    )
 
 
+@pytest.mark.slow
 def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
     """Options whose values set keys no other option changes (one key: the rate; with the settings linked from it
     alone: M, the seed) are parsed value by value, the others (sources of settings linked from several: the
@@ -855,7 +949,9 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
     parse = command_line.parse
     monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
     by_parts = checks.check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
-    assert by_parts is not None and len(parses) == 1 + (2 + 2 + 2 + 2 + 2 + 2) + 3  # the first trial, the values, the other combinations
+    assert (
+        by_parts is not None and len(parses) == 1 + (2 + 2 + 2 + 2 + 2 + 2) + 3
+    )  # the first trial, the values, the other combinations
     monkeypatch.setattr(command_line, "parse", parse)
     for p, args in trials:
         own = parse(args)
@@ -866,13 +962,22 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
 
     bad = sw.parse_sweep(config({**params, "trainer.limit_train_batches": {"values": [3, "abc"]}}))
     trials = [(p, sw.trial_args(bad, p)) for p in sw.expand_trials(bad)]
-    with pytest.raises(ValueError, match="trainer.limit_train_batches=abc: the CLI refuses it: trainer.limit_train_batches: 'abc' is not"):
+    with pytest.raises(
+        ValueError,
+        match="trainer.limit_train_batches=abc: the CLI refuses it: trainer.limit_train_batches: 'abc' is not",
+    ):
         checks.check_by_parts(trials, lambda p: sw.trial_args(bad, p))
 
 
+@pytest.mark.slow
 def test_a_10000_trial_grid_is_checked_with_a_parse_per_value_and_seed_not_per_trial(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
-    cfg = config({"model.lr": {"values": [round(0.001 * (i + 1), 4) for i in range(100)]}, "seed_everything": {"values": list(range(1, 101))}})
+    cfg = config(
+        {
+            "model.lr": {"values": [round(0.001 * (i + 1), 4) for i in range(100)]},
+            "seed_everything": {"values": list(range(1, 101))},
+        }
+    )
     (tmp_path / "big.yaml").write_text(yaml.safe_dump(cfg))
     parses, parse = [], sw.CommandLine.parse
     monkeypatch.setattr(sw.CommandLine, "parse", lambda self, args: parses.append(1) or parse(self, args))
@@ -945,6 +1050,7 @@ def test_two_spellings_of_one_value_are_one_run_refused_before_any_trial(tmp_pat
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.slow
 def test_a_sweep_whose_reader_ends_stops_quietly_keeping_what_it_recorded(tmp_path, workers):
     """``sweep ... | head``: once the reader is gone the sweep stops as at SIGPIPE (status 141, no error line),
     and no trial is recorded as failed for it."""
@@ -976,7 +1082,9 @@ def test_a_grid_or_a_draw_too_large_to_list_is_refused_at_once():
             "(1,000,000); narrow the grid"
         )
     draws = sw.parse_sweep(config({"model.lr": {"min": 0.001, "max": 0.1}}, method="random"))
-    with pytest.raises(ValueError, match=r"method: random: 100,000,000 draws, more trials than a sweep runs here \(1,000,000\)"):
+    with pytest.raises(
+        ValueError, match=r"method: random: 100,000,000 draws, more trials than a sweep runs here \(1,000,000\)"
+    ):
         sw.expand_trials(draws, 10**8)
     assert time.perf_counter() - start < 1
     assert len(sw.expand_trials(sw.parse_sweep(config({"local_steps": {"min": 1, "max": 10**6}})), 3)) == 3
