@@ -463,7 +463,11 @@ def test_weights_that_overflow_mid_run_are_one_line_not_a_float_error(scale):
     steps, and lr (t+1)^p the float32 range after 2: one line naming the step and weight_power."""
     p = torch.nn.Parameter(torch.zeros(2))
     optimizer = SlowcalSGD([p], lr=0.01, weight_power=100.0, scale_lr_by_weight=scale)
-    message = r"the step size lr \(t\+1\)\^p = 5.15e\+45 at step t = 2" if scale else r"overflows float64 at step t = 1179 with weight_power p = 100.0"
+    message = (
+        r"the step size lr \(t\+1\)\^p = 5.15e\+45 at step t = 2"
+        if scale
+        else r"overflows float64 at step t = 1179 with weight_power p = 100.0"
+    )
     with pytest.raises(OverflowError, match=message):
         for _ in range(2000):
             p.grad = torch.ones(2)
