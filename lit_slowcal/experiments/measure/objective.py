@@ -168,7 +168,7 @@ def affine_rows(x: Tensor, weights: list[Tensor], biases: list[Tensor], rows: Op
 
 @torch.no_grad()
 def values(objectives: list[Objective], points: list[dict[str, Tensor]]) -> list[float]:
-    """``objectives[i](points[i])`` for every i (each within the float64 bound of ``blocked`` of its value
+    """``objectives[i](points[i])`` for every i (each within the float64 bound of ``float64_product`` of its value
     alone), in one pass over the inputs the objectives share (the trials of a stacked group: one
     arrangement of the training inputs, each trial with its own split's weights)."""
     out: list[float] = [0.0] * len(objectives)

@@ -174,7 +174,7 @@ def _exact_logits(x, weight, bias):
 
 
 def _logit_bound(x, weight, bias, columns):
-    """The float64 bound of a dot product of ``columns`` + 1 terms (``blocked``'s docstring), per logit:
+    """The float64 bound of a dot product of ``columns`` + 1 terms (``float64_product``'s docstring), per logit:
     gamma_(k+1) * (sum_j |x_j - c_j| |w_j| + |c . w + b|) <= gamma_(k+2) * (sum_j |x_j| |w_j| + 2 sum_j |c_j w_j| + |b|)."""
     u = 2.0**-53
     gamma = (columns + 2) * u / (1 - (columns + 2) * u)
