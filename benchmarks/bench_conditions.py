@@ -19,7 +19,7 @@ both; figures are medians over the repeats. Each repeat waits (up to 30 s) for a
 the machine, and the CPUs other processes used during it are printed (``/proc/stat``), to judge how
 idle "alone" was. A job still running after ``--limit`` seconds is stopped and shown as "> limit".
 
-Then the import time of ``lit_slowcal.experiments.cli`` next to ``import torch`` alone (fresh
+Then the import time of ``lit_slowcal.experiments.run.cli`` next to ``import torch`` alone (fresh
 interpreters, median; wall and CPU time), with ``import lightning.pytorch``, ``torchmetrics`` and
 ``torch._dynamo`` to show where the difference goes: ``import lightning.pytorch`` is the floor of
 any app on Lightning (it imports ``torch._dynamo`` in ``lightning.fabric.wrappers``, and
@@ -27,7 +27,7 @@ torchmetrics, which imports matplotlib.pyplot and, from 1.9, torchvision's model
 installed).
 
 ``--steps`` instead prints the measurement behind ``--threads auto``'s rule
-(``lit_slowcal/experiments/threads.py``): one local step of the model (``SimulatedMachines`` of
+(``lit_slowcal/experiments/run/threads.py``): one local step of the model (``SimulatedMachines`` of
 ``nn.Linear(784, 10)``, m machines x b samples, forward + backward + ``SlowcalSGD`` step) with 1
 and 2 threads, for m * b = 16 ... 262,144 samples per step, idle and beside the same competing
 process (paused with SIGSTOP for the idle samples, so idle and busy samples alternate). A sample
@@ -317,7 +317,7 @@ def _import_seconds(module: str) -> tuple[float, float, float, float]:
 
 
 def imports(repeats: int, setup: float) -> None:
-    modules = ("torch", "lit_slowcal.experiments.cli", "lightning.pytorch", "torchmetrics", "torch._dynamo",
+    modules = ("torch", "lit_slowcal.experiments.run.cli", "lightning.pytorch", "torchmetrics", "torch._dynamo",
                "matplotlib.pyplot")  # fmt: skip
     times: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modules}
     for _ in range(repeats):
@@ -338,7 +338,7 @@ def imports(repeats: int, setup: float) -> None:
           f"in it torch._dynamo {cpu_of['torch._dynamo']:.2f} s (lightning.fabric.wrappers imports it, whatever else is "
           f"installed) and torchmetrics (Lightning imports it; it imports matplotlib.pyplot, {med['matplotlib.pyplot'][3]:.2f} s "
           f"alone, and since 1.9 torchvision's models, which import torch._dynamo first); lit_slowcal's own share "
-          f"(the cli against lightning.pytorch): cpu {cpu_of['lit_slowcal.experiments.cli'] - cpu_of['lightning.pytorch']:+.2f} s")  # fmt: skip
+          f"(the cli against lightning.pytorch): cpu {cpu_of['lit_slowcal.experiments.run.cli'] - cpu_of['lightning.pytorch']:+.2f} s")  # fmt: skip
     if math.isfinite(setup):
         print(f"  the default job, from starting the process to its first training step: {setup:.2f} s, "
               f"{setup - torch_ready:+.2f} s against starting a process that imports torch (goal <= "

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lit_slowcal.experiments.mnist import load_mnist  # noqa: E402
-from lit_slowcal.experiments.objective import affine_rows  # noqa: E402
-from lit_slowcal.experiments.rounds import cross_entropy  # noqa: E402
+from lit_slowcal.experiments.data.mnist import load_mnist  # noqa: E402
+from lit_slowcal.experiments.measure.objective import affine_rows  # noqa: E402
+from lit_slowcal.experiments.train.rounds import cross_entropy  # noqa: E402
 
 
 def best_ms(fn, calls: int, repeats: int) -> float:

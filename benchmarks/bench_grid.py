@@ -27,7 +27,7 @@ evaluations of 10,000 x 784 in the 45 runs. The minimal loop does the same evalu
 apart (column ``+evals``), and a second ratio compares against the loop with them. By default the
 runs also log the training objective f(x) at every evaluation (one product of the 60,000
 training images, 6x a test evaluation) and the per-round diagnostics
-(``lit_slowcal.experiments.diagnostics``); the minimal loop computes f at the same evaluations too,
+(``lit_slowcal.experiments.measure.diagnostics``); the minimal loop computes f at the same evaluations too,
 timed apart (column ``+obj.``).
 
 The runner runs the grid twice (``--variants``): ``bare``, with ``--objective=false
@@ -109,7 +109,7 @@ def run_sweep(
 
 def _settings(method: str, local_steps: int) -> tuple[int, int, float]:
     """(steps per round, per-step batch, lr) of a method with b = 1, as the CLI links them."""
-    from lit_slowcal.experiments.methods import get_method
+    from lit_slowcal.experiments.train.methods import get_method
 
     entry = get_method(method)
     return entry.steps_per_round(local_steps), entry.per_step_batch(local_steps, 1), entry.paper_lr
@@ -119,9 +119,9 @@ def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mni
     """One run of the minimal loop; returns (seconds without the intermediate evaluations, seconds of
     the intermediate evaluations, final test accuracy, final test loss, rounds, seconds of the
     training objective at every evaluation, the final one included)."""
-    from lit_slowcal.experiments.data import MachineStreams, num_rounds
-    from lit_slowcal.experiments.model import official_init
-    from lit_slowcal.experiments.partition import partition
+    from lit_slowcal.experiments.data.datamodule import MachineStreams, num_rounds
+    from lit_slowcal.experiments.data.partition import partition
+    from lit_slowcal.experiments.train.model import official_init
     from lit_slowcal.optimizer import SlowcalSGD
 
     x, y, test_x, test_y = mnist
@@ -243,7 +243,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
 
-    from lit_slowcal.experiments.data import load_mnist
+    from lit_slowcal.experiments.data.datamodule import load_mnist
     from lit_slowcal.experiments.sweep.spec import load_sweep
     from lit_slowcal.experiments.sweep.trials import expand_trials
 

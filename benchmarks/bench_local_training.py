@@ -74,7 +74,7 @@ _ENV_AT_START = dict(os.environ)
 
 def make_data(num_machines: int, local_steps: int, batch_size: int, root: str):
     """An ProblemDataModule set up as a single-process Trainer would, and the seconds that took."""
-    from lit_slowcal.experiments.data import ProblemDataModule
+    from lit_slowcal.experiments.data.datamodule import ProblemDataModule
 
     start = time.perf_counter()
     data = ProblemDataModule(
@@ -165,7 +165,7 @@ def lightning_epoch(data, local_steps: int, lr: float = LR, device: str = "cpu")
     """One epoch through Trainer.fit; returns (epoch seconds, fit seconds, steps, W, bias)."""
     from lightning.pytorch import Trainer
 
-    from lit_slowcal.experiments.model import MachinesModel
+    from lit_slowcal.experiments.train.model import MachinesModel
     from lit_slowcal.strategy import PeriodicAveragingStrategy
 
     device = torch.device(device)

@@ -24,9 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lit_slowcal.experiments.data import ProblemDataModule  # noqa: E402
-from lit_slowcal.experiments.objective import Objective, heterogeneity  # noqa: E402
-from lit_slowcal.experiments.optimum import optimum  # noqa: E402
+from lit_slowcal.experiments.data.datamodule import ProblemDataModule  # noqa: E402
+from lit_slowcal.experiments.measure.objective import Objective, heterogeneity  # noqa: E402
+from lit_slowcal.experiments.measure.optimum import optimum  # noqa: E402
 
 
 def load() -> str:

@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# The test folders mirror the package (core/, experiments/, experiments/sweep/). Test modules and the helper
+# The test folders mirror the package (core/, experiments/ and its rooms: run/, train/, data/, measure/,
+# analysis/, sweep/). Test modules and the helper
 # scripts import helpers from one another by module name (``from test_stacked import grid_file``), so every
 # folder is on sys.path whichever file runs first; test file basenames are unique across the folders.
 TESTS = Path(__file__).resolve().parent
-FOLDERS = [str(TESTS / folder) for folder in ("core", "experiments", "experiments/sweep")]
+ROOMS = ("run", "train", "data", "measure", "analysis", "sweep")
+FOLDERS = [str(TESTS / folder) for folder in ("core", "experiments", *(f"experiments/{room}" for room in ROOMS))]
 sys.path[:0] = [folder for folder in FOLDERS if folder not in sys.path]
 
 CUDA_SKIP_REASON = "needs CUDA (torch.cuda.is_available() is False)"

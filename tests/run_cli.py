@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lit_slowcal.experiments.model import MachinesModel
+from lit_slowcal.experiments.train.model import MachinesModel
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce", "gather")
 calls: Counter = Counter()
@@ -82,7 +82,7 @@ if os.environ.get("KILL"):
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 
-from lit_slowcal.experiments.cli import SlowcalCLI  # noqa: E402
+from lit_slowcal.experiments.run.cli import SlowcalCLI  # noqa: E402
 
 out = Path(sys.argv[1])
 try:

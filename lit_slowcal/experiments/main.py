@@ -51,15 +51,15 @@ def _command(argv: list[str], args: Optional[list[str]]) -> Callable[[], None]:
         if argv[0] == "sweep":
             from lit_slowcal.experiments.sweep import main as command_main
         elif argv[0] == "report":
-            from lit_slowcal.experiments.report import main as command_main
+            from lit_slowcal.experiments.analysis.report import main as command_main
         else:
-            from lit_slowcal.experiments.tune import main as command_main
+            from lit_slowcal.experiments.analysis.tune import main as command_main
 
         def exit_with_status() -> None:
             raise SystemExit(command_main(argv[1:]))
 
         return exit_with_status
-    from lit_slowcal.experiments.cli import run
+    from lit_slowcal.experiments.run.cli import run
 
     return lambda: run(args)
 

@@ -1,5 +1,5 @@
 """The package's layers: ``import lit_slowcal`` loads no experiment dependency, no core module imports the
-app, and there are no import cycles."""
+app, the app's rooms point one way, and there are no import cycles."""
 
 import subprocess
 import sys
@@ -22,10 +22,14 @@ def test_import_lit_slowcal_loads_no_experiment_dependency():
     assert proc.stdout.strip() == "[]"
 
 
-def test_no_core_module_imports_the_app_and_there_are_no_cycles():
+def _import_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports (at the top or in a function)."""
     import ast
 
     package = REPO / "lit_slowcal"
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in package.rglob("*.py")
+    }
     graph = {}
     for path in package.rglob("*.py"):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
@@ -36,15 +40,12 @@ def test_no_core_module_imports_the_app_and_there_are_no_cycles():
                 deps.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
-        graph[module] = {
-            d
-            for d in deps
-            if d
-            in {
-                ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-                for p in package.rglob("*.py")
-            }
-        }
+        graph[module] = deps & modules
+    return graph
+
+
+def test_no_core_module_imports_the_app_and_there_are_no_cycles():
+    graph = _import_graph()
     core = [m for m in graph if not m.startswith("lit_slowcal.experiments") and m != "lit_slowcal.__main__"]
     wrong = {m: sorted(d for d in graph[m] if d.startswith("lit_slowcal.experiments")) for m in core}
     assert not any(wrong.values()), f"core modules import the app: {wrong}"
@@ -58,3 +59,23 @@ def test_no_core_module_imports_the_app_and_there_are_no_cycles():
 
     for m in graph:
         visit(m, [])
+
+
+# The app's rooms (lit_slowcal/experiments/), from the ground up: a room imports only rooms below it.
+ROOMS = ["_lightning", "print_once", "train", "data", "measure", "run", "sweep", "analysis", "main"]
+
+
+def test_the_apps_rooms_point_one_way():
+    def room(module: str) -> str:
+        return module.removeprefix("lit_slowcal.experiments.").split(".")[0]
+
+    graph = _import_graph()
+    app = [m for m in graph if m.startswith("lit_slowcal.experiments.")]
+    assert {room(m) for m in app} == set(ROOMS), "a room was added or renamed: place it in ROOMS"
+    upward = sorted(
+        f"{m} -> {d}"
+        for m in app
+        for d in graph[m]
+        if d.startswith("lit_slowcal.experiments.") and ROOMS.index(room(d)) > ROOMS.index(room(m))
+    )
+    assert not upward, "imports that run up the app's rooms:\n" + "\n".join(upward)

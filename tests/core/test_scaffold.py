@@ -1,6 +1,6 @@
 """Scaffold (SCAFFOLD, option II): control variates per machine and never averaged, the server step,
 what is communicated, state and errors. Its float64 reference over several rounds is in
-tests/experiments/test_methods.py (every method of the registry)."""
+tests/experiments/train/test_methods.py (every method of the registry)."""
 
 import pytest
 import torch

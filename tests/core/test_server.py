@@ -314,8 +314,8 @@ def test_trainer_and_fabric_strategies_take_the_server_options(name, tmp_path):
 def test_the_app_takes_diloco_server_options_participation_and_non_linear_models(tmp_path):
     """``fit --method=diloco --participation=0.5 --model.arch=mlp``: the run's averager takes DiLoCo's outer
     Nesterov step over half the machines a round; the stacked engine runs such trials one at a time, saying why."""
-    from lit_slowcal.experiments.model import MachinesModel
     from lit_slowcal.experiments.sweep.stacked import stackable
+    from lit_slowcal.experiments.train.model import MachinesModel
 
     base = {"trainer": {"max_epochs": 1, "devices": 1, "accelerator": "cpu", "strategy": "periodic_averaging"}}
     assert stackable({**base, "method": "slowcal", "model": {}}) is None

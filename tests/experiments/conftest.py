@@ -4,7 +4,7 @@ import pytest
 import torch
 from in_process import command
 
-from lit_slowcal.experiments.model import MachinesModel
+from lit_slowcal.experiments.train.model import MachinesModel
 
 
 @pytest.fixture()

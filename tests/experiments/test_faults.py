@@ -14,7 +14,7 @@ BOUND_S = 60  # a crashed peer ends the whole job within this (measured: a few s
 
 @pytest.mark.parametrize("method", ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold"])
 def test_divergence_stops_the_run_at_once_with_method_lr_and_round(tmp_path, monkeypatch, capsys, method):
-    from lit_slowcal.experiments.model import MachinesModel
+    from lit_slowcal.experiments.train.model import MachinesModel
 
     rounds = []
     step = MachinesModel.training_step

@@ -6,9 +6,9 @@ import torch
 from test_stacked import REPO, grid_file, single_runs
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.experiments.sweep.contract import differences
+from lit_slowcal.experiments.train.model import MachinesModel
 
 ROUNDS = 7  # grid_file: --trainer.limit_train_batches=7, one epoch; AC-SA takes one step per round
 

@@ -20,7 +20,7 @@ from helpers import REPO, subprocess_env
 from in_process import RUN, command, error_line
 
 from lit_slowcal.experiments.main import DEBUG_ENV, main
-from lit_slowcal.experiments.model import MachinesModel
+from lit_slowcal.experiments.train.model import MachinesModel
 
 # ---------------------------------------------------------------------- unreadable checkpoints
 

@@ -19,7 +19,7 @@ The same YAML works both ways. With a W&B account, ``wandb sweep sweeps/lr.yaml`
 6. ``table``: the sweep ends with a markdown table (``summary_table``): the best ``model.lr`` per
    ``method`` when both are swept, otherwise every trial.
 
-Only ``checks``, ``single`` and ``stacked`` use the training CLI (``lit_slowcal.experiments.cli``), and only
+Only ``checks``, ``single`` and ``stacked`` use the training CLI (``lit_slowcal.experiments.run.cli``), and only
 when they check or run trials; the CLI never imports this package.
 """
 

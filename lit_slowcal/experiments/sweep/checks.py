@@ -38,7 +38,7 @@ class CommandLine:
     """
 
     def __init__(self) -> None:
-        from lit_slowcal.experiments.cli import SlowcalCLI
+        from lit_slowcal.experiments.run.cli import SlowcalCLI
 
         class _Built(Exception):
             pass
@@ -63,7 +63,7 @@ class CommandLine:
         Raises:
             ValueError: with the parser's message when the CLI refuses the arguments.
         """
-        from lit_slowcal.experiments.options import one_line_message
+        from lit_slowcal.experiments.run.options import one_line_message
 
         try:
             return self.parser.parse_args(list(args))
@@ -99,8 +99,8 @@ def _dumped_fit(parsed: Any) -> dict[str, Any]:
 
 def trial_identity_of(parsed: Any) -> str:
     """The identity digest of a trial's run from its parse (``CommandLine.parse``): everything that defines
-    its results (``lit_slowcal.experiments.identity.trial_identity``), the command and config included."""
-    from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
+    its results (``lit_slowcal.experiments.run.identity.trial_identity``), the command and config included."""
+    from lit_slowcal.experiments.run.identity import SEED_KEYS, trial_identity
 
     return identity_digest(trial_identity(_dumped_fit(parsed)), SEED_KEYS)
 
@@ -145,7 +145,7 @@ def _own_keys(name: str) -> Optional[frozenset[str]]:
     ``fit.data.seed`` and ``fit.model.seed``); ``None`` where they may (a source of a setting linked from several
     options, as K with the method, or a setting another option sets too), or ``name`` is not one key of the ``fit``
     section and of a run's identity (``model.lr``, ``checkpoint_every``, ``num_machines``)."""
-    from lit_slowcal.experiments.options import PARSE_LINKS
+    from lit_slowcal.experiments.run.options import PARSE_LINKS
 
     parts = name.split(".")
     if not (len(parts) == 1 or (len(parts) == 2 and parts[0] in ("model", "data", "trainer"))):
@@ -205,7 +205,7 @@ def check_by_parts(trials: list[tuple[dict[str, Any], list[str]]], make_args: An
     set in.
     It is the parse of the trial's own arguments (``tests/experiments/sweep/test_sweep.py`` compares them).
     """
-    from lit_slowcal.experiments.identity import SEED_KEYS, trial_identity
+    from lit_slowcal.experiments.run.identity import SEED_KEYS, trial_identity
 
     names = list(trials[0][0])
     candidates = {n: own for n in names if (own := _own_keys(n)) is not None}
@@ -280,7 +280,7 @@ def check_distinct(trials: list[dict[str, Any]], checked: dict[str, Any]) -> Non
     Raises:
         ValueError: naming both trials' differing values.
     """
-    from lit_slowcal.experiments.identity import RESULT_SETTINGS, may_change_on_resume
+    from lit_slowcal.experiments.run.identity import RESULT_SETTINGS, may_change_on_resume
 
     seen: dict[str, dict[str, Any]] = {}
     for params in trials:

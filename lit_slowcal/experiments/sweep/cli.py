@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Optional
 
 from lit_slowcal._validation import check_int, check_number
-from lit_slowcal.experiments.limits import available_memory
-from lit_slowcal.experiments.notes import once_per_sweep
+from lit_slowcal.experiments.data.limits import available_memory
+from lit_slowcal.experiments.print_once import once_per_sweep
+from lit_slowcal.experiments.run.threads import check_thread_count, usable_cpus
 from lit_slowcal.experiments.sweep import checks, output
 from lit_slowcal.experiments.sweep.runner import run_sweep
 from lit_slowcal.experiments.sweep.spec import load_sweep
 from lit_slowcal.experiments.sweep.trials import expand_trials, trial_args
 from lit_slowcal.experiments.sweep.workers import checking_pool, choose_workers
-from lit_slowcal.experiments.threads import check_thread_count, usable_cpus
 
 __all__ = ["main"]
 

@@ -10,7 +10,7 @@ A trial trained in a stacked group (``stacked``) and the same trial run alone (`
   f(x), the excess loss f(x) - f*, the dispersion and the step norms, and f*, G_*): the training objective
   of many evaluations is one float64 product over the training inputs (``objective.values``), whose
   value for one point depends on the others of the pass only within float64 rounding (bounded in
-  ``lit_slowcal.experiments.blocked``; measured on the paper grid: at most 1 ulp).
+  ``lit_slowcal.experiments.measure.float64_product``; measured on the paper grid: at most 1 ulp).
 
 ``differences`` and ``csv_differences`` check two records, or two ``metrics.csv`` files, of one trial by it.
 """

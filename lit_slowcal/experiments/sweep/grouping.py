@@ -105,7 +105,7 @@ def _mps() -> bool:
 
 def trial_problem(config: dict[str, Any]) -> Any:
     """The trial's problem, as its data module builds it (``data.problem``; ``None``: MNIST)."""
-    from lit_slowcal.experiments.problems import MNIST
+    from lit_slowcal.experiments.data.problems import MNIST
 
     problem = (config.get("data") or {}).get("problem")
     return MNIST() if problem is None else problem
@@ -130,7 +130,7 @@ def trial_bytes(config: dict[str, Any]) -> int:
     Its parameters, gradients and up to four optimizer-state copies of them, its sample indices for
     the epoch, and its slice of one round's gathered samples (twice: the gather and the step).
     """
-    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
 
     m, steps, b = config["num_machines"], config["data"]["steps_per_round"], config["data"]["batch_size"]
     problem = trial_problem(config)
@@ -243,7 +243,7 @@ def group_cost(group: list[StackedTrial]) -> float:
     train + 40, a step's fixed cost in machines' worth of work on a CPU: a lone M = 16 trial of 3,750 steps
     takes 1.9 s, one of a group of 6 0.65 s), and its trials' evaluations (``EVALUATION_COST`` each; the small
     M and K have the most)."""
-    from lit_slowcal.experiments.data import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
 
     c = group[0].config
     m, b = c["num_machines"], c["data"]["batch_size"]

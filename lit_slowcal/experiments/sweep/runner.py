@@ -22,14 +22,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_slowcal.experiments.limits import available_memory
+from lit_slowcal.experiments.data.limits import available_memory
+from lit_slowcal.experiments.run.threads import usable_cpus
 from lit_slowcal.experiments.sweep import checks
 from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
 from lit_slowcal.experiments.sweep.trials import trial_key
 from lit_slowcal.experiments.sweep.units import Unit, pending, run_unit
 from lit_slowcal.experiments.sweep.workers import WorkerChoice, choose_workers, run_in_workers, worker_pool
-from lit_slowcal.experiments.threads import usable_cpus
 
 __all__ = ["run_sweep"]
 

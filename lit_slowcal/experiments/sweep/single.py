@@ -24,7 +24,7 @@ __all__ = ["run_trial"]
 def _trial_environment() -> Iterator[None]:
     # LightningCLI warns when given args while sys.argv has some (ours: the sweep's); and the CLI
     # remembers its run folder version in the environment for its DDP children: each trial needs a fresh one.
-    from lit_slowcal.experiments.run_folder import RUN_VERSION_ENV
+    from lit_slowcal.experiments.run.run_folder import RUN_VERSION_ENV
 
     argv = sys.argv
     sys.argv = argv[:1]
@@ -52,7 +52,7 @@ def _trial_cli() -> Any:
     depend on nothing but the class, so the first trial of the process builds them and the next
     ones reuse them. Each trial still parses its own arguments (and reads its config file) afresh.
     """
-    from lit_slowcal.experiments.cli import SlowcalCLI
+    from lit_slowcal.experiments.run.cli import SlowcalCLI
 
     built: dict[str, dict[str, Any]] = {}
 
@@ -104,7 +104,7 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.experiments.rounds import trial_status
+    from lit_slowcal.experiments.train.rounds import trial_status
 
     trial_cli = _trial_cli()
     trial_cli.last = None

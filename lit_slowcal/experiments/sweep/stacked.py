@@ -12,7 +12,7 @@ T x M simulated machines in one process, one step at a time, without a Trainer:
   method's own factory with one parameter group per learning rate, and its own ``PeriodicAverager``
   over its trials' ``SimulatedMachines`` (each trial averaged over its own M machines);
 * each trial's steps draw the samples its single run draws (its own split and ``MachineStreams``);
-* a block ends its rounds with the single run's own pieces of a round (``lit_slowcal.experiments.rounds``:
+* a block ends its rounds with the single run's own pieces of a round (``lit_slowcal.experiments.train.rounds``:
   the finiteness check, the train-loss log) and evaluates every ``eval_every`` rounds and after the
   last: its trials' averaged models, whose test metrics and training objective wait until ``POINTS_PER_PASS``
   evaluations need them (or the group ends): one pass over the test set (``objective.affine_rows``, each point's
@@ -43,18 +43,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lit_slowcal.experiments.rounds import (
-    add_round_loss,
-    diverged_trials,
-    divergence,
-    epoch_values,
-    evaluation_row,
-    mean_train_loss,
-    round_losses,
-    swap_outputs,
-    train_row,
-    trial_status,
-)
 from lit_slowcal.experiments.sweep.grouping import (
     StackedTrial,
     balance_groups,
@@ -74,6 +62,18 @@ from lit_slowcal.experiments.sweep.stacked_trial import (
     trial_logger,
     wandb_run,
 )
+from lit_slowcal.experiments.train.rounds import (
+    add_round_loss,
+    diverged_trials,
+    divergence,
+    epoch_values,
+    evaluation_row,
+    mean_train_loss,
+    round_losses,
+    swap_outputs,
+    train_row,
+    trial_status,
+)
 
 __all__ = [
     "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
@@ -88,7 +88,7 @@ POINTS_PER_PASS = 64
 
 def _num_batches(config: dict[str, Any], rounds: int) -> int:
     """The rounds of its epoch a trial trains: ``rounds`` under its ``trainer.limit_train_batches``."""
-    from lit_slowcal.experiments.shape import limited_rounds
+    from lit_slowcal.experiments.train.shape import limited_rounds
 
     return limited_rounds(rounds, config["trainer"].get("limit_train_batches"))
 
@@ -130,10 +130,10 @@ def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
 class _Group:
     """The trials of one group, trained as one stack of T x M machines (``run_group``): built from the
     trials' own data modules and models, then ``run``: every step of the epoch, each block's rounds
-    ended by the round's shared pieces (``lit_slowcal.experiments.rounds``), the trials' outcomes."""
+    ended by the round's shared pieces (``lit_slowcal.experiments.train.rounds``), the trials' outcomes."""
 
     def __init__(self, group: list[StackedTrial], config_text: Optional[Any]) -> None:
-        from lit_slowcal.experiments.methods import get_method
+        from lit_slowcal.experiments.train.methods import get_method
 
         self.start = time.perf_counter()
         # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
@@ -189,7 +189,7 @@ class _Group:
         """One stack of T * M machines; each trial's ``SimulatedMachines`` holds slices of it, and its
         ``.grad`` slices of the gradient buffers every step writes (allocating them afresh each step
         costs more than computing them: page faults and cold cache)."""
-        from lit_slowcal.experiments.model import MachinesModel
+        from lit_slowcal.experiments.train.model import MachinesModel
 
         M = self.M
         self.stack = stack = MachinesModel(
@@ -232,7 +232,7 @@ class _Group:
         """Each trial's ``Diagnostics`` (training objective, optimum, per-round diagnostics), built as the CLI
         builds it for every fit (what --objective / --diagnostics switch off it skips), on the trial's
         data module and model, with its block's averager and optimizer; the optimum's metrics at step 0."""
-        from lit_slowcal.experiments.cli import diagnostics_callback
+        from lit_slowcal.experiments.run.cli import diagnostics_callback
 
         self.diagnostics = [diagnostics_callback(t.config.get) for t in self.trials]
         on_device: dict[tuple, Any] = {}  # one copy of the inputs, and of each split's labels and weights
@@ -367,7 +367,7 @@ class _Group:
         """The evaluations waiting: their test metrics in one pass over the test set (``affine_rows``: each point's
         logits bit for bit its own product's), first in their rows as the single run logs them, and their training
         objective in one pass over the training inputs (``objective.values``); then every trial's rows written."""
-        from lit_slowcal.experiments.objective import affine_rows, values
+        from lit_slowcal.experiments.measure.objective import affine_rows, values
 
         if self.unscored:
             points = [p for _, _, p in self.unscored]
@@ -387,7 +387,7 @@ class _Group:
 
     def _finish(self) -> None:
         """Every trial's log saved and its outcome, as ``run_trial`` returns it, and final parameters."""
-        from lit_slowcal.experiments.run_folder import run_name
+        from lit_slowcal.experiments.run.run_folder import run_name
 
         wall = (time.perf_counter() - self.start) / self.T
         for i, t in enumerate(self.trials):

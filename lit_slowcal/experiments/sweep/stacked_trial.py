@@ -25,8 +25,8 @@ def data_and_model(config: dict[str, Any]) -> tuple[Any, Any]:
     """A trial's data module (set up) and model (configured), built by its single run's own classes."""
     from lightning.fabric.utilities.seed import seed_everything
 
-    from lit_slowcal.experiments.data import ProblemDataModule
-    from lit_slowcal.experiments.model import MachinesModel
+    from lit_slowcal.experiments.data.datamodule import ProblemDataModule
+    from lit_slowcal.experiments.train.model import MachinesModel
 
     data = ProblemDataModule(**{k: v for k, v in config["data"].items()})
     data.setup("fit")
@@ -41,8 +41,8 @@ def trial_logger(trial: StackedTrial, data: Any, config_text: Optional[Any]) -> 
     split's class counts and its ``config.yaml``."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_slowcal.experiments.class_distribution import write_class_counts
-    from lit_slowcal.experiments.run_folder import claim_version, run_name
+    from lit_slowcal.experiments.data.class_distribution import write_class_counts
+    from lit_slowcal.experiments.run.run_folder import claim_version, run_name
 
     name = run_name(trial.config.get)
     logger = CSVLogger(
@@ -61,7 +61,7 @@ def wandb_run(config: dict[str, Any], name: str, folder: str, history: list, fai
     step, in the sweep's W&B group; online or offline as a single run's (``run_folder.start_wandb``)."""
     import wandb
 
-    from lit_slowcal.experiments.run_folder import flat_config, start_wandb
+    from lit_slowcal.experiments.run.run_folder import flat_config, start_wandb
 
     kwargs = dict(
         project=config.get("wandb_project"), name=name, dir=folder, group=os.environ.get("WANDB_RUN_GROUP"),

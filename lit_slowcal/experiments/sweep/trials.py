@@ -77,7 +77,7 @@ def trial_key(params: dict[str, Any]) -> str:
 
 
 def identity_digest(identity: dict[str, Any], seed_keys: Sequence[str] = ()) -> str:
-    """A run's identity (``lit_slowcal.experiments.identity.trial_identity``) in short: ``<setting>-<seed>``, 16 and
+    """A run's identity (``lit_slowcal.experiments.run.identity.trial_identity``) in short: ``<setting>-<seed>``, 16 and
     8 hex digits of the sha256 of its settings but the ``seed_keys``, and of those. Runs that differ in their
     seed only share the first part (``setting_of``): the report averages over them."""
 

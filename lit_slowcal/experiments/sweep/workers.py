@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lit_slowcal.experiments.notes import in_worker, kept, record_warnings, say_again
+from lit_slowcal.experiments.print_once import in_worker, kept, record_warnings, say_again
 from lit_slowcal.experiments.sweep import output
 from lit_slowcal.experiments.sweep.units import Unit, run_unit
 

@@ -11,8 +11,8 @@ import pytest
 from test_lightning import lightning_has_tip
 from test_stacked import REPO, grid_file
 
-from lit_slowcal._lightning import LIGHTNING_INFO_LOGGERS
 from lit_slowcal.experiments import sweep as sw
+from lit_slowcal.experiments._lightning import LIGHTNING_INFO_LOGGERS
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, differences
 from lit_slowcal.experiments.sweep.workers import WORKER_BYTES, choose_workers
 
@@ -229,7 +229,7 @@ def test_each_repeated_line_is_printed_once_per_sweep(tmp_path, monkeypatch, cap
 
 
 def test_a_fit_alone_still_prints_its_note_and_its_summary_line(tmp_path, monkeypatch, capfd):
-    from lit_slowcal.experiments.cli import run
+    from lit_slowcal.experiments.run.cli import run
 
     monkeypatch.chdir(REPO)
     args = ["fit", "--config", "configs/paper.yaml", "--trainer.limit_train_batches=3", "--num_machines=4", "--local_steps=2",

@@ -10,10 +10,10 @@ import yaml
 from test_sweep import wandb_records
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.methods import TABLE1_METHODS
-from lit_slowcal.experiments.model import MachinesModel
 from lit_slowcal.experiments.sweep import grouping, stacked
 from lit_slowcal.experiments.sweep.contract import DIAGNOSTICS, csv_differences, differences
+from lit_slowcal.experiments.train.methods import TABLE1_METHODS
+from lit_slowcal.experiments.train.model import MachinesModel
 
 REPO = Path(__file__).resolve().parents[3]
 LRS = (0.01, 0.03)

@@ -18,7 +18,7 @@ import yaml
 from helpers import subprocess_env
 
 from lit_slowcal.experiments import sweep as sw
-from lit_slowcal.experiments.methods import METHODS, TABLE1_METHODS
+from lit_slowcal.experiments.train.methods import METHODS, TABLE1_METHODS
 
 REPO = Path(__file__).resolve().parents[3]
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -342,8 +342,8 @@ def test_results_file_keeps_its_permission_bits(tmp_path):
 @pytest.mark.parametrize(
     ("module", "absent"),
     [
-        ("lit_slowcal.experiments.sweep", "lit_slowcal.experiments.cli"),
-        ("lit_slowcal.experiments.cli", "lit_slowcal.experiments.sweep"),
+        ("lit_slowcal.experiments.sweep", "lit_slowcal.experiments.run.cli"),
+        ("lit_slowcal.experiments.run.cli", "lit_slowcal.experiments.sweep"),
     ],
 )
 @pytest.mark.slow
@@ -489,7 +489,7 @@ def test_sweep_killed_after_a_trial_resumes_without_losing_or_repeating_any(tmp_
 
 
 def test_failing_and_diverging_trials_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    from lit_slowcal.experiments.model import MachinesModel
+    from lit_slowcal.experiments.train.model import MachinesModel
 
     training_step = MachinesModel.training_step
     threads = []
@@ -626,7 +626,7 @@ def test_cli_run_started_by_the_wandb_agent_joins_the_agents_run(tmp_path):
 def test_ctrl_c_or_sigterm_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch, capsys, interrupt, code):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lit_slowcal.experiments.model import MachinesModel
+    from lit_slowcal.experiments.train.model import MachinesModel
 
     training_step = MachinesModel.training_step
 
@@ -658,7 +658,7 @@ def test_trials_build_the_cli_parsers_once_and_run_as_a_fresh_cli_would(tmp_path
     it is given the sweep check's parse of them (which it leaves unchanged) instead of parsing again."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lit_slowcal.experiments.cli import SlowcalCLI
+    from lit_slowcal.experiments.run.cli import SlowcalCLI
     from lit_slowcal.experiments.sweep import single
 
     monkeypatch.chdir(REPO)

@@ -1,0 +1,481 @@
+"""Figures and a table from a sweep's results: ``python -m lit_slowcal report sweeps/results/paper.jsonl --out docs/``.
+
+Reads the JSON-lines file written by ``lit_slowcal sweep`` and draws the paper's Figure 2 layout:
+final test accuracy (and test loss) against K, one panel per M, one line per method, the mean over
+seeds with a min-max band, K on a log2 axis. Writes ``<name>_accuracy.png``, ``<name>_loss.png``
+and ``<name>_results.md`` (rows M, K; per method mean ± std over seeds), ``<name>`` being the
+results file's stem. Only finished trials count; diverged and failed ones are listed under the table.
+
+When the trials logged an excess loss f(x) - f* (``lit_slowcal.experiments.measure.diagnostics``; runs with
+weight decay), the report adds ``<name>_excess_loss.png`` (final excess loss against K, log scale,
+one panel per M) and ``<name>_excess_rounds.png`` (excess loss against rounds, log scale, for one
+(M, K), every method: ``--curve M,K``, by default the largest M and K; read from each trial's
+``metrics.csv``), and the table gains the excess loss per method and G_* of each M's split (mean
+over seeds; G_* depends on the split, hence on M and the seed, not on K or the method).
+Each output is written atomically (``lit_slowcal.files``): a report stopped midway leaves the previous
+files whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lit_slowcal.experiments.train.methods import METHODS
+from lit_slowcal.files import atomic_path, atomic_write
+
+__all__ = ["Cell", "aggregate", "load_results", "main", "markdown_table", "plot_metric"]
+
+_KEYS = ("method", "num_machines", "local_steps")
+_SEED = "seed_everything"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (M, K, method) point: the final metric of every finished seed."""
+
+    values: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation over seeds (0 for a single seed)."""
+        return statistics.stdev(self.values) if self.n > 1 else 0.0
+
+
+class Record(dict):
+    """A trial record read from a results file, with where it was read (``where``: ``<file>, line <n>``)."""
+
+    where: str = ""
+
+
+def located(record: dict[str, Any], message: str) -> ValueError:
+    """``message`` about ``record``, preceded by the file and line it was read from (when it was read from one)."""
+    where = getattr(record, "where", "")
+    return ValueError(f"{where}: {message}" if where else message)
+
+
+def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The records of a results file (one JSON object a line), each checked to be a whole trial record, one per
+    trial: two records of one trial (its parameters and identity) with the same status and metrics count once
+    (files concatenated), with different ones are refused. Each is a ``Record`` that knows its line.
+
+    Raises:
+        ValueError: naming the file and the line that is not JSON or not a trial record, or the two lines of
+            one trial that disagree; or naming the file when it holds no record.
+
+    ``notes``: a list that gets a line saying how many repeated records were counted once, if any.
+    """
+    from lit_slowcal.experiments.sweep.results import check_record, duplicate_error, parse_line, same_values
+
+    records: dict[str, Record] = {}
+    lines: dict[str, int] = {}
+    repeated = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                try:
+                    parsed = parse_line(raw)
+                except ValueError as err:
+                    raise ValueError(f"{path}, line {n}: {err}; remove or repair that line") from None
+                wrong = check_record(parsed)
+                if wrong is not None:
+                    raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
+                record = Record(parsed)
+                record.where = f"{path}, line {n}"
+                key = _trial_of(record)
+                if key in records:
+                    if not same_values(records[key], record):
+                        raise duplicate_error(path, record, lines[key], n)
+                    repeated += 1
+                    continue
+                records[key], lines[key] = record, n
+    if not records:
+        raise ValueError(f"{path}: no trial records (the file is empty); give the results file a sweep wrote")
+    if repeated and notes is not None:
+        notes.append(
+            f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once"
+        )
+    return list(records.values())
+
+
+def _trial_of(record: dict[str, Any]) -> str:
+    """Which trial a record is: its run's identity (two spellings of one value, ``1e-2`` and ``0.01``, are one
+    run) and its parameters that are not part of it (``eval_every``); a record written before identities were
+    stored: its parameters and its arguments."""
+    from lit_slowcal.experiments.run.identity import RESULT_SETTINGS, may_change_on_resume
+    from lit_slowcal.experiments.sweep.trials import record_key
+
+    params = record["params"]
+    if record.get("identity") is None:
+        return record_key(params, json.dumps(record.get("args")))
+    return record_key(
+        {k: v for k, v in params.items() if may_change_on_resume(k) and k not in RESULT_SETTINGS}, record["identity"]
+    )
+
+
+def cell_of(record: dict[str, Any], needed: str) -> tuple[str, int, int]:
+    """``(method, M, K)`` of a record's parameters.
+
+    Raises:
+        ValueError: naming the record's file and line when one is missing or not of its type (``needed``: why
+            the caller needs them).
+    """
+    p = record["params"]
+    missing = [k for k in _KEYS if k not in p]
+    if missing:
+        raise located(record, f"a trial lacks {', '.join(missing)} in its params ({p}); {needed}")
+    if not isinstance(p["method"], str):
+        raise located(record, f"method is {p['method']!r}, expected a method's name")
+    return p["method"], _whole(record, "num_machines"), _whole(record, "local_steps")
+
+
+def _whole(record: dict[str, Any], name: str) -> int:
+    value = record["params"][name]
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise located(record, f"{name} is {value!r}, expected an integer")
+    return int(value)
+
+
+def _flags(args: Sequence[str]) -> dict[str, str]:
+    """A record's command-line settings that define its run but its seed: ``{option: value}``, as given."""
+    from lit_slowcal.experiments.run.identity import SEED_KEYS, may_change_on_resume
+
+    flags: dict[str, str] = {}
+    tokens = list(args)
+    for i, token in enumerate(tokens):
+        if not token.startswith("--"):
+            continue
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else ""
+        if key not in SEED_KEYS and (key == "config" or not may_change_on_resume(key)):
+            flags[key] = flags[key] + " " + value if key == "config" and key in flags else value
+    return flags
+
+
+def _check_one_setting(
+    key: tuple[int, int, str],
+    records: list[dict[str, Any]],
+    varies: Sequence[str] = (),
+    averages: str = "the report averages",
+) -> None:
+    """Refuse a point whose records were run with different settings (not only another seed): by their stored
+    identities (``sweep.trials.setting_of``; not when a setting ``varies`` among them), and by their arguments
+    (but the options that ``varies`` names)."""
+    from lit_slowcal.experiments.sweep.trials import setting_of
+
+    where = f"M={key[0]}, K={key[1]}, {key[2]}"
+    advice = f"{averages} over seeds only; give each setting its own results file (sweep --results) or remove the old records"
+    by_args: dict[str, dict[str, str]] = {}
+    for r in records:
+        flags = {k: v for k, v in _flags(r.get("args") or []).items() if k not in varies}
+        by_args.setdefault(json.dumps(flags, sort_keys=True), flags)
+    if len(by_args) > 1:
+        first, *others = by_args.values()
+        other = others[0]
+        diff = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+        shown = "; ".join(
+            f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4]
+        )
+        raise ValueError(f"the trials at {where} were run with different command lines ({shown}): {advice}")
+    settings = {setting_of(r["identity"]) for r in records if r.get("identity")}
+    if len(settings) > 1 and not varies:
+        raise ValueError(
+            f"the trials at {where} were run with different settings (the same arguments, {len(settings)} identities: "
+            f"a config file changed in between?): {advice}"
+        )
+
+
+def _methods(found: Sequence[str]) -> list[str]:
+    """The methods found: the registry's in its order, then any others by name."""
+    return [m for m in METHODS if m in found] + sorted(m for m in set(found) if m not in METHODS)
+
+
+def _label(method: str) -> str:
+    return METHODS[method].label if method in METHODS else method
+
+
+def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int, str], Cell]:
+    """``{(M, K, method): Cell}`` of ``metric`` over the finished trials (seeds).
+
+    Raises:
+        ValueError: when a record lacks method, num_machines or local_steps, or when a parameter other
+            than the seed varies within one (M, K, method) point (e.g. a learning-rate sweep).
+    """
+    groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        method, m, k = cell_of(r, "the report plots against M and K")
+        groups.setdefault((m, k, method), []).append(r)
+    cells = {}
+    for key, rs in groups.items():
+        for name in {k for r in rs for k in r["params"]} - {*_KEYS, _SEED}:
+            values = {json.dumps(r["params"].get(name)) for r in rs}
+            if len(values) > 1:
+                raise ValueError(
+                    f"{name} takes several values ({', '.join(sorted(values))}) at M={key[0]}, K={key[1]}, "
+                    f"{key[2]}: the report averages over seeds only; keep one value of {name}"
+                )
+        _check_one_setting(key, rs)
+        values = [r.get("metrics", {}).get(metric) for r in rs if r.get("status") == "finished"]
+        values = [float(v) for v in values if v is not None and math.isfinite(v)]
+        if values:
+            cells[key] = Cell(tuple(values))
+    return cells
+
+
+def plot_metric(
+    cells: dict[tuple[int, int, str], Cell], ylabel: str, title: str, path: str | Path, log_y: bool = False
+) -> None:
+    """Metric against K (log2 axis), one panel per M, mean line and min-max band per method.
+
+    The figure's format is the suffix of ``path`` (PNG without one); the file is replaced atomically.
+    ``log_y``: a logarithmic metric axis (excess losses).
+    """
+    from matplotlib.figure import Figure
+
+    ms = sorted({m for m, _, _ in cells})
+    ks = sorted({k for _, k, _ in cells})
+    methods = _methods([method for _, _, method in cells])
+    fig = Figure(figsize=(4.2 * len(ms), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(ms), sharey=True, squeeze=False)[0]
+    for ax, m in zip(axes, ms):
+        for method in methods:
+            points = [(k, cells[m, k, method]) for k in ks if (m, k, method) in cells]
+            if not points:
+                continue
+            x = [k for k, _ in points]
+            # A method outside the registry takes the next colour of matplotlib's cycle.
+            color = METHODS[method].color if method in METHODS else None
+            (line,) = ax.plot(x, [c.mean for _, c in points], marker="o", color=color, label=_label(method))
+            ax.fill_between(
+                x, [min(c.values) for _, c in points], [max(c.values) for _, c in points], color=line.get_color(),
+                alpha=0.2, lw=0,
+            )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
+        ax.set_title(f"M = {m}")
+        ax.set_xlabel("K (local steps per round)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize="small")
+    n = max((c.n for c in cells.values()), default=0)
+    fig.suptitle(f"{title} (mean over {n} seeds, band: min to max)")
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    # The temporary file's suffix is not the target's: the format is given, not inferred.
+    fmt = Path(path).suffix[1:].lower() or "png"
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=fmt)
+
+
+def split_cells(records: list[dict[str, Any]], metric: str) -> dict[int, Cell]:
+    """``{M: Cell}`` of a per-split metric (``G_star``): one value per (M, seed), whatever K or the method."""
+    by_split: dict[tuple[int, str], float] = {}
+    for r in records:
+        p, v = r.get("params", {}), r.get("metrics", {}).get(metric)
+        if r.get("status") == "finished" and v is not None and math.isfinite(v) and "num_machines" in p:
+            by_split.setdefault((_whole(r, "num_machines"), json.dumps(p.get(_SEED), sort_keys=True)), float(v))
+    cells: dict[int, list[float]] = {}
+    for (m, _), v in sorted(by_split.items()):
+        cells.setdefault(m, []).append(v)
+    return {m: Cell(tuple(vs)) for m, vs in cells.items()}
+
+
+def excess_curves(records: list[dict[str, Any]], m: int, k: int) -> dict[str, list[tuple[float, float]]]:
+    """``{method: [(round, mean excess loss over seeds), ...]}`` at (M, K), from each finished trial's ``metrics.csv``."""
+    import csv
+
+    per_method: dict[str, dict[float, list[float]]] = {}
+    for r in records:
+        p = r.get("params", {})
+        if (
+            r.get("status") != "finished"
+            or (p.get("num_machines"), p.get("local_steps")) != (m, k)
+            or not r.get("run_dir")
+        ):
+            continue
+        path = Path(r["run_dir"]) / "metrics.csv"
+        if not path.exists():
+            continue
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("excess_loss") and row.get("round"):
+                    per_method.setdefault(str(p["method"]), {}).setdefault(float(row["round"]), []).append(
+                        float(row["excess_loss"])
+                    )
+    return {
+        method: [(rnd, statistics.fmean(vs)) for rnd, vs in sorted(points.items())]
+        for method, points in per_method.items()
+    }
+
+
+def plot_excess_rounds(curves: dict[str, list[tuple[float, float]]], m: int, k: int, path: str | Path) -> None:
+    """Excess loss against rounds (log scale), one line per method."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.2, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for method in _methods(list(curves)):
+        points = curves[method]
+        color = METHODS[method].color if method in METHODS else None
+        ax.plot([r for r, _ in points], [v for _, v in points], marker=".", color=color, label=_label(method))
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("excess loss f(x) - f*")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"Excess loss against rounds, M = {m}, K = {k} (mean over seeds)")
+    _save(fig, path)
+
+
+def markdown_table(
+    acc: dict[tuple[int, int, str], Cell],
+    loss: dict[tuple[int, int, str], Cell],
+    skipped: Sequence[str] = (),
+    excess: Optional[dict[tuple[int, int, str], Cell]] = None,
+    g_star: Optional[dict[int, Cell]] = None,
+) -> str:
+    """Rows (M, K); per method the test accuracy and test loss as mean ± std over seeds (best accuracy in bold),
+    and, when given, the excess loss per method and G_* of the row's split (per M)."""
+    keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
+    methods = _methods([method for _, _, method in [*acc, *loss]])
+    labels = [_label(m) for m in methods]
+    header = [
+        "M",
+        "K",
+        *(["G_*"] if g_star else []),
+        *(f"{lab} acc" for lab in labels),
+        *(f"{lab} loss" for lab in labels),
+    ]
+    if excess:
+        header += [f"{lab} excess loss" for lab in labels]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def cell(c: Optional[Cell], bold: bool = False, fmt: str = ".4f") -> str:
+        if c is None:
+            return "n/a"
+        text = f"{c.mean:{fmt}} ± {c.std:{fmt}}"
+        return f"**{text}**" if bold else text
+
+    for m, k in keys:
+        accs = {method: acc.get((m, k, method)) for method in methods}
+        best = max((c.mean for c in accs.values() if c is not None), default=None)
+        row = [str(m), str(k)] + ([cell(g_star.get(m))] if g_star else [])
+        row += [cell(c, bold=c is not None and len(methods) > 1 and c.mean == best) for c in accs.values()]
+        row += [cell(loss.get((m, k, method))) for method in methods]
+        if excess:
+            row += [cell(excess.get((m, k, method)), fmt=".3e") for method in methods]
+        lines.append("| " + " | ".join(row) + " |")
+    seeds = sorted({c.n for c in acc.values()})
+    notes = [
+        "",
+        f"Final test accuracy and test loss after one epoch: mean ± sample std over {'/'.join(map(str, seeds))} seeds "
+        "(bold: the best mean accuracy of the row).",
+    ]
+    if excess or g_star:
+        notes.append(
+            "Excess loss: f(x) - f* of the final x on the training objective (every machine's shard, weight decay "
+            "included); G_*: sqrt(2 (1/M) sum_i ||grad f_i(x*)||^2) of the split, per M (mean ± std over seeds)."
+        )
+    if skipped:
+        notes.append(f"Not counted ({len(skipped)}): " + "; ".join(skipped) + ".")
+    return "\n".join(lines + notes) + "\n"
+
+
+def _curve_choice(text: Optional[str], excess: dict[tuple[int, int, str], Cell]) -> Optional[tuple[int, int]]:
+    """(M, K) of the rounds figure: ``--curve M,K``, else the largest M, then K, with an excess loss."""
+    if text is None:
+        return max(((m, k) for m, k, _ in excess), default=None)
+    try:
+        m, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"Invalid --curve: {text!r} (must be M,K, two integers, e.g. 64,64)") from None
+    return m, k
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lit_slowcal report RESULTS.jsonl [--out DIR] [--name NAME]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_slowcal report",
+        description="Plot test accuracy and loss against K (one panel per M, one line per method) and write a "
+        "markdown table, from a sweep's results file.",
+    )
+    parser.add_argument("results", type=Path, help="JSON-lines file written by `lit_slowcal sweep`")
+    parser.add_argument("--out", type=Path, default=Path("docs"), help="output folder (default: docs)")
+    parser.add_argument("--name", help="file name prefix (default: the results file's stem)")
+    parser.add_argument(
+        "--curve",
+        help="M,K of the excess-loss-against-rounds figure (default: the largest M and K with an excess loss)",
+    )
+    opts = parser.parse_args(argv)
+    name = opts.name or opts.results.stem
+    try:
+        notes: list[str] = []
+        records = load_results(opts.results, notes)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr)
+        acc = aggregate(records, "test_acc")
+        loss = aggregate(records, "test_loss")
+        excess = aggregate(records, "excess_loss")
+        g_star = split_cells(records, "G_star")
+        curve = _curve_choice(opts.curve, excess)
+    except (OSError, ValueError) as err:
+        print(f"lit_slowcal report: error: {err}", file=sys.stderr)
+        return 2
+    if not acc:
+        print(f"lit_slowcal report: error: no finished trial with test_acc in {opts.results}", file=sys.stderr)
+        return 2
+    skipped = [
+        f"{r['params'].get('method')} M={r['params'].get('num_machines')} K={r['params'].get('local_steps')} "
+        f"seed={r['params'].get(_SEED)} {r.get('status')}"
+        for r in records
+        if r.get("status") != "finished"
+    ]
+    opts.out.mkdir(parents=True, exist_ok=True)
+    paths = [opts.out / f"{name}_accuracy.png", opts.out / f"{name}_loss.png", opts.out / f"{name}_results.md"]
+    plot_metric(acc, "final test accuracy", "MNIST test accuracy against K", paths[0])
+    plot_metric(loss, "final test loss", "MNIST test loss against K", paths[1])
+    table = markdown_table(acc, loss, skipped, excess=excess, g_star=g_star)
+    head = f"# Results of {opts.results.name}\n\n![test accuracy]({paths[0].name})\n\n![test loss]({paths[1].name})\n\n"
+    if excess:
+        figures = [opts.out / f"{name}_excess_loss.png"]
+        plot_metric(excess, "final excess loss f(x) - f*", "Excess loss against K", figures[0], log_y=True)
+        curves = excess_curves(records, *curve) if curve else {}
+        if curves:
+            figures.append(opts.out / f"{name}_excess_rounds.png")
+            plot_excess_rounds(curves, *curve, figures[1])
+        head += "".join(f"![{f.stem.removeprefix(name + '_').replace('_', ' ')}]({f.name})\n\n" for f in figures)
+        paths[2:2] = figures
+    wall = sum(float(r.get("wall_time_s") or 0.0) for r in records)
+    finished = sum(r.get("status") == "finished" for r in records)
+    tail = (
+        f"\n{len(records)} trials ({finished} finished), {wall / 60:.1f} min of training in all. "
+        f"Made by `python -m lit_slowcal report {opts.results.as_posix()} --out {opts.out.as_posix()}`.\n"
+    )
+    with atomic_write(paths[-1], encoding="utf-8") as f:
+        f.write(head + table + tail)
+    print(table)
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0

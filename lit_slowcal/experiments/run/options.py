@@ -1,0 +1,203 @@
+"""The training CLI's command line: its options, the settings linked from them, and one-line refusals.
+
+The four experiment settings live at the top level of the config, each in one place: ``method``,
+``num_machines`` (M), ``local_steps`` (K) and ``batch_size`` (b). While the command line is parsed,
+the settings that follow from them are linked into the model, the data and the trainer
+(``PARSE_LINKS``): the data module's per-step batch and steps per round (as the methods registry maps
+K, ``lit_slowcal.experiments.train.shape``), the evaluation interval and the seeds. A refusal is one line,
+``lit_slowcal: error: <field, value and what is allowed>`` (``OneLineErrorParser``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from jsonargparse import ActionConfigFile
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lit_slowcal._validation import check_int, is_int
+from lit_slowcal.experiments.run.threads import THREADS_TYPE
+from lit_slowcal.experiments.train.methods import method_names
+from lit_slowcal.experiments.train.shape import per_step_batch, steps_per_round
+
+__all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
+
+_LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
+
+
+_UNION = re.compile(
+    r'^Parser key "(?P<key>[^"]+)":.*Does not validate against any of the Union subtypes Subtypes: \[(?P<types>.*?)\] Errors:.*Given value: (?P<value>.*)$'
+)
+_TYPE_NAMES = {"<class 'float'>": "a number", "<class 'int'>": "an integer", "<class 'NoneType'>": "null", "<class 'bool'>": "true or false",
+               "<class 'str'>": "a string"}  # fmt: skip
+
+
+def one_line_message(message: Any) -> str:
+    """A refusal of the parser on one line: without the name of the link function that checked the value, and
+    a value none of a Union's types takes as ``key: value is not <the types>``."""
+    return _short_union_error(" ".join(_LINK_PREFIX.sub("", str(message)).split()))
+
+
+def _short_union_error(message: str) -> str:
+    """jsonargparse's refusal of a value none of a Union's types takes, as ``key: value is not <the types>``."""
+    match = _UNION.match(message)
+    if match is None:
+        return message
+    allowed = []
+    for part in re.findall(r"typing\.Literal\[[^\]]*\]|<class '[^']*'>", match["types"]):
+        if part.startswith("typing.Literal"):
+            allowed.append("one of " + part[len("typing.Literal[") : -1])
+        elif part == "<class 'lit_slowcal.experiments.data.problems.Problem'>":
+            from lit_slowcal.experiments.data.problems import PROBLEMS
+
+            allowed.append(f"a problem ({', '.join(PROBLEMS)}, or a Problem's import path)")
+        else:
+            allowed.append(_TYPE_NAMES.get(part, part.replace("<class '", "").replace("'>", "")))
+    return f"{match['key']}: {match['value']!r} is not {' or '.join(allowed)}"
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser whose refusals are one line, ``lit_slowcal: error: <message>`` (exit status 2).
+
+    The message is jsonargparse's, without the usage it prints before it and without the name of the link
+    function that checked the value (the check's own message names the field, the value and what is
+    allowed). ``exit_on_error=False`` and jsonargparse's debug mode (``JSONARGPARSE_DEBUG``) keep
+    jsonargparse's own behaviour.
+    """
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, *args, **kwargs)
+        message = one_line_message(message)
+        prog = self.prog.replace(" [options]", "")
+        print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
+        self.exit(2)
+
+
+class ConfigFile(ActionConfigFile):
+    """``--config``: a file that is empty or not text is refused naming it (jsonargparse would say only
+    "Unexpected config:" or a decode error)."""
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Optional[str] = None) -> None:
+        path = Path(str(values))
+        if path.is_file():
+            data = path.read_bytes()
+            if not data.strip():
+                parser.error(f"--config {path}: the file is empty; a config file is YAML (key: value lines)")
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                parser.error(f"--config {path}: not a text file ({err}); a config file is YAML")
+        super().__call__(parser, cfg, values, option_string)
+
+
+# The link functions below check the settings while the command line is parsed: before anything is built.
+
+
+def _num_machines(num_machines: int) -> int:
+    return check_int("num_machines", num_machines)
+
+
+def _eval_every(eval_every: int) -> int:
+    # Rounds between evaluations; the run's shape caps it at one epoch once the problem's size is known
+    # (RunShape.val_check_interval).
+    return check_int("eval_every", eval_every)
+
+
+def _seed(seed: Any) -> int:
+    if not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(
+            f"Invalid seed_everything: {seed!r} (must be an integer from 0 to {2**32 - 1}: it seeds torch, numpy and the data split)"
+        )
+    return seed
+
+
+#: The settings linked from others while the command line is parsed: (sources, target, compute_fn or None).
+PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
+    ("method", "model.method", None),
+    ("num_machines", "model.num_machines", None),
+    ("num_machines", "data.num_machines", _num_machines),
+    (("method", "local_steps", "batch_size"), "data.batch_size", per_step_batch),
+    (("method", "local_steps"), "data.steps_per_round", steps_per_round),
+    ("eval_every", "trainer.val_check_interval", _eval_every),
+    ("seed_everything", "data.seed", _seed),
+    ("seed_everything", "model.seed", _seed),
+)
+#: The options other settings are computed from while parsing (``PARSE_LINKS``): a sweep checks every
+#: combination of their values (``lit_slowcal.experiments.sweep.checks``), any other option value by value.
+PARSE_LINK_SOURCES = frozenset(
+    n for sources, _, _ in PARSE_LINKS for n in ((sources,) if isinstance(sources, str) else sources)
+)
+
+
+def add_options(parser: LightningArgumentParser) -> None:
+    """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
+    parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
+    parser.add_argument("--num_machines", type=int, default=16, help="M, machines over all processes")
+    parser.add_argument("--local_steps", type=int, default=16, help="K, local steps per round")
+    parser.add_argument("--batch_size", type=int, default=1, help="b, samples per machine per local step")
+    parser.add_argument("--eval_every", type=int, default=10, help="rounds between test evaluations")
+    parser.add_argument("--run_dir", type=str, default="runs", help="folder of the CSV and W&B logs")
+    parser.add_argument(
+        "--checkpoint_every", type=int, default=10, help="rounds between checkpoints (last.ckpt; 0: epoch ends only)"
+    )
+    parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
+    parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
+    parser.add_argument(
+        "--diagnostics",
+        type=bool,
+        default=True,
+        help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
+    )
+    parser.add_argument(
+        "--step_every",
+        type=int,
+        default=10,
+        help="with --diagnostics: measure the per-step movement of x and w in every N-th round (0: never)",
+    )
+    parser.add_argument(
+        "--objective",
+        type=bool,
+        default=True,
+        help="log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)",
+    )
+    parser.add_argument(
+        "--optimum_tol",
+        type=float,
+        default=1e-8,
+        help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
+        "(MNIST, lambda = 1e-4: 5e-13)",
+    )
+    parser.add_argument(
+        "--cache_dir",
+        type=Optional[str],
+        default=None,
+        help="folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)",
+    )
+    parser.add_argument(
+        "--participation",
+        type=Optional[Union[int, float]],
+        default=None,
+        help="machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every "
+        "round from the seed; unset: all of them",
+    )
+    parser.add_argument(
+        "--threads",
+        type=THREADS_TYPE,
+        default="auto",
+        help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/run/threads.py; keeps "
+        "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
+    )
+    for sources, target, compute_fn in PARSE_LINKS:
+        parser.link_arguments(sources, target, compute_fn=compute_fn)
+    # The model's shape and loss are the problem's.
+    parser.link_arguments("data", "model.input_dim", compute_fn=lambda d: d.problem.input_dim, apply_on="instantiate")
+    parser.link_arguments(
+        "data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate"
+    )
+    parser.link_arguments("data", "model.loss", compute_fn=lambda d: d.problem.loss, apply_on="instantiate")

@@ -1,0 +1,194 @@
+"""The pieces of a method's round, defined once over a trial dimension T (a single run is T = 1).
+
+The single run (``model.MachinesModel`` in a Lightning ``Trainer``) and the stacked trials
+(``sweep.stacked``: T trials of one shape trained as T x M machines) both end a round and evaluate
+through these functions, so the two cannot drift apart:
+
+* ``round_losses`` and ``diverged_trials``: each trial's round loss, and the finiteness check of the
+  losses and parameters (one host sync when everything is finite); ``divergence`` the error that
+  stops a diverged trial, ``TrainingDiverged``, and ``trial_status`` the status a sweep records;
+* ``add_round_loss``, ``mean_train_loss`` and ``train_row``: the training loss averaged over the
+  rounds since the last log, and the row logged with it;
+* ``swap_outputs``: the optimizers whose trained model is not their query point exchange the two
+  around an evaluation;
+* ``cross_entropy``: the cross-entropy of a training step and of an evaluation;
+* ``test_loss``, ``epoch_mean``, ``epoch_value`` and ``evaluation_row``: an evaluation's metrics as
+  Lightning's epoch-level logging gives them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lit_slowcal.protocol import declared
+
+__all__ = [
+    "TrainingDiverged", "add_round_loss", "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
+    "epoch_values", "evaluation_row", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row",
+    "trial_status",
+]  # fmt: skip
+
+
+class TrainingDiverged(FloatingPointError):
+    """A run's training loss or parameters became non-finite (NaN or infinite) in a round.
+
+    A ``FloatingPointError``: code that catches those catches it too. A sweep records the trial as
+    ``diverged`` (``trial_status``); any other error is a failure.
+    """
+
+
+def trial_status(error: Optional[BaseException]) -> str:
+    """A sweep trial's status from how its training ended: ``finished`` (no error), ``diverged``
+    (``TrainingDiverged``) or ``failed`` (any other error)."""
+    if error is None:
+        return "finished"
+    return "diverged" if isinstance(error, TrainingDiverged) else "failed"
+
+
+def round_losses(losses: Tensor) -> Tensor:
+    """Each trial's round loss: ``losses`` ``(k, T, M)``, every step's per-machine losses of the round,
+    -> ``(T,)``, the mean over the round's steps and machines (each trial's ``(k, M)`` block reduced
+    contiguously, as the single run reduces its own)."""
+    return torch.stack([losses[:, i].clone().mean() for i in range(losses.shape[1])])
+
+
+def diverged_trials(round_loss: Tensor, params: Iterable[Tensor], trials: int) -> list[int]:
+    """The trials whose round loss or parameters are not finite (``[]`` when all are: one host sync).
+
+    Args:
+        round_loss: ``(T,)`` (or one value when T = 1), each trial's round loss.
+        params: tensors ``(T * M, ...)`` (or ``(T, ...)``), trial i's rows the i-th T-th of them.
+        trials: T.
+    """
+    rows = [p.detach() for p in params]
+    # A tensor is finite when its min and max are (aminmax propagates NaN): one pass without a boolean
+    # copy, several times faster than isfinite().all() on the stacked weights.
+    extremes = torch.stack([v for p in rows for v in torch.aminmax(p)])
+    if bool(torch.isfinite(round_loss).all() & torch.isfinite(extremes).all()):
+        return []
+    per_trial = torch.cat([torch.stack(torch.aminmax(p.reshape(trials, -1), dim=1), 1) for p in rows], 1)
+    finite = (torch.isfinite(round_loss.reshape(trials)) & torch.isfinite(per_trial).all(1)).tolist()
+    return [i for i, ok in enumerate(finite) if not ok]
+
+
+def divergence(round_loss: float, round_index: int, method: str, lr: float) -> TrainingDiverged:
+    """The error of a trial that diverged in round ``round_index`` (its loss there: ``round_loss``)."""
+    what = f"train loss {round_loss}" if not math.isfinite(round_loss) else "non-finite parameters"
+    return TrainingDiverged(
+        f"Training diverged: {what} in round {round_index} (method={method}, lr={lr}). Try a smaller lr."
+    )
+
+
+def add_round_loss(sums: Tensor, round_loss: Tensor) -> Tensor:
+    """The train-loss sums since the last log, ``(..., 2)`` (float64: the round losses' sum, the rounds),
+    with the rounds' losses ``round_loss`` ``(...)`` added; on the loss's device."""
+    loss = round_loss.detach().double()
+    return sums.to(loss.device) + torch.stack([loss, torch.ones_like(loss)], -1)
+
+
+def mean_train_loss(sums: Tensor) -> Tensor:
+    """The train loss logged: the mean round loss since the last log, ``(...)`` in float32, from the sums
+    ``(..., 2)`` of ``add_round_loss``."""
+    return (sums[..., 0] / sums[..., 1]).float()
+
+
+def train_row(
+    train_loss: Any, *, syncs: int, steps_per_round: int, batch_size: int, machines: int, rounds_done: int, floats: int
+) -> dict[str, Any]:
+    """The row logged with the train loss after round ``rounds_done``: the rounds so far (the
+    synchronisations), the samples all ``machines`` have drawn, and the floats they sent (``floats``
+    per machine)."""
+    return {
+        "train_loss": train_loss,
+        "round": float(syncs),
+        "samples_seen": float(steps_per_round * batch_size * machines * rounds_done),
+        "floats_communicated": float(floats * machines),
+    }
+
+
+def swap_outputs(optimizers: Iterable[Any]) -> None:
+    """Around an evaluation: an optimizer whose trained model is not its query point (AC-SA: x^ag, not
+    x^md) exchanges the two in the parameters (optimizer protocol: ``swap_output()``); called before
+    and after, it swaps back."""
+    for optimizer in optimizers:
+        swap = declared(optimizer).swap_output
+        if swap is not None:
+            swap()
+
+
+#: ``cross_entropy`` pads its samples to a multiple of this many: of every CPU's vector width in floats.
+_LANES = 64
+
+
+def cross_entropy(logits: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
+    """``F.cross_entropy(logits, y, reduction=reduction)`` of logits ``(n, classes)`` and labels ``(n,)``: the
+    negative log-likelihood of ``log_softmax`` over the classes, differentiable, with the classes laid along the
+    first dimension.
+
+    PyTorch's CPU ``log_softmax`` over a short last dimension (MNIST's 10 classes) takes one sample at a time:
+    1.5 ms for the 10,000 test samples. Over the first dimension it takes a vector of samples at a time: 0.2 ms.
+    Each sample's value comes from its own classes alone, in the same operations in the same order whatever
+    the other samples (the samples are padded with zeros to a multiple of ``_LANES``, so that none falls in the
+    kernel's scalar tail). On an AVX-512 CPU these are ``F.cross_entropy``'s values and gradients bit for bit
+    (``tests/experiments/train/test_rounds.py``); on others its sum over the classes may round differently. The
+    single run and the stacked trials both train and evaluate with it.
+    """
+    n = logits.shape[0]
+    log_p = torch.log_softmax(_ClassesFirst.apply(logits), 0)[:, :n].T
+    return F.nll_loss(log_p, y, reduction=reduction)
+
+
+class _ClassesFirst(torch.autograd.Function):
+    """Logits ``(n, classes)`` -> ``(classes, n + padding)``, zero-padded to a multiple of ``_LANES`` samples, whose
+    gradient goes back laid out as the logits (as ``F.cross_entropy``'s: the matmul before it reads that layout,
+    and its backward's bits depend on it)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor) -> Tensor:
+        ctx.n = logits.shape[0]
+        return F.pad(logits.T, (0, -ctx.n % _LANES))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad[:, : ctx.n].T.contiguous()
+
+
+def test_loss(logits: Tensor, y: Tensor, loss: str) -> Tensor:
+    """The mean loss of the averaged model's outputs ``logits`` ``(n, outputs)`` on labels ``y`` ``(n,)``:
+    ``cross_entropy``, or ``squared``, (z - y)^2 / 2 on one output."""
+    if loss == "squared":
+        return 0.5 * (logits.squeeze(-1) - y).square().mean()
+    return cross_entropy(logits, y)
+
+
+def epoch_mean(value: Tensor, n: int) -> Tensor:
+    """Lightning's epoch-level mean of a value logged once with batch size n: (0 + v * n) / n."""
+    return (torch.tensor(0.0, dtype=value.dtype) + value * n) / (torch.tensor(0) + n)
+
+
+def epoch_value(value: Any, n: int = 1) -> float:
+    """A value logged once in an epoch hook or step with batch size n, as Lightning gives it at the
+    epoch's end: a Python number as a float32 tensor, a tensor in its dtype, ``epoch_mean``."""
+    return float(epoch_mean(value if isinstance(value, Tensor) else torch.tensor(value), n))
+
+
+def epoch_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """Each of ``metrics`` as ``epoch_value`` gives it (one value logged once in the epoch)."""
+    return {k: epoch_value(v) for k, v in metrics.items()}
+
+
+def evaluation_row(logits: Tensor, y: Tensor, loss: str) -> dict[str, float]:
+    """An evaluation on one batch of ``len(y)`` samples, as the single run logs it: ``test_loss`` and,
+    for classes, ``test_acc`` (micro accuracy)."""
+    from torchmetrics.functional.classification import multiclass_accuracy
+
+    row = {"test_loss": epoch_value(test_loss(logits, y, loss), len(y))}
+    if loss == "cross_entropy":
+        row["test_acc"] = float(multiclass_accuracy(logits, y, num_classes=logits.shape[-1], average="micro"))
+    return row
