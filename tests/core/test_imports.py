@@ -62,7 +62,8 @@ def test_no_core_module_imports_the_app_and_there_are_no_cycles():
 
 
 # The app's rooms (lit_slowcal/experiments/), from the ground up: a room imports only rooms below it.
-ROOMS = ["_lightning", "print_once", "train", "data", "measure", "run", "sweep", "analysis", "main"]
+# ``problems`` is the problems' former import path (experiments/problems.py), kept for old config files.
+ROOMS = ["_lightning", "print_once", "train", "data", "measure", "run", "sweep", "analysis", "problems", "main"]
 
 
 def test_the_apps_rooms_point_one_way():

@@ -79,3 +79,18 @@ def test_quadratic_sizes_and_the_data_module_builds_any_problem():
 def test_bad_settings_are_refused_in_one_line(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_config_written_before_the_rooms_still_names_its_problem():
+    """Run folders' config.yaml files name ``lit_slowcal.experiments.problems.X``: the same classes."""
+    from jsonargparse import ArgumentParser
+
+    from lit_slowcal.experiments.data import problems
+
+    parser = ArgumentParser()
+    parser.add_argument("--problem", type=problems.Problem)
+    config = parser.parse_args(
+        ["--problem", '{"class_path": "lit_slowcal.experiments.problems.Quadratic", "init_args": {"dim": 3}}']
+    )
+    built = parser.instantiate_classes(config).problem
+    assert type(built) is problems.Quadratic and built.dim == 3
