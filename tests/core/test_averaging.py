@@ -420,14 +420,19 @@ def test_plain_torch_loop_resume_on_two_processes_restores_every_machines_adamw_
             assert proc.returncode == 0, f"{mode}: {proc.stderr[-3000:]}"
     saved = [torch.load(tmp_path / f"saved{rank}.pt") for rank in (0, 1)]
     assert not torch.equal(saved[0][0]["exp_avg"], saved[1][0]["exp_avg"])  # per machine indeed
+    assert_resumed_exactly(tmp_path, saved, loaded="loaded{rank}.pt", resumed="resumed{rank}.pt", what="")
+
+
+def assert_resumed_exactly(tmp_path, saved: list, *, loaded: str, resumed: str, what: str) -> None:
+    """Each rank's optimizer state right after the resume (file ``loaded``) is what it held at the save, and
+    its final model and optimizer state (file ``resumed``) are the uninterrupted run's (``whole{rank}.pt``)."""
     for rank in (0, 1):
-        assert_equal(
-            saved[rank], torch.load(tmp_path / f"loaded{rank}.pt"), f"rank {rank}'s optimizer state after the resume"
-        )
+        after = torch.load(tmp_path / loaded.format(rank=rank))
+        assert_equal(saved[rank], after, f"{what}rank {rank}'s optimizer state after the resume")
     for rank in (0, 1):
-        whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
-        assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")
-        assert_equal(whole["optimizer"], resumed["optimizer"], f"rank {rank}'s final optimizer state")
+        whole, end = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / resumed.format(rank=rank))
+        assert_equal(whole["model"], end["model"], f"{what}rank {rank}'s final model")
+        assert_equal(whole["optimizer"], end["optimizer"], f"{what}rank {rank}'s final optimizer state")
 
 
 _RESUME_EDGES = """
@@ -504,14 +509,9 @@ def test_a_resume_restores_no_state_where_a_machine_held_none_and_either_load_or
     saved = [torch.load(tmp_path / f"saved{rank}.pt") for rank in (0, 1)]
     assert 3 in saved[0] and 3 not in saved[1]  # side.weight: state on rank 0 only
     for mode in ("resumed", "averager first"):
-        for rank in (0, 1):
-            assert_equal(
-                saved[rank], torch.load(tmp_path / f"{mode} loaded{rank}.pt"), f"{mode}: rank {rank}'s optimizer state"
-            )
-        for rank in (0, 1):
-            whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"{mode}{rank}.pt")
-            assert_equal(whole["model"], resumed["model"], f"{mode}: rank {rank}'s final model")
-            assert_equal(whole["optimizer"], resumed["optimizer"], f"{mode}: rank {rank}'s final optimizer state")
+        assert_resumed_exactly(
+            tmp_path, saved, loaded=mode + " loaded{rank}.pt", resumed=mode + "{rank}.pt", what=f"{mode}: "
+        )
 
 
 _GATHER_ON_RANK_0 = """
