@@ -538,6 +538,9 @@ try:
             averager.gather_state_dict()
 except RuntimeError as e:
     print(e)
+# Both ranks left the same all-gather: end the group together (alive at exit, gloo's threads may abort the process).
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
