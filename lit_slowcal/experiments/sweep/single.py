@@ -62,7 +62,7 @@ def _trial_cli() -> Any:
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
             # The sweep's check (CommandLine) parsed these very arguments with the same parser class:
-            # its result is what this parse would give (0.03 s a trial).
+            # its result is what this parse would give.
             if self.given is None:
                 super().parse_arguments(parser, args)
             else:

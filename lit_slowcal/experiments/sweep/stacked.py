@@ -12,10 +12,10 @@ T x M simulated machines in one process, one step at a time, without a Trainer:
   method's own factory with one parameter group per learning rate, and its own ``PeriodicAverager``
   over its trials' ``SimulatedMachines`` (each trial averaged over its own M machines);
 * each trial's steps draw the samples its single run draws (its own split and ``MachineStreams``);
-* a block ends its rounds with the single run's own pieces of a round (``lit_slowcal.experiments.train.rounds``:
-  the finiteness check, the train-loss log) and evaluates every ``eval_every`` rounds and after the
-  last: its trials' averaged models, whose test metrics and training objective wait until ``POINTS_PER_PASS``
-  evaluations need them (or the group ends): one pass over the test set (``objective.affine_rows``, each point's
+* each block's rounds are driven by its own ``RoundDriver``, the single run's
+  (``lit_slowcal.experiments.train.rounds``): its optimizer and averager steps, the finiteness check, the
+  train-loss log and the rounds evaluated, every ``eval_every`` and the last. A block evaluates its
+  trials' averaged models, whose test metrics and training objective wait until ``POINTS_PER_PASS`` evaluations need them (or the group ends): one pass over the test set (``objective.affine_rows``, each point's
   own product) and one float64 pass over the training inputs (``objective.values``); rows written in order;
 * each trial has its single run's ``Diagnostics``, driven through its trainer-free methods on its own
   data module and model, with its block's averager and optimizer.
@@ -63,15 +63,11 @@ from lit_slowcal.experiments.sweep.stacked_trial import (
     wandb_run,
 )
 from lit_slowcal.experiments.train.rounds import (
-    add_round_loss,
-    diverged_trials,
-    divergence,
+    RoundDriver,
+    RoundSchedule,
     epoch_values,
     evaluation_row,
-    mean_train_loss,
-    round_losses,
     swap_outputs,
-    train_row,
     trial_status,
 )
 
@@ -102,6 +98,7 @@ class _Block:
         self.k, self.rounds, self.steps = steps_per_round, rounds, steps_per_round * rounds
         self.optimizer: Any = None
         self.averager: Any = None
+        self.driver: Any = None  # its RoundDriver
         self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
 
 
@@ -130,7 +127,7 @@ def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
 class _Group:
     """The trials of one group, trained as one stack of T x M machines (``run_group``): built from the
     trials' own data modules and models, then ``run``: every step of the epoch, each block's rounds
-    ended by the round's shared pieces (``lit_slowcal.experiments.train.rounds``), the trials' outcomes."""
+    driven by its ``RoundDriver`` (``lit_slowcal.experiments.train.rounds``), the trials' outcomes."""
 
     def __init__(self, group: list[StackedTrial], config_text: Optional[Any]) -> None:
         from lit_slowcal.experiments.train.methods import get_method
@@ -162,7 +159,6 @@ class _Group:
             tuple[int, dict[str, Any], dict[str, Tensor]]
         ] = []  # (trial, row, point): test and f to compute
         self.errors: list[Optional[BaseException]] = [None] * self.T
-        self.loss_since_log = torch.zeros(self.T, 2, dtype=torch.float64, device=self.device)
         self.losses = torch.empty(self.steps, self.T, self.M, device=self.device)  # every step's per-machine losses
         self._diagnostics()
 
@@ -227,6 +223,18 @@ class _Group:
             s.optimizer = self.entry.optimizer(groups, models[s.start].hparams, steps=s.steps)
             period = self.entry.sync_period(self.trials[s.start].config["local_steps"])
             s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, period)
+            s.driver = RoundDriver(
+                s.optimizer,
+                RoundSchedule(log_every=self.log_every, eval_every=self.every),
+                steps_per_round=s.k,
+                per_step_batch=self.b,
+                machines=self.M,
+                method=self.first["method"],
+                lrs=[models[i].hparams.lr for i in s.members],
+                counts=lambda s=s: (s.averager.num_syncs, s.floats_per_sync * s.averager.num_syncs),
+                sync=s.averager.step,
+                device=self.device,
+            )
 
     def _diagnostics(self) -> None:
         """Each trial's ``Diagnostics`` (training objective, optimum, per-round diagnostics), built as the CLI
@@ -290,48 +298,31 @@ class _Group:
         self.losses[step] = per_machine.detach().view(T, M)
 
     def _advance(self, s: _Block, step: int, due: list[tuple[_Block, int]]) -> None:
-        """Block ``s`` after ``step``: its optimizer's step and its averager's (a synchronisation every K-th),
-        and after its round's last step, the round's end."""
-        s.optimizer.step()
-        if s.averager.step() and not s.floats_per_sync:
+        """Block ``s`` after ``step``: its driver's step (the optimizer's, and the averager's: a synchronisation
+        every K-th), and after its round's last step, the round's end (``RoundDriver.end_round``): a diverged trial
+        stopped (its slices dropped from the optimizer, the others going on), the train-loss rows logged, the
+        block due for evaluation."""
+        if s.driver.step() and not s.floats_per_sync:
             s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
         if (step + 1) % s.k:
             return
         r = (step + 1) // s.k
-        round_loss = round_losses(self.losses[step + 1 - s.k : step + 1, s.start : s.stop])  # (members,)
-        self._check_finite(s, r, round_loss)
-        self.loss_since_log[s.start : s.stop] = add_round_loss(self.loss_since_log[s.start : s.stop], round_loss)
-        if r % self.log_every == 0 or r == s.rounds:
-            self._log_train(s, r)
-        if r % self.every == 0 or r == s.rounds:
-            due.append((s, r))
-
-    def _check_finite(self, s: _Block, r: int, round_loss: Tensor) -> None:
-        """The round's finiteness check, as the single run's: a trial that diverged is stopped (its
-        slices dropped from its optimizer), the others go on."""
         rows = [p[s.start * self.M : s.stop * self.M] for p in self.big_params]
-        for j in diverged_trials(round_loss, rows, len(s.members)):
+        end = s.driver.end_round(self.losses[step + 1 - s.k : step + 1, s.start : s.stop], r, rows, last=r == s.rounds)
+        for j, error in end.diverged:
             i = s.members[j]
-            if not self.active[i]:
-                continue
-            self.errors[i] = divergence(round_loss[j].item(), r, self.first["method"], self.models[i].hparams.lr)
-            self.active[i] = False
-            gone = {id(p) for p in self.trial_params[i]}
-            for g in s.optimizer.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) not in gone]
-
-    def _log_train(self, s: _Block, r: int) -> None:
-        """The block's train-loss rows after its round ``r``, as the single run logs them."""
-        mean_loss = mean_train_loss(self.loss_since_log[s.start : s.stop])
-        self.loss_since_log[s.start : s.stop] = 0
-        syncs = s.averager.num_syncs
-        for j, i in enumerate(s.members):
             if self.active[i]:
-                row = train_row(
-                    float(mean_loss[j]), syncs=syncs, steps_per_round=s.k, batch_size=self.b, machines=self.M,
-                    rounds_done=r, floats=s.floats_per_sync * syncs,
-                )  # fmt: skip
-                self._log(i, r, row)
+                self.errors[i] = error
+                self.active[i] = False
+                gone = {id(p) for p in self.trial_params[i]}
+                for g in s.optimizer.param_groups:
+                    g["params"] = [p for p in g["params"] if id(p) not in gone]
+        if end.train_loss is not None:
+            for i, row in zip(s.members, s.driver.train_rows(end)):
+                if self.active[i]:
+                    self._log(i, r, {k: float(v) for k, v in row.items()})
+        if end.evaluate:
+            due.append((s, r))
 
     def _log(self, i: int, r: int, row: dict[str, float]) -> None:
         """A row of trial ``i`` at round ``r``, written (to its CSV log and its metrics) in order once every

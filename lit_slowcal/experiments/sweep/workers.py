@@ -28,8 +28,8 @@ from lit_slowcal.experiments.sweep.units import Unit, run_unit
 __all__ = ["WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "run_in_workers", "worker_pool"]
 
 #: Memory a worker process takes besides its groups' (``grouping.trial_bytes``): the peak resident memory of a
-#: forked worker running a small group, 697 MiB (torch 2.14.1, Linux; ``python benchmarks/bench_worker_memory.py``:
-#: 405 MiB of it its own, the rest shared with the sweep), rounded up.
+#: forked worker running a small group, rounded up (``python benchmarks/bench_worker_memory.py`` measures it;
+#: docs/performance.md has the figure).
 WORKER_BYTES = 768 * 2**20
 
 
@@ -151,7 +151,7 @@ def worker_pool(workers: int, threads: int) -> Iterator[Any]:
 @contextlib.contextmanager
 def checking_pool(workers: int, threads: int) -> Iterator[Optional[Any]]:
     """The pool of ``workers`` processes started before the check of the trials' arguments, where they share it:
-    forked workers start at once and share the check (0.03 s a trial); spawned ones start only when trials run
+    forked workers start at once and share the check; spawned ones start only when trials run
     (``None`` here, as for one worker)."""
     if workers > 1 and _forks():
         with worker_pool(workers, threads) as pool:

@@ -21,17 +21,7 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments._lightning import batches_started
 from lit_slowcal.experiments.train.architectures import get_architecture
 from lit_slowcal.experiments.train.methods import get_method
-from lit_slowcal.experiments.train.rounds import (
-    add_round_loss,
-    cross_entropy,
-    diverged_trials,
-    divergence,
-    mean_train_loss,
-    round_losses,
-    swap_outputs,
-    test_loss,
-    train_row,
-)
+from lit_slowcal.experiments.train.rounds import RoundDriver, RoundSchedule, cross_entropy, swap_outputs, test_loss
 from lit_slowcal.experiments.train.shape import hosted_machines
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -146,7 +136,8 @@ class MachinesModel(pl.LightningModule):
         self.test_acc = (
             MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
         )
-        self._loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
+        self._driver: Optional[RoundDriver] = None  # this fit's, built at its first round
+        self._resumed_loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
 
     def configure_model(self) -> None:
         if self.machines is not None:
@@ -210,47 +201,66 @@ class MachinesModel(pl.LightningModule):
 
         ``batch`` holds the round's samples, shapes ``(steps, m, b, 784)`` and ``(steps, m, b)``.
         """
-        optimizer = self.optimizers()
         xs, ys = batch
+        driver = self._round_driver(steps_per_round=xs.shape[0], per_step_batch=xs.shape[2])
         losses = []
         for k in range(len(xs)):
             per_machine = self._machine_losses(xs[k], ys[k])
-            optimizer.zero_grad()
+            driver.optimizer.zero_grad()
             self.manual_backward(per_machine.sum())
-            optimizer.step()  # the strategy averages the machines after every K-th step
+            driver.step()  # the strategy averages the machines after every K-th step
             losses.append(per_machine.detach())
-        round_loss = round_losses(torch.stack(losses).unsqueeze(1))  # (1,): this run is one trial
-        strategy = self.trainer.strategy
-        rounds_done = batches_started(self.trainer)  # over all epochs, this one included
         # One check per round (a single host sync): a non-finite loss, or parameters that became
         # non-finite in the round's last step, stop the run instead of training on NaNs.
-        if diverged_trials(round_loss, self.machines.parameters(), trials=1):
-            raise divergence(round_loss.item(), rounds_done, self.hparams.method, self.hparams.lr)
-        # Lightning's self.log costs about a millisecond: log every `log_every_n_steps` rounds, when
+        # Lightning's self.log costs about a millisecond: the round logs every `log_every_n_steps` rounds, when
         # Lightning writes logs, and after the run's last round (on_train_batch_end makes Lightning
         # write that one too), with the train loss averaged over the rounds since the last log.
-        self._loss_since_log = add_round_loss(self._loss_since_log, round_loss[0])
-        if rounds_done % self.trainer.log_every_n_steps and not self._last_round(batch_idx):
-            return
-        train_loss = mean_train_loss(self._loss_since_log)
-        self._loss_since_log = torch.zeros(2, dtype=torch.float64)
-        machines = getattr(strategy, "num_machines", self.trainer.world_size * self.machines.num_machines)
-        row = train_row(
-            train_loss,
-            syncs=getattr(strategy, "num_syncs", rounds_done),
-            steps_per_round=xs.shape[0],
-            batch_size=xs.shape[2],
-            machines=machines,
-            rounds_done=rounds_done,
-            floats=getattr(strategy, "floats_communicated", 0),
+        index = batches_started(self.trainer)  # over all epochs, this one included
+        end = driver.end_round(
+            torch.stack(losses).unsqueeze(1), index, self.machines.parameters(), last=self._last_round(batch_idx)
         )
-        self.log_dict(row, on_step=True, on_epoch=False)
+        for _, error in end.diverged:
+            raise error
+        if end.train_loss is not None:
+            (row,) = driver.train_rows(end)
+            self.log_dict(row, on_step=True, on_epoch=False)
+
+    def _round_driver(self, steps_per_round: int, per_step_batch: int) -> RoundDriver:
+        """This fit's ``RoundDriver`` (one trial), built at its first round; the train-loss sums since the last
+        log carry over from a checkpoint."""
+        optimizer = self.optimizers()
+        if self._driver is None or self._driver.optimizer is not optimizer:
+            trainer, strategy = self.trainer, self.trainer.strategy
+            driver = RoundDriver(
+                optimizer,
+                RoundSchedule(log_every=trainer.log_every_n_steps, eval_every=trainer.val_check_batch),
+                steps_per_round=steps_per_round,
+                per_step_batch=per_step_batch,
+                machines=self.hparams.num_machines,
+                method=self.hparams.method,
+                lrs=[self.hparams.lr],
+                counts=lambda: (
+                    getattr(strategy, "num_syncs", batches_started(trainer)),
+                    getattr(strategy, "floats_communicated", 0),
+                ),
+            )
+            driver.loss_since_log = self._loss_since_log().view(1, 2)
+            self._driver = driver
+        return self._driver
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["train_loss_since_log"] = self._loss_since_log.clone()
+        checkpoint["train_loss_since_log"] = self._loss_since_log().clone()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._loss_since_log = checkpoint.get("train_loss_since_log", torch.zeros(2, dtype=torch.float64))
+        sums = checkpoint.get("train_loss_since_log", torch.zeros(2, dtype=torch.float64))
+        self._driver = None
+        self._resumed_loss_since_log = sums
+
+    def _loss_since_log(self) -> Tensor:
+        """The train-loss sums since the last log, ``(2,)`` (``rounds.add_round_loss``), as checkpoints store them."""
+        if self._driver is not None:
+            return self._driver.loss_since_log[0]
+        return self._resumed_loss_since_log
 
     def _machine_losses(self, x: Tensor, y: Tensor) -> Tensor:
         """Each machine's mean loss over its batch: x ``(m, b, 784)``, y ``(m, b)`` -> ``(m,)``."""

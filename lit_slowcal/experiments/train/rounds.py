@@ -1,8 +1,14 @@
-"""The pieces of a method's round, defined once over a trial dimension T (a single run is T = 1).
+"""A method's round, driven once over a trial dimension T (a single run is T = 1).
 
 The single run (``model.MachinesModel`` in a Lightning ``Trainer``) and the stacked trials
-(``sweep.stacked``: T trials of one shape trained as T x M machines) both end a round and evaluate
-through these functions, so the two cannot drift apart:
+(``sweep.stacked``: T trials of one shape trained as T x M machines) both drive their rounds with one
+``RoundDriver``: its ``step`` takes an optimizer step (and, without a strategy, the averager's), its
+``end_round`` ends a round (each trial's round loss, the finiteness check, the train loss averaged
+since the last log, whether the round logs and whether it is evaluated) and its ``train_rows`` are
+the rows logged. Each path supplies only what differs: the forward and gradient of a step, its
+averager's counts, and what it does with a ``RoundEnd`` (a single run raises on divergence and logs
+through Lightning, whose loop evaluates at the same rounds; the stacked trials freeze a diverged
+trial and evaluate their blocks together). The pieces it is made of:
 
 * ``round_losses`` and ``diverged_trials``: each trial's round loss, and the finiteness check of the
   losses and parameters (one host sync when everything is finite); ``divergence`` the error that
@@ -19,7 +25,8 @@ through these functions, so the two cannot drift apart:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -29,7 +36,7 @@ from torch import Tensor
 from lit_slowcal.protocol import declared
 
 __all__ = [
-    "TrainingDiverged", "add_round_loss", "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
+    "RoundDriver", "RoundEnd", "RoundSchedule", "TrainingDiverged", "add_round_loss", "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
     "epoch_values", "evaluation_row", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row",
     "trial_status",
 ]  # fmt: skip
@@ -110,6 +117,116 @@ def train_row(
         "samples_seen": float(steps_per_round * batch_size * machines * rounds_done),
         "floats_communicated": float(floats * machines),
     }
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """Which rounds log their train loss and which are evaluated: every ``log_every`` and every ``eval_every``
+    rounds (counted from 1), and the run's last round. A single run gives Lightning the same numbers
+    (``trainer.log_every_n_steps``, ``val_check_interval``); the stacked trials follow it themselves."""
+
+    log_every: int
+    eval_every: int
+
+    def logs(self, index: int, last: bool = False) -> bool:
+        """Whether round ``index`` (from 1) logs its train loss."""
+        return index % self.log_every == 0 or last
+
+    def evaluates(self, index: int, last: bool = False) -> bool:
+        """Whether the averaged model is evaluated after round ``index`` (from 1)."""
+        return index % self.eval_every == 0 or last
+
+
+@dataclass
+class RoundEnd:
+    """The end of round ``index`` (from 1), per trial.
+
+    Attributes:
+        index: the round, counted from 1 over the whole run.
+        round_loss: ``(T,)``, each trial's mean loss over the round's steps and machines.
+        diverged: the trials whose round loss or parameters are not finite, each with its error.
+        train_loss: ``(T,)`` float32, the mean round loss since the last log, when this round logs; else ``None``.
+        evaluate: whether the averaged model is evaluated after this round.
+    """
+
+    index: int
+    round_loss: Tensor
+    diverged: list[tuple[int, TrainingDiverged]]
+    train_loss: Optional[Tensor]
+    evaluate: bool
+
+
+class RoundDriver:
+    """Drives the rounds of T trials of one shape that step one optimizer (a single run: T = 1).
+
+    Args:
+        optimizer: the trials' optimizer; ``step`` steps it.
+        schedule: when a round logs and when it is evaluated.
+        steps_per_round, per_step_batch, machines: the run's shape (``RunShape``), for the rows logged.
+        method: the method's name, and ``lrs`` each trial's learning rate, for a divergence's error.
+        counts: ``() -> (synchronisations, floats one machine sent)`` so far, of one trial.
+        sync: called after each optimizer step where no strategy synchronises (the stacked trials'
+            ``PeriodicAverager.step``); returns whether it synchronised.
+        device: where the train-loss sums live.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        schedule: RoundSchedule,
+        *,
+        steps_per_round: int,
+        per_step_batch: int,
+        machines: int,
+        method: str,
+        lrs: Sequence[float],
+        counts: Callable[[], tuple[int, Any]],
+        sync: Optional[Callable[[], bool]] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.optimizer, self.schedule, self.sync, self.counts = optimizer, schedule, sync, counts
+        self.steps_per_round, self.per_step_batch, self.machines = steps_per_round, per_step_batch, machines
+        self.method, self.lrs = method, list(lrs)
+        self.trials = len(self.lrs)
+        self.loss_since_log = torch.zeros(self.trials, 2, dtype=torch.float64, device=device)
+
+    def step(self) -> bool:
+        """One optimizer step of every trial, after its gradients, and the synchronisation it is due (``sync``):
+        whether it synchronised (``False`` where a strategy does it)."""
+        self.optimizer.step()
+        return bool(self.sync()) if self.sync is not None else False
+
+    def end_round(self, losses: Tensor, index: int, params: Iterable[Tensor], *, last: bool = False) -> RoundEnd:
+        """End round ``index`` (from 1): ``losses`` ``(steps, T, M)`` its steps' per-machine losses, ``params``
+        the trials' parameters (``diverged_trials``), ``last`` whether it is the run's last round."""
+        round_loss = round_losses(losses)
+        diverged = [
+            (i, divergence(round_loss[i].item(), index, self.method, self.lrs[i]))
+            for i in diverged_trials(round_loss, params, self.trials)
+        ]
+        self.loss_since_log = add_round_loss(self.loss_since_log, round_loss)
+        train_loss = None
+        if self.schedule.logs(index, last):
+            train_loss = mean_train_loss(self.loss_since_log)
+            self.loss_since_log = torch.zeros_like(self.loss_since_log)
+        return RoundEnd(index, round_loss, diverged, train_loss, self.schedule.evaluates(index, last))
+
+    def train_rows(self, end: RoundEnd) -> list[dict[str, Any]]:
+        """Each trial's row logged with its train loss after a round that logs (``end.train_loss``)."""
+        assert end.train_loss is not None, "a round that logs"
+        syncs, floats = self.counts()
+        return [
+            train_row(
+                loss,
+                syncs=syncs,
+                steps_per_round=self.steps_per_round,
+                batch_size=self.per_step_batch,
+                machines=self.machines,
+                rounds_done=end.index,
+                floats=floats,
+            )
+            for loss in end.train_loss.unbind()
+        ]
 
 
 def swap_outputs(optimizers: Iterable[Any]) -> None:

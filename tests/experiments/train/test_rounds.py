@@ -1,7 +1,9 @@
 """The pieces of a round (``lit_slowcal.experiments.train.rounds``), each against an independent computation, and
 the single run and the stacked trials diverging through the same type."""
 
+import csv
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ from lit_slowcal.averaging import PeriodicAverager
 from lit_slowcal.experiments import sweep as sw
 from lit_slowcal.experiments.measure.diagnostics import Diagnostics
 from lit_slowcal.experiments.sweep import stacked
-from lit_slowcal.experiments.train import model as model_module
 from lit_slowcal.experiments.train import rounds
 from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.rounds import TrainingDiverged
@@ -203,13 +204,13 @@ def test_the_single_run_and_the_stacked_trial_diverge_through_the_same_type(tmp_
     monkeypatch.chdir(REPO)
     torch.set_num_threads(1)
     made = []
+    divergence = rounds.divergence
 
     def recording(*args):
-        made.append(rounds.divergence(*args))
+        made.append(divergence(*args))
         return made[-1]
 
-    monkeypatch.setattr(model_module, "divergence", recording)
-    monkeypatch.setattr(stacked, "divergence", recording)
+    monkeypatch.setattr(rounds, "divergence", recording)  # both paths end their rounds with one RoundDriver
     sweep = sw.load_sweep(grid_file(tmp_path, lrs=(1e38,), seeds=(1,), methods=("local_sgd",)))
     (params,) = sw.expand_trials(sweep)
     args = sw.trial_args(sweep, params)
@@ -251,3 +252,54 @@ def test_the_final_rounds_train_metrics_are_written(tmp_path, capsys, eval_every
     trained = [r for r in trained if r["train_loss"]]
     assert [float(r["round"]) for r in trained] == [4.0]  # log_every_n_steps = 10 > R: only the final round
     assert float(trained[0]["samples_seen"]) == 4 * 4 * 64 * 64
+
+
+def test_the_round_driver_ends_rounds_by_its_schedule_and_names_the_diverged_trials():
+    steps = []
+    counts = (3, 7850.0)
+    driver = rounds.RoundDriver(
+        type("Opt", (), {"step": lambda self: steps.append(1)})(),
+        rounds.RoundSchedule(log_every=2, eval_every=3),
+        steps_per_round=4, per_step_batch=2, machines=3, method="slowcal", lrs=[0.1, 0.2],
+        counts=lambda: counts, sync=lambda: len(steps) % 4 == 0,
+    )  # fmt: skip
+    assert [driver.step() for _ in range(4)] == [False, False, False, True] and len(steps) == 4
+    losses = torch.arange(24, dtype=torch.float32).view(4, 2, 3)  # (steps, T, M)
+    finite = [torch.zeros(6, 5)]
+    first = driver.end_round(losses, 1, finite)
+    assert first.train_loss is None and not first.evaluate and first.diverged == []
+    assert first.round_loss.tolist() == [losses[:, 0].mean().item(), losses[:, 1].mean().item()]
+    second = driver.end_round(losses + 1, 2, finite)  # logs: the mean of rounds 1 and 2
+    assert second.train_loss.tolist() == [(first.round_loss[i].item() * 2 + 1) / 2 for i in range(2)]
+    assert not second.evaluate
+    bad = torch.zeros(6, 5)
+    bad[4, 0] = float("nan")  # trial 1's second machine
+    third = driver.end_round(losses, 3, [bad], last=False)
+    assert third.evaluate and third.train_loss is None
+    assert [i for i, _ in third.diverged] == [1]
+    assert str(third.diverged[0][1]) == str(rounds.divergence(third.round_loss[1].item(), 3, "slowcal", 0.2))
+    last = driver.end_round(losses, 5, finite, last=True)  # the run's last round logs and is evaluated
+    assert last.evaluate and last.train_loss is not None
+    rows = driver.train_rows(last)
+    assert [r["train_loss"].item() for r in rows] == last.train_loss.tolist()
+    assert rows[0] == {**rows[0], "round": 3.0, "samples_seen": 4 * 2 * 3 * 5.0, "floats_communicated": 7850.0 * 3}
+
+
+def test_a_rows_new_column_is_written_once_for_the_single_run_and_the_stacked_trials(tmp_path, monkeypatch):
+    """Both paths log their rounds through ``RoundDriver``: a column added to ``rounds.train_row`` reaches the
+    single run's metrics.csv and the stacked trial's, unchanged elsewhere."""
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    train_row = rounds.train_row
+    monkeypatch.setattr(rounds, "train_row", lambda loss, **kw: {**train_row(loss, **kw), "probe": kw["rounds_done"]})
+    sweep = sw.load_sweep(grid_file(tmp_path, lrs=(0.01,), seeds=(1,), methods=("slowcal",)))
+    (params,) = sw.expand_trials(sweep)
+    args = sw.trial_args(sweep, params)
+    alone = sw.run_trial(args)
+    trial = stacked.StackedTrial(params, args, sw.CommandLine().parse(args).fit.as_dict())
+    stacked.run_group([trial])
+    probes = []
+    for run_dir in (alone["run_dir"], trial.outcome["run_dir"]):
+        with open(Path(run_dir) / "metrics.csv") as f:
+            probes.append([float(r["probe"]) for r in csv.DictReader(f) if r.get("probe")])
+    assert probes[0] == probes[1] == [2.0, 4.0, 6.0, 7.0]  # log_every_n_steps = 2, and the last of 7 rounds
