@@ -10,6 +10,8 @@ The core, importable with torch and lightning alone:
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
 * ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy, a thin adapter over
   ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` the same for Fabric;
+* ``Link`` and ``LinkCounts`` -- what a synchronisation costs on a network link (a ring all-reduce
+  model, in bytes and seconds), the counts every averager keeps, and the DDP reference (``lit_slowcal.link``);
 * ``AtomicCheckpointIO`` -- a Lightning ``CheckpointIO`` whose checkpoints are whole or absent
   (the strategies' default; pass it to any ``Trainer`` or Fabric strategy).
 
@@ -27,6 +29,7 @@ core, ``lit_slowcal.experiments``, with extra dependencies: ``pip install "lit_s
 from lit_slowcal import _registration
 from lit_slowcal.accelerated import AcceleratedSGD
 from lit_slowcal.averaging import PeriodicAverager
+from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 from lit_slowcal.simulated import SimulatedMachines
@@ -34,6 +37,8 @@ from lit_slowcal.simulated import SimulatedMachines
 __all__ = [
     "AcceleratedSGD",
     "AtomicCheckpointIO",
+    "Link",
+    "LinkCounts",
     "PeriodicAverager",
     "PeriodicAveragingFabricStrategy",
     "PeriodicAveragingStrategy",

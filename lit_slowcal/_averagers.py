@@ -3,7 +3,8 @@
 ``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
 (K, extra averaged state, bucket size, the server's options), the averagers by optimizer, each
 buffer given to one of them (``buffer_owners``), and the operations on all of them: K changed
-mid-run, the round closed, the schedules saved and restored, the counts read.
+mid-run, the round closed, the schedules saved and restored, the counts read (floats, bytes, the
+ring model's ``LinkCounts`` and the DDP reference).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.averaging import PeriodicAverager, buffer_owners
+from lit_slowcal.link import LinkCounts
 
 __all__ = ["CHECKPOINT_KEY", "AveragerSet"]
 
@@ -70,6 +72,20 @@ class AveragerSet:
     def floats_communicated(self) -> Union[int, float]:
         """Floats one machine has sent so far (all optimizers' averagers)."""
         return sum(a.floats_communicated for a in self.averagers.values())
+
+    @property
+    def bytes_communicated(self) -> Union[int, float]:
+        """Bytes one machine has sent so far, in the dtypes sent (all optimizers' averagers)."""
+        return sum(a.bytes_communicated for a in self.averagers.values())
+
+    @property
+    def link_counts(self) -> LinkCounts:
+        """What one participating machine has sent so far, for the ring model (all optimizers' averagers)."""
+        return sum((a.link_counts for a in self.averagers.values()), LinkCounts())
+
+    def ddp_counts(self) -> LinkCounts:
+        """What DDP would have sent over the same optimizer steps (all optimizers' averagers)."""
+        return sum((a.ddp_counts() for a in self.averagers.values()), LinkCounts())
 
     def close_rounds(self) -> bool:
         """Close every optimizer's round (``PeriodicAverager.close_round``): a synchronisation where a

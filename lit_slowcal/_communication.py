@@ -198,6 +198,9 @@ def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Opti
 #: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).
 COLLECTIVES = ("a synchronisation", "gather_state_dict()")
 _SETUP_SLOTS = 16  # the all-gather's length is the same whatever the collective and the setup
+#: The int64 values every rank gives ``check_same_point``'s all-gather: the two counts, the setup's
+#: slots and the collective's code (``lit_slowcal.link`` counts the check's bytes from it).
+CHECK_VALUES = 2 + _SETUP_SLOTS + 1
 
 
 def check_same_point(

@@ -18,8 +18,10 @@ here: ``averaged_state`` (state averaged with the parameters, SlowcalSGD's w), `
 Every member is optional (``torch.optim.SGD`` declares nothing and gets plain Local-SGD); they are
 listed once, in ``lit_slowcal.protocol``, and read through ``protocol.declared``. What is averaged
 is what a machine sends: ``floats_communicated`` counts it (``Scaffold``: y and delta_c, 2d floats
-a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d). State not averaged stays
-per machine and travels in ``state_dict()`` (``lit_slowcal._machine_state``).
+a machine a round; ``AcceleratedSGD`` and SGD synchronised every step: d), ``bytes_communicated`` in
+the dtypes sent, and ``link_counts`` for the ring model of ``lit_slowcal.link`` (seconds at any
+link; ``ddp_counts()`` the same for DDP). State not averaged stays per machine and travels in
+``state_dict()`` (``lit_slowcal._machine_state``).
 
 The server's side of a round
 ----------------------------
@@ -54,7 +56,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _communication, _machine_state, _server
+from lit_slowcal import _communication, _machine_state, _server, link
 from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffer_owners, machines_per_process
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._server import check_participation
@@ -141,6 +143,8 @@ class PeriodicAverager:
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
         self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
+        self.bytes_communicated: Union[int, float] = 0  # the same in bytes, in the dtypes sent
+        self.link_counts = link.LinkCounts()  # one participant's, for the ring model (lit_slowcal.link)
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -211,12 +215,27 @@ class PeriodicAverager:
         return True
 
     def resume(self, steps: int) -> None:
-        """Continue a schedule after ``steps`` optimizer steps that synchronised every K (and nowhere else)."""
+        """Continue a schedule after ``steps`` optimizer steps that synchronised every K (and nowhere else).
+
+        The counts of what was sent are those of ``num_syncs`` synchronisations of what is averaged
+        now (``floats_communicated``, ``bytes_communicated``, ``link_counts``; its ``check_bytes`` from 0).
+        """
         check_int("steps", steps, minimum=0)
         self.steps = steps
         self.num_syncs = steps // self.sync_every
         self.last_sync_step = self.num_syncs * self.sync_every
-        self.floats_communicated = self.num_syncs * self.floats_per_sync()
+        self._count_from_syncs()
+
+    def _count_from_syncs(self) -> None:
+        """The counts of what was sent, rebuilt as ``num_syncs`` synchronisations of what is averaged now."""
+        tensors = self._tensors()
+        self.floats_communicated = self.num_syncs * self._floats(tensors)
+        self._count_bytes_from_syncs(tensors)
+
+    def _count_bytes_from_syncs(self, tensors: Tensors) -> None:
+        payload = link.payload_bytes(tensors)
+        self.bytes_communicated = self.num_syncs * self._bytes(payload)
+        self.link_counts = self._link_counts(payload, self.num_syncs)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
@@ -232,6 +251,8 @@ class PeriodicAverager:
             "num_syncs": self.num_syncs,
             "last_sync_step": self.last_sync_step,
             "floats_communicated": self.floats_communicated,
+            "bytes_communicated": self.bytes_communicated,
+            "link_counts": self.link_counts.state_dict(),
         }
         if self.outer is not None:
             state["outer"] = _server.state_dict(self.outer, self.global_params)
@@ -293,6 +314,12 @@ class PeriodicAverager:
         self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
         floats = state["floats_communicated"]
         self.floats_communicated = floats if isinstance(floats, float) else int(floats)
+        if "link_counts" in state:
+            sent = state.get("bytes_communicated", 0)
+            self.bytes_communicated = sent if isinstance(sent, float) else int(sent)
+            self.link_counts = link.LinkCounts.from_state_dict(state["link_counts"])
+        else:  # saved before the byte counts existed: num_syncs synchronisations of what is averaged now
+            self._count_bytes_from_syncs(self._tensors())
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
         if own is not None:
@@ -379,6 +406,31 @@ class PeriodicAverager:
             return 0
         return _communication.floats_sent(tensors, self.num_machines, self.participants)
 
+    def bytes_per_sync(self) -> Union[int, float]:
+        """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent: the payload
+        of one machine's averaged tensors (with S < M participants, S/M of it: the average over the
+        machines); 0 with one machine in all. On the ring a participant sends 2 (S - 1) / S times the
+        payload (``link_counts``)."""
+        return self._bytes(link.payload_bytes(self._tensors()))
+
+    def _bytes(self, payload: int) -> Union[int, float]:
+        """What one machine sends on average for a participant's ``payload`` bytes: S/M of it; 0 with one machine."""
+        if self.num_machines == 1:
+            return 0
+        return payload if self.participants == self.num_machines else payload * self.participants / self.num_machines
+
+    def _link_counts(self, payload: int, syncs: int = 1) -> link.LinkCounts:
+        """The counts of ``syncs`` synchronisations of ``payload`` bytes among the S participants; none with one machine."""
+        if self.num_machines == 1:
+            return link.LinkCounts()
+        return link.LinkCounts.of_syncs(payload, self.participants, syncs)
+
+    def ddp_counts(self) -> link.LinkCounts:
+        """The DDP reference: what DDP would have sent over the ``steps`` taken so far, one all-reduce of one
+        machine's parameter gradients (the optimizer's parameters, in their dtype) among all M machines
+        every step (``lit_slowcal.link.ddp_counts``; no participation, no check)."""
+        return link.ddp_counts(link.payload_bytes(self._outer_pairs()), self.steps, self.num_machines)
+
     @property
     def participants(self) -> int:
         """S: the machines that take part in each round."""
@@ -419,6 +471,9 @@ class PeriodicAverager:
             protocol.pre_sync()
         tensors = self._tensors()
         self.floats_communicated += self._floats(tensors)
+        payload = link.payload_bytes(tensors)
+        self.bytes_communicated += self._bytes(payload)
+        self.link_counts += self._link_counts(payload)
         with torch.no_grad():
             self._average(tensors, self.participant_weights())
             if self.outer is not None:
@@ -451,6 +506,7 @@ class PeriodicAverager:
         is at the same step; raise one ``RuntimeError`` on every rank naming what differs.
 
         ``sync()`` does it before the first average; the Trainer strategy at the start of ``fit``.
+        What this process sends in it is counted apart, in ``link_counts.check_bytes``.
         """
         if self.world_size == 1:
             return
@@ -458,6 +514,9 @@ class PeriodicAverager:
         point = (self.steps, self.backward_passes) if counts else (0, 0)
         _communication.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
         self._setup_checked = True
+        # What this process sends in the check's ring all-gather: its int64 values to each other process.
+        sent = (self.world_size - 1) * _communication.CHECK_VALUES * 8
+        self.link_counts += link.LinkCounts(check_bytes=sent)
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.

@@ -216,12 +216,13 @@ def test_state_dict_resume_and_bad_values():
     for _ in range(10):
         averager.step()
     other = PeriodicAverager(machines, optimizer, sync_every=4, start_step=10)
-    # SGD without momentum keeps no state of its own on a machine: the schedule alone.
-    assert (
-        other.state_dict()
-        == averager.state_dict()
-        == {"steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8}
-    )
+    # SGD without momentum keeps no state of its own on a machine: the schedule alone. A sync carries 4
+    # float64 values (32 bytes); among P = 3 a machine sends 2 * 2/3 * 32 bytes on the ring in 4 hops.
+    link_counts = {"syncs": 2, "payload_bytes": 64, "ring_bytes": 2 * 128 / 3, "ring_hops": 8, "check_bytes": 0}
+    assert other.state_dict() == averager.state_dict() == {
+        "steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8, "bytes_communicated": 64,
+        "link_counts": link_counts,
+    }  # fmt: skip
     with pytest.raises(ValueError, match=r"Invalid sync_every: 0 \(must be an integer >= 1\)"):
         PeriodicAverager(machines, optimizer, sync_every=0)
     with pytest.raises(ValueError, match=r"Invalid bucket_cap_mb: -1"):

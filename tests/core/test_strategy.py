@@ -13,7 +13,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
-from lit_slowcal import PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
+from lit_slowcal import Link, LinkCounts, PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
+from lit_slowcal.link import compare
 
 M, D = 4, 3
 
@@ -171,6 +172,22 @@ def test_plain_module_one_machine_per_process_is_left_as_is_with_one_process():
     assert strategy.num_syncs == 3  # after steps 2 and 4, and the round closed when fit ends at step 5
     assert strategy.num_machines == 1
     assert strategy.floats_communicated == 0  # one machine in all: nothing is sent
+
+
+def test_the_strategy_counts_bytes_for_the_link_model_and_the_ddp_reference():
+    strategy = PeriodicAveragingStrategy(sync_every=3)
+    fit(Regression(), strategy, 10)
+    assert strategy.num_syncs == 4  # after steps 3, 6 and 9, and the round closed at step 10
+    # x and w of nn.Linear(3, 1): 8 float32 values, 32 bytes a sync; among M = 4 a machine sends
+    # 2 * 3/4 * 32 = 48 bytes on the ring in 6 hops.
+    assert strategy.link_counts == LinkCounts(syncs=4, payload_bytes=128, ring_bytes=192.0, ring_hops=24)
+    assert strategy.bytes_communicated == 128 and strategy.floats_communicated == 32
+    # DDP: 10 steps of 4 float32 gradients (16 bytes) among 4: 24 bytes and 6 hops a step.
+    assert strategy.ddp_counts() == LinkCounts(syncs=10, payload_bytes=160, ring_bytes=240.0, ring_hops=60)
+    link = Link.parse("1Gbit/s,10ms")
+    assert compare(strategy.link_counts, strategy.ddp_counts(), link) == pytest.approx(
+        (240 / 192, (60 * 0.01 + 240 / 1.25e8) / (24 * 0.01 + 192 / 1.25e8)), rel=1e-12
+    )
 
 
 class ProcessGroupProbe(pl.Callback):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_slowcal import PeriodicAverager, PeriodicAveragingFabricStrategy, SimulatedMachines, SlowcalSGD
+from lit_slowcal import LinkCounts, PeriodicAverager, PeriodicAveragingFabricStrategy, SimulatedMachines, SlowcalSGD
 from lit_slowcal.averaging import buffer_owners
 
 
@@ -44,11 +44,15 @@ def test_close_round_averages_mid_round_and_keeps_the_schedule():
             optimizer.state[p]["w"].double(), w.mean(0, keepdim=True).expand_as(w), rtol=0, atol=1e-6
         )
     assert not averager.in_round and not averager.close_round()  # nothing to close twice
+    # x and w of 12 parameters and 4 running statistics: 28 float32 values, 112 bytes; among P = 4 a
+    # machine sends 2 * 3/4 * 112 = 168 bytes on the ring in 6 hops.
     assert averager.state_dict() == {
         "steps": 3,
         "num_syncs": 1,
         "last_sync_step": 3,
-        "floats_communicated": averager.floats_per_sync(),
+        "floats_communicated": 28,
+        "bytes_communicated": 112,
+        "link_counts": {"syncs": 1, "payload_bytes": 112, "ring_bytes": 168.0, "ring_hops": 6, "check_bytes": 0},
     }
     _steps(machines, optimizer, 1, seed=1)  # the 4th step: the schedule's own sync, still at K
     assert averager.num_syncs == 2 and averager.last_sync_step == 4
@@ -148,10 +152,12 @@ def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tm
     assert strategy.num_syncs == 1
     fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})  # closes the round at 10
     assert strategy.num_syncs == 2 and strategy.floats_communicated == 0  # one machine sends nothing
-    saved = torch.load(tmp_path / "state.ckpt", weights_only=False)
+    assert strategy.bytes_communicated == 0 and strategy.link_counts == LinkCounts() == strategy.ddp_counts()
+    saved = torch.load(tmp_path / "state.ckpt", weights_only=True)
     assert saved["periodic_averaging"] == [
-        {"steps": 10, "num_syncs": 2, "last_sync_step": 10, "floats_communicated": 0}
-    ]
+        {"steps": 10, "num_syncs": 2, "last_sync_step": 10, "floats_communicated": 0, "bytes_communicated": 0,
+         "link_counts": LinkCounts().state_dict()}
+    ]  # fmt: skip
 
     other = PeriodicAveragingFabricStrategy(sync_every=4, process_group_backend="gloo")
     fabric2, model2, optimizer2 = _fabric(other)

@@ -34,6 +34,30 @@ CNN_ARGS = [
 ]
 # SlowcalSGD sends x and w of the CNN's 9,114 parameters and BatchNorm's 16 running statistics.
 CNN_FLOATS_PER_SYNC = 2 * 9114 + 16
+# What one schedule or set-up check sends: 19 int64 values to the one other process.
+CHECK_BYTES = 19 * 8
+
+
+def averager_state(steps: int, syncs: int, sent: int, checks: int, floats: int = CNN_FLOATS_PER_SYNC) -> dict:
+    """An averager's ``state_dict()`` after ``steps`` steps and ``syncs`` synchronisations (the last at
+    ``steps``), ``sent`` of them among M = 2 machines (the others, on one process, send nothing), and
+    ``checks`` schedule or set-up checks; ``floats`` float32 values a sync. Among M = 2 a machine sends
+    2 * 1/2 of the payload on the ring in 2 hops."""
+    payload = 4 * floats
+    return {
+        "steps": steps,
+        "num_syncs": syncs,
+        "last_sync_step": steps,
+        "floats_communicated": sent * floats,
+        "bytes_communicated": sent * payload,
+        "link_counts": {
+            "syncs": sent,
+            "payload_bytes": sent * payload,
+            "ring_bytes": float(sent * payload),
+            "ring_hops": 2 * sent,
+            "check_bytes": checks * CHECK_BYTES,
+        },
+    }
 
 
 def sync_points(start: int, end: int, k: int, boundaries) -> set[int]:
@@ -101,15 +125,18 @@ def test_fit_ending_mid_round_returns_one_averaged_model_on_every_rank(cnn):
     assert expected == 7
     for rank in a:
         assert rank["num_syncs"] == expected
-        assert rank["averagers"] == [
-            {
-                "steps": STEPS,
-                "num_syncs": expected,
-                "last_sync_step": STEPS,
-                "floats_communicated": expected * CNN_FLOATS_PER_SYNC,
-            }
-        ]
+        # The checks: one at the start of fit, one before every sync.
+        assert rank["averagers"] == [averager_state(STEPS, expected, expected, checks=1 + expected)]
         assert rank["floats_communicated"] == expected * CNN_FLOATS_PER_SYNC
+        assert rank["link_counts"] == rank["averagers"][0]["link_counts"]
+        # DDP: 30 steps of one all-reduce of the 9,114 float32 gradients among 2 machines.
+        assert rank["ddp_counts"] == {
+            "syncs": STEPS,
+            "payload_bytes": STEPS * 9114 * 4,
+            "ring_bytes": STEPS * 9114 * 4.0,
+            "ring_hops": 2 * STEPS,
+            "check_bytes": 0,
+        }
 
 
 def test_validation_and_checkpoints_see_the_averaged_model(cnn):
@@ -139,7 +166,10 @@ def test_resume_mid_round_on_two_processes_equals_the_uninterrupted_run(cnn):
     for rank_a, rank_b in zip(a, b):
         assert_same(rank_b["start"], checkpoint, "resumed start")
         assert_same(rank_a["final"], rank_b["final"], "final model of the resumed run")
-        assert rank_a["averagers"] == rank_b["averagers"]
+        # The same counts, but for the resumed fit's own set-up check at its start.
+        syncs = len(sync_points(0, STEPS, K, {EPOCH, 2 * EPOCH}))
+        assert rank_a["averagers"] == [averager_state(STEPS, syncs, syncs, checks=1 + syncs)]
+        assert rank_b["averagers"] == [averager_state(STEPS, syncs, syncs, checks=1 + syncs + 1)]
         assert rank_a["optimizers"][0].keys() == rank_b["optimizers"][0].keys()
         assert_same(rank_a["optimizers"][0], rank_b["optimizers"][0], "optimizer state of the resumed run")
 
@@ -151,28 +181,16 @@ def test_resume_mid_round_two_to_one_and_one_to_two_processes(cnn):
     assert_same(c["start"], at12, "2 -> 1: the resumed start is the averaged checkpoint")
     syncs_at_12 = len(sync_points(0, EPOCH, K, {EPOCH}))  # 7, 12
     c_syncs = syncs_at_12 + len(sync_points(EPOCH, STEPS, K, {2 * EPOCH}))  # + 14, 21, 24, 28, 30
-    # One machine sends nothing: C's count of floats stays where A's checkpoint left it.
-    assert c["averagers"] == [
-        {
-            "steps": STEPS,
-            "num_syncs": c_syncs,
-            "last_sync_step": STEPS,
-            "floats_communicated": syncs_at_12 * CNN_FLOATS_PER_SYNC,
-        }
-    ]
+    # One machine sends nothing: C's counts stay where A's checkpoint left them (2 syncs, 3 checks).
+    assert c["averagers"] == [averager_state(STEPS, c_syncs, syncs_at_12, checks=1 + syncs_at_12)]
     at24 = {step: state for step, state, _ in c["saved"]}[2 * EPOCH]
     syncs_at_24 = syncs_at_12 + len(sync_points(EPOCH, 2 * EPOCH, K, {2 * EPOCH}))
     assert_ranks_agree(d)
     for rank in d:
         assert_same(rank["start"], at24, "1 -> 2: both ranks start from the checkpoint")
-        assert rank["averagers"] == [
-            {
-                "steps": STEPS,
-                "num_syncs": syncs_at_24 + len(sync_points(2 * EPOCH, STEPS, K, ())),  # + 28, 30
-                "last_sync_step": STEPS,
-                "floats_communicated": (syncs_at_12 + 2) * CNN_FLOATS_PER_SYNC,
-            }
-        ]
+        syncs = syncs_at_24 + len(sync_points(2 * EPOCH, STEPS, K, ()))  # + 28, 30
+        # Sent: A's 2 syncs and checks before step 12, then D's: its set-up check and 2 syncs.
+        assert rank["averagers"] == [averager_state(STEPS, syncs, syncs_at_12 + 2, checks=1 + syncs_at_12 + 1 + 2)]
 
 
 def _floats(module: torch.nn.Module) -> int:
@@ -203,13 +221,11 @@ def test_two_optimizers_keep_their_own_schedules_across_a_resume_and_average_eac
     per_sync = [_floats(model.generator), _floats(model.discriminator)]
     syncs = len(sync_points(0, 20, 6, {10}))
     assert syncs == 5
-    expected = [
-        {"steps": 20, "num_syncs": syncs, "last_sync_step": 20, "floats_communicated": syncs * n} for n in per_sync
-    ]
-    for run_ in (whole, resumed):
+    # The checks of each averager: one at the start of each fit, one before every sync.
+    for run_, checks in ((whole, 1 + syncs), (resumed, 1 + syncs + 1)):
         assert_ranks_agree(run_)
         for rank in run_:
-            assert rank["averagers"] == expected
+            assert rank["averagers"] == [averager_state(20, syncs, syncs, checks, floats=n) for n in per_sync]
     for rank_w, rank_r in zip(whole, resumed):
         assert_same(rank_w["final"], rank_r["final"], "final model of the resumed GAN")
 
@@ -225,12 +241,8 @@ def test_a_gradscaler_skip_on_one_rank_is_caught_attached_and_harmless_counted_p
         message = rank["attached"]["error"]
         assert "rank 0: 4 steps, 4 backward passes, rank 1: 4 steps, 5 backward passes" in message
         assert "call averager.step() once per iteration" in message
-        assert rank["explicit"]["state"] == {
-            "steps": 8,
-            "num_syncs": 2,
-            "last_sync_step": 8,
-            "floats_communicated": 2 * (2 * 29 + 8),
-        }
+        # broadcast()'s set-up check and one before each of the 2 syncs.
+        assert rank["explicit"]["state"] == averager_state(8, 2, 2, checks=3, floats=2 * 29 + 8)
     assert ranks[1]["explicit"]["scale"] < ranks[0]["explicit"]["scale"]  # rank 1's scaler did skip
     assert_same(ranks[0]["explicit"]["final"], ranks[1]["explicit"]["final"], "model")
     w = [{k: v for k, v in r["explicit"]["w"].items() if k.endswith(".w")} for r in ranks]

@@ -74,6 +74,8 @@ def write(out: Path, rank: int, trainer: L.Trainer, module: nn.Module, recorder:
             "averagers": [strategy.averagers[id(o)].state_dict() for o in trainer.optimizers],
             "num_syncs": strategy.num_syncs,
             "floats_communicated": strategy.floats_communicated,
+            "link_counts": strategy.link_counts.state_dict(),
+            "ddp_counts": strategy.ddp_counts().state_dict(),
             "best_model_path": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
             **extra,
         },
