@@ -53,7 +53,13 @@ from lit_slowcal.experiments.measure.diagnostics import Diagnostics
 from lit_slowcal.experiments.print_once import say_lines
 from lit_slowcal.experiments.run.identity import RunIdentity, run_identity
 from lit_slowcal.experiments.run.last_checkpoint import LastCheckpoint
-from lit_slowcal.experiments.run.options import ConfigFile, OneLineErrorParser, add_options
+from lit_slowcal.experiments.run.options import (
+    ConfigFile,
+    OneLineErrorParser,
+    add_options,
+    links_of,
+    step_seconds_of,
+)
 from lit_slowcal.experiments.run.resume import check_checkpoint, check_trains_more, last_checkpoint
 from lit_slowcal.experiments.run.run_folder import RUN_VERSION_ENV, run_dir_error, run_loggers, run_name, run_version
 from lit_slowcal.experiments.run.summary import summary_lines
@@ -156,6 +162,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         # dump holds each subcommand's section (as the sweep takes a trial's identity).
         dumped = json.loads(self.parser.dump(self.config, format="json", skip_unset=False, skip_validation=True))
         self.identity = run_identity(dumped[self.subcommand] if self.subcommand else dumped)
+        if self.subcommand == "fit":  # refused now, before anything is built
+            links_of(get("link"))
+            step_seconds_of(get("step_seconds"))
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
@@ -239,6 +248,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if trainer.world_size != shape.world_size:
             shape = self.shape = shape.on(trainer.world_size)
         self._set_up_strategy(trainer.strategy, shape)
+        self.model.use_links(links_of(self.setting("link")), step_seconds_of(self.setting("step_seconds")))
         self.datamodule.use_shape(shape)  # the batches' K and the strategy's K: both the shape's
         return trainer
 

@@ -3,8 +3,8 @@
 Everything in the run's configuration defines the run (method, M, K, b, the seed, the data split,
 the model and optimizer hyperparameters, the trainer's strategy, devices and precision, ...), except
 the settings in ``MAY_CHANGE_ON_RESUME``: how long to train, how often to evaluate, log and
-checkpoint, where logs go, threads. The CLI stores the identity in every checkpoint it writes
-(``RunIdentity``, under ``"lit_slowcal_run"``) and, before it builds anything, compares it with the
+checkpoint, where logs go, threads, the links the communication time is modelled at. The CLI stores
+the identity in every checkpoint it writes (``RunIdentity``, under ``"lit_slowcal_run"``) and, before it builds anything, compares it with the
 configuration of a command that loads a checkpoint (``fit --ckpt_path``, ``validate``, ``test``):
 any other difference is refused, naming each key with both values (``check_same_run``).
 
@@ -47,6 +47,8 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "diagnostics",
     "step_every",
     "optimum_tol",
+    "link",
+    "step_seconds",
     "data.root",
     "data.eval_batch_size",
     "trainer.max_epochs",

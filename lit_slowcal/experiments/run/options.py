@@ -20,10 +20,11 @@ from typing import Any, Optional, Union
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lit_slowcal._validation import check_int, is_int
+from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import per_step_batch, steps_per_round
+from lit_slowcal.link import Link
 
 __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
 
@@ -135,6 +136,19 @@ PARSE_LINK_SOURCES = frozenset(
 )
 
 
+def links_of(value: Any) -> tuple[Link, ...]:
+    """The links of ``--link`` (one string, or a list of them), each checked: one line naming the one refused."""
+    texts = [value] if isinstance(value, str) else list(value or ())
+    if not texts:
+        raise ValueError("Invalid link: [] (give at least one, e.g. 10Gbit/s,1ms)")
+    return tuple(Link.parse(text) for text in texts)
+
+
+def step_seconds_of(value: Any) -> Optional[float]:
+    """``--step_seconds``: ``None`` (measured) or a time > 0."""
+    return None if value is None else float(check_number("step_seconds", value))
+
+
 def add_options(parser: LightningArgumentParser) -> None:
     """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
     parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
@@ -192,6 +206,20 @@ def add_options(parser: LightningArgumentParser) -> None:
         default="auto",
         help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/run/threads.py; keeps "
         "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
+    )
+    parser.add_argument(
+        "--link",
+        type=Union[str, list[str]],
+        default="10Gbit/s,1ms",
+        help='the network link(s) the communication time is modelled at: "<bandwidth>,<latency>", e.g. '
+        '1Gbit/s,10ms; several: --link \'["1Gbit/s,10ms","10Gbit/s,1ms"]\' or --link+=... (docs/library.md)',
+    )
+    parser.add_argument(
+        "--step_seconds",
+        type=Optional[float],
+        default=None,
+        help="compute time of one optimizer step of one machine on your hardware, for the modelled wall time "
+        "(compute + communication); unset: measured on this machine",
     )
     for sources, target, compute_fn in PARSE_LINKS:
         parser.link_arguments(sources, target, compute_fn=compute_fn)

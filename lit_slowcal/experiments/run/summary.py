@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lit_slowcal.experiments.measure.diagnostics import Diagnostics
 from lit_slowcal.experiments.print_once import Note
 
-__all__ = ["diagnostics_lines", "summary_lines"]
+__all__ = ["diagnostics_lines", "link_lines", "summary_lines"]
 
 
 def summary_lines(
@@ -35,6 +35,7 @@ def summary_lines(
         f"  final test accuracy {value('test_acc'):.4f}   test loss {value('test_loss'):.4f}",
         *diagnostics_lines(trainer, value),
         f"  wall time {wall_time:.1f} s",
+        *link_lines(trainer, get),
     ]
     csv = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
     if csv is not None:
@@ -44,6 +45,42 @@ def summary_lines(
         lines.append(f"  W&B (offline): upload later with `wandb sync {wandb.save_dir}/wandb/offline-run-*`")
     if partition_png is not None:
         lines.append(f"  class distribution: {partition_png}")
+    return lines
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in decimal units: ``27.7 MB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _times(reference: float, ours: float) -> str:
+    return f"{reference / ours:.1f}x" if ours > 0 else "inf x" if reference > 0 else "-"
+
+
+def link_lines(trainer: Trainer, get: Callable[..., Any]) -> list[str]:
+    """One line per ``--link``: what one machine sent on the ring, the modelled communication time, the modelled
+    wall time (compute, given by ``--step_seconds`` or measured, plus communication) and DDP's, with the ratios."""
+    model = trainer.lightning_module
+    counts = model.round_counts()
+    given = model.step_seconds
+    step_seconds = given if given is not None else model.measured_step_seconds
+    compute = counts.steps * step_seconds if math.isfinite(step_seconds) else math.nan
+    source = "given" if given is not None else "measured"
+    lines = [
+        f"  communication, ring model (docs/library.md), per machine: {counts.syncs} rounds, compute "
+        f"{compute:.2f} s ({source}: {step_seconds * 1e6:.1f} us a step x {counts.steps} steps)"
+    ]
+    for link in model.links:
+        comm, ddp = counts.sent.seconds(link), counts.ddp.seconds(link)
+        wall, ddp_wall = compute + comm, compute + ddp
+        lines.append(
+            f"  {link}: sent {_size(counts.sent.ring_bytes)}, {comm:.3g} s; wall {wall:.3g} s | DDP: "
+            f"{_size(counts.ddp.ring_bytes)}, {ddp:.3g} s; wall {ddp_wall:.3g} s | {_times(counts.ddp.ring_bytes, counts.sent.ring_bytes)} "
+            f"fewer bytes, {_times(ddp, comm)} less communication, {_times(ddp_wall, wall)} less wall time"
+        )
     return lines
 
 

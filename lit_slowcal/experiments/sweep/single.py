@@ -98,8 +98,9 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
 
     Returns:
         ``status`` (``finished``, ``diverged`` or ``failed``), ``error`` (None or the message),
-        ``metrics`` (final ``trainer.callback_metrics``), ``run_dir`` (the CSV log folder) and
-        ``wall_time_s``.
+        ``metrics`` (final ``trainer.callback_metrics``), ``run_dir`` (the CSV log folder),
+        ``wall_time_s`` and ``step_seconds``, the compute time of one optimizer step of one machine,
+        measured (``MachinesModel.measured_step_seconds``; ``None`` where nothing trained).
     """
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -136,10 +137,20 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     trial_cli.last = trial_cli.given = None
     metrics: dict[str, Optional[float]] = {}
     run_dir = None
+    step_seconds = None
     if trainer is not None:
+        measured = getattr(trainer.lightning_module, "measured_step_seconds", math.nan)
+        step_seconds = measured if math.isfinite(measured) else None
         for key, value in trainer.callback_metrics.items():
             if getattr(value, "numel", lambda: 1)() == 1:
                 v = float(value)
                 metrics[key] = v if math.isfinite(v) else None  # strict JSON: no NaN
         run_dir = next((str(lg.log_dir) for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
-    return {"status": status, "error": error, "metrics": metrics, "run_dir": run_dir, "wall_time_s": round(wall, 3)}
+    return {
+        "status": status,
+        "error": error,
+        "metrics": metrics,
+        "run_dir": run_dir,
+        "wall_time_s": round(wall, 3),
+        "step_seconds": step_seconds,
+    }

@@ -43,6 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lit_slowcal.experiments.run.options import links_of
 from lit_slowcal.experiments.sweep.grouping import (
     StackedTrial,
     balance_groups,
@@ -63,6 +64,7 @@ from lit_slowcal.experiments.sweep.stacked_trial import (
     wandb_run,
 )
 from lit_slowcal.experiments.train.rounds import (
+    RoundCounts,
     RoundDriver,
     RoundSchedule,
     epoch_values,
@@ -70,6 +72,7 @@ from lit_slowcal.experiments.train.rounds import (
     swap_outputs,
     trial_status,
 )
+from lit_slowcal.link import LinkCounts, ddp_counts, payload_bytes
 
 __all__ = [
     "StackedTrial", "balance_groups", "config_yaml", "default_memory_budget", "group_cost", "group_title",
@@ -100,6 +103,8 @@ class _Block:
         self.averager: Any = None
         self.driver: Any = None  # its RoundDriver
         self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
+        self.payload_per_sync = 0  # the same in bytes
+        self.sent = LinkCounts()  # one trial's machine's, as its single run's averager counts them
 
 
 def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> None:
@@ -141,6 +146,9 @@ class _Group:
         self.T, self.M = len(trials), first["num_machines"]
         self.log_every = first["trainer"]["log_every_n_steps"]
         self.every = first["trainer"]["val_check_interval"]
+        self.links = links_of(first["link"])
+        self.step_time, self.steps_taken = 0.0, 0  # the compute time of the steps, measured (``step_seconds``)
+        self.step_seconds = first.get("step_seconds")
         self.device = trial_device(first)
         self.streams, self.models = map(list, zip(*(data_and_model(t.config) for t in trials)))
         self.blocks = _blocks(trials, self.streams)
@@ -202,6 +210,7 @@ class _Group:
             for name in list(dict(model.machines.named_parameters())):
                 setattr(model.machines, name, nn.Parameter(big[name].detach()[i * M : (i + 1) * M]))
         self.trial_params = [list(m.machines.parameters()) for m in self.models]
+        self.parameter_bytes = payload_bytes((p, True) for p in self.trial_params[0])  # one machine's, for DDP
         self.big_params = list(big.values())
         if list(big) != ["weight", "bias"] or type(stack.machines.template) is not nn.Linear:
             raise ValueError(f"stacking trains a linear model with a bias; this one has {list(big)}")
@@ -231,10 +240,23 @@ class _Group:
                 machines=self.M,
                 method=self.first["method"],
                 lrs=[models[i].hparams.lr for i in s.members],
-                counts=lambda s=s: (s.averager.num_syncs, s.floats_per_sync * s.averager.num_syncs),
+                counts=lambda s=s: self._counts(s),
                 sync=s.averager.step,
                 device=self.device,
+                links=self.links,
+                step_seconds=self.step_seconds,
             )
+
+    def _counts(self, s: _Block) -> RoundCounts:
+        """What one machine of a trial of block ``s`` has done and sent so far, as its single run counts it."""
+        steps = s.averager.steps
+        return RoundCounts(
+            steps=steps,
+            syncs=s.averager.num_syncs,
+            floats=s.floats_per_sync * s.averager.num_syncs,
+            sent=s.sent,
+            ddp=ddp_counts(self.parameter_bytes, steps, self.M),
+        )
 
     def _diagnostics(self) -> None:
         """Each trial's ``Diagnostics`` (training objective, optimum, per-round diagnostics), built as the CLI
@@ -261,10 +283,13 @@ class _Group:
         """Every step of the epoch, then the trials' outcomes."""
         due: list[tuple[_Block, int]] = []  # the blocks to evaluate after this step, with their round
         for step in range(self.steps):
+            start = time.perf_counter()
             self._step(step)
             for s in self.blocks:
                 if step < s.steps and any(self.active[i] for i in s.members):
                     self._advance(s, step, due)
+            self.step_time += time.perf_counter() - start  # the steps' compute, measured (evaluations apart)
+            self.steps_taken += 1
             if due:
                 self._evaluate(due)
                 due.clear()
@@ -302,8 +327,11 @@ class _Group:
         every K-th), and after its round's last step, the round's end (``RoundDriver.end_round``): a diverged trial
         stopped (its slices dropped from the optimizer, the others going on), the train-loss rows logged, the
         block due for evaluation."""
-        if s.driver.step() and not s.floats_per_sync:
-            s.floats_per_sync = s.averager.floats_communicated // len(s.members)  # all active in round 1
+        if s.driver.step():
+            if not s.floats_per_sync:  # all active in round 1: one trial's share of the averager's counts
+                s.floats_per_sync = s.averager.floats_communicated // len(s.members)
+                s.payload_per_sync = s.averager.link_counts.payload_bytes // len(s.members)
+            s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)  # as a single run's averager adds them
         if (step + 1) % s.k:
             return
         r = (step + 1) // s.k
@@ -391,6 +419,7 @@ class _Group:
                 "metrics": clean,
                 "run_dir": str(self.loggers[i].log_dir),
                 "wall_time_s": round(wall, 3),
+                "step_seconds": self.step_time / (self.steps_taken * self.T * self.M) if self.steps_taken else None,
                 "stacked": self.T,
             }
             if t.config.get("wandb"):

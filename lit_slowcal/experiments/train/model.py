@@ -10,6 +10,8 @@ strategy and the data, see ``lit_slowcal.experiments.run.cli``.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Sequence
 from typing import Literal, Optional
 
 import lightning.pytorch as pl
@@ -21,9 +23,18 @@ from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.experiments._lightning import batches_started
 from lit_slowcal.experiments.train.architectures import get_architecture
 from lit_slowcal.experiments.train.methods import get_method
-from lit_slowcal.experiments.train.rounds import RoundDriver, RoundSchedule, cross_entropy, swap_outputs, test_loss
+from lit_slowcal.experiments.train.rounds import (
+    RoundCounts,
+    RoundDriver,
+    RoundSchedule,
+    cross_entropy,
+    swap_outputs,
+    test_loss,
+)
 from lit_slowcal.experiments.train.shape import hosted_machines
+from lit_slowcal.link import Link
 from lit_slowcal.simulated import SimulatedMachines
+from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["MachinesModel", "official_init"]
 
@@ -137,6 +148,9 @@ class MachinesModel(pl.LightningModule):
             MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
         )
         self._driver: Optional[RoundDriver] = None  # this fit's, built at its first round
+        self.links: tuple[Link, ...] = ()  # use_links
+        self.step_seconds: Optional[float] = None
+        self._train_time = (0.0, 0)  # (seconds in the training steps' loops, optimizer steps), measured_step_seconds
         self._resumed_loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
 
     def configure_model(self) -> None:
@@ -204,12 +218,15 @@ class MachinesModel(pl.LightningModule):
         xs, ys = batch
         driver = self._round_driver(steps_per_round=xs.shape[0], per_step_batch=xs.shape[2])
         losses = []
+        start = time.perf_counter()
         for k in range(len(xs)):
             per_machine = self._machine_losses(xs[k], ys[k])
             driver.optimizer.zero_grad()
             self.manual_backward(per_machine.sum())
             driver.step()  # the strategy averages the machines after every K-th step
             losses.append(per_machine.detach())
+        seconds, steps = self._train_time
+        self._train_time = (seconds + time.perf_counter() - start, steps + len(xs))
         # One check per round (a single host sync): a non-finite loss, or parameters that became
         # non-finite in the round's last step, stop the run instead of training on NaNs.
         # Lightning's self.log costs about a millisecond: the round logs every `log_every_n_steps` rounds, when
@@ -230,7 +247,7 @@ class MachinesModel(pl.LightningModule):
         log carry over from a checkpoint."""
         optimizer = self.optimizers()
         if self._driver is None or self._driver.optimizer is not optimizer:
-            trainer, strategy = self.trainer, self.trainer.strategy
+            trainer = self.trainer
             driver = RoundDriver(
                 optimizer,
                 RoundSchedule(log_every=trainer.log_every_n_steps, eval_every=trainer.val_check_batch),
@@ -239,14 +256,40 @@ class MachinesModel(pl.LightningModule):
                 machines=self.hparams.num_machines,
                 method=self.hparams.method,
                 lrs=[self.hparams.lr],
-                counts=lambda: (
-                    getattr(strategy, "num_syncs", batches_started(trainer)),
-                    getattr(strategy, "floats_communicated", 0),
-                ),
+                counts=self.round_counts,
+                links=self.links,
+                step_seconds=self.step_seconds,
             )
             driver.loss_since_log = self._loss_since_log().view(1, 2)
             self._driver = driver
         return self._driver
+
+    def round_counts(self) -> RoundCounts:
+        """What one machine has done and sent so far (the strategy's averagers' counts)."""
+        trainer = self.trainer
+        strategy = trainer.strategy
+        if not isinstance(strategy, PeriodicAveragingStrategy):  # a strategy that does not average: nothing sent
+            return RoundCounts(steps=trainer.global_step, syncs=batches_started(trainer), floats=0)
+        return RoundCounts(
+            steps=trainer.global_step,
+            syncs=strategy.num_syncs,
+            floats=strategy.floats_communicated,
+            sent=strategy.link_counts,
+            ddp=strategy.ddp_counts(),
+        )
+
+    def use_links(self, links: Sequence[Link], step_seconds: Optional[float] = None) -> None:
+        """Log, with the train loss, the modelled communication time at each of ``links`` and, with the compute
+        time of one optimizer step of one machine, the modelled wall time (``rounds.link_columns``)."""
+        self.links, self.step_seconds = tuple(links), step_seconds
+        self._driver = None  # the next round's driver takes them
+
+    @property
+    def measured_step_seconds(self) -> float:
+        """The compute time of one optimizer step of one machine, measured: the time spent in the training
+        steps of the fits so far over their optimizer steps and this process's machines (``nan`` before any)."""
+        seconds, steps = self._train_time
+        return seconds / (steps * self.machines.num_machines) if steps and self.machines is not None else math.nan
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_loss_since_log"] = self._loss_since_log().clone()

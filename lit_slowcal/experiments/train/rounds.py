@@ -14,7 +14,8 @@ trial and evaluate their blocks together). The pieces it is made of:
   losses and parameters (one host sync when everything is finite); ``divergence`` the error that
   stops a diverged trial, ``TrainingDiverged``, and ``trial_status`` the status a sweep records;
 * ``add_round_loss``, ``mean_train_loss`` and ``train_row``: the training loss averaged over the
-  rounds since the last log, and the row logged with it;
+  rounds since the last log, and the row logged with it, with the counts of what was sent
+  (``RoundCounts``, ``count_columns``);
 * ``swap_outputs``: the optimizers whose trained model is not their query point exchange the two
   around an evaluation;
 * ``cross_entropy``: the cross-entropy of a training step and of an evaluation;
@@ -27,18 +28,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.protocol import declared
 
 __all__ = [
-    "RoundDriver", "RoundEnd", "RoundSchedule", "TrainingDiverged", "add_round_loss", "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value",
-    "epoch_values", "evaluation_row", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row",
-    "trial_status",
+    "RoundCounts", "RoundDriver", "RoundEnd", "RoundSchedule", "TrainingDiverged", "add_round_loss", "count_columns",
+    "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value", "epoch_values", "evaluation_row",
+    "link_columns", "link_tag", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row", "trial_status",
 ]  # fmt: skip
 
 
@@ -105,17 +107,76 @@ def mean_train_loss(sums: Tensor) -> Tensor:
     return (sums[..., 0] / sums[..., 1]).float()
 
 
+@dataclass(frozen=True)
+class RoundCounts:
+    """What one machine of a trial has done and sent so far: its optimizer steps, the synchronisations,
+    the floats it sent, what it sent on the ring (``sent``, ``lit_slowcal.link.LinkCounts``: one
+    participating machine's) and what DDP would have sent over the same steps (``ddp``)."""
+
+    steps: int
+    syncs: int
+    floats: Union[int, float]
+    sent: LinkCounts = LinkCounts()
+    ddp: LinkCounts = LinkCounts()
+
+
+def count_columns(counts: RoundCounts) -> dict[str, float]:
+    """The link-independent counts of a logged row: the optimizer steps of one machine, the ring bytes one
+    participating machine sent and the ring's latency terms (``LinkCounts``), and DDP's over the same steps;
+    seconds at any link follow (``lit_slowcal.experiments.measure.communication``)."""
+    return {
+        "optimizer_steps": float(counts.steps),
+        "ring_bytes_per_machine": float(counts.sent.ring_bytes),
+        "ring_hops": float(counts.sent.ring_hops),
+        "ddp_ring_bytes_per_machine": float(counts.ddp.ring_bytes),
+        "ddp_ring_hops": float(counts.ddp.ring_hops),
+    }
+
+
+def link_tag(link: Link) -> str:
+    """A link as a metric name's suffix: ``10Gbit/s,1ms`` -> ``10Gbitps_1ms`` (no ``/`` or ``,``)."""
+    return str(link).replace("/s", "ps").replace(",", "_")
+
+
+def link_columns(counts: RoundCounts, links: Sequence[Link], step_seconds: Optional[float] = None) -> dict[str, float]:
+    """Per link, the modelled communication seconds so far (``comm_s_<tag>``) and DDP's over the same steps
+    (``ddp_comm_s_<tag>``); with a compute time per optimizer step, the modelled wall time, compute plus
+    communication (``wall_s_<tag>``, ``ddp_wall_s_<tag>``: blocking rounds, the two add)."""
+    out: dict[str, float] = {}
+    for link in links:
+        tag = link_tag(link)
+        comm, ddp = counts.sent.seconds(link), counts.ddp.seconds(link)
+        out[f"comm_s_{tag}"], out[f"ddp_comm_s_{tag}"] = comm, ddp
+        if step_seconds is not None:
+            compute = counts.steps * step_seconds
+            out[f"wall_s_{tag}"], out[f"ddp_wall_s_{tag}"] = compute + comm, compute + ddp
+    return out
+
+
 def train_row(
-    train_loss: Any, *, syncs: int, steps_per_round: int, batch_size: int, machines: int, rounds_done: int, floats: int
+    train_loss: Any,
+    *,
+    counts: RoundCounts,
+    steps_per_round: int,
+    batch_size: int,
+    machines: int,
+    rounds_done: int,
+    links: Sequence[Link] = (),
+    step_seconds: Optional[float] = None,
 ) -> dict[str, Any]:
     """The row logged with the train loss after round ``rounds_done``: the rounds so far (the
-    synchronisations), the samples all ``machines`` have drawn, and the floats they sent (``floats``
-    per machine)."""
+    synchronisations), the samples all ``machines`` have drawn, the floats they sent (``counts.floats``
+    per machine), the counts of ``count_columns`` and, for each of ``links``, ``link_columns``."""
     return {
         "train_loss": train_loss,
-        "round": float(syncs),
+        "round": float(counts.syncs),
         "samples_seen": float(steps_per_round * batch_size * machines * rounds_done),
-        "floats_communicated": float(floats * machines),
+        "floats_communicated": float(counts.floats * machines),
+        # float64 tensors: logged as they are (Lightning makes a Python number a float32 tensor)
+        **{
+            k: torch.tensor(v, dtype=torch.float64)
+            for k, v in {**count_columns(counts), **link_columns(counts, links, step_seconds)}.items()
+        },
     }
 
 
@@ -164,10 +225,12 @@ class RoundDriver:
         schedule: when a round logs and when it is evaluated.
         steps_per_round, per_step_batch, machines: the run's shape (``RunShape``), for the rows logged.
         method: the method's name, and ``lrs`` each trial's learning rate, for a divergence's error.
-        counts: ``() -> (synchronisations, floats one machine sent)`` so far, of one trial.
+        counts: ``() -> RoundCounts`` so far, of one machine of one trial.
         sync: called after each optimizer step where no strategy synchronises (the stacked trials'
             ``PeriodicAverager.step``); returns whether it synchronised.
         device: where the train-loss sums live.
+        links, step_seconds: the links whose modelled seconds the rows carry, and the compute time of one
+            optimizer step of one machine (``None``: the rows carry no modelled wall time), ``link_columns``.
     """
 
     def __init__(
@@ -180,13 +243,16 @@ class RoundDriver:
         machines: int,
         method: str,
         lrs: Sequence[float],
-        counts: Callable[[], tuple[int, Any]],
+        counts: Callable[[], RoundCounts],
         sync: Optional[Callable[[], bool]] = None,
         device: Optional[torch.device] = None,
+        links: Sequence[Link] = (),
+        step_seconds: Optional[float] = None,
     ) -> None:
         self.optimizer, self.schedule, self.sync, self.counts = optimizer, schedule, sync, counts
         self.steps_per_round, self.per_step_batch, self.machines = steps_per_round, per_step_batch, machines
         self.method, self.lrs = method, list(lrs)
+        self.links, self.step_seconds = tuple(links), step_seconds
         self.trials = len(self.lrs)
         self.loss_since_log = torch.zeros(self.trials, 2, dtype=torch.float64, device=device)
 
@@ -214,16 +280,17 @@ class RoundDriver:
     def train_rows(self, end: RoundEnd) -> list[dict[str, Any]]:
         """Each trial's row logged with its train loss after a round that logs (``end.train_loss``)."""
         assert end.train_loss is not None, "a round that logs"
-        syncs, floats = self.counts()
+        counts = self.counts()
         return [
             train_row(
                 loss,
-                syncs=syncs,
+                counts=counts,
                 steps_per_round=self.steps_per_round,
                 batch_size=self.per_step_batch,
                 machines=self.machines,
                 rounds_done=end.index,
-                floats=floats,
+                links=self.links,
+                step_seconds=self.step_seconds,
             )
             for loss in end.train_loss.unbind()
         ]

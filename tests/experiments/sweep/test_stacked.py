@@ -17,6 +17,11 @@ from lit_slowcal.experiments.train.model import MachinesModel
 
 REPO = Path(__file__).resolve().parents[3]
 LRS = (0.01, 0.03)
+#: What was sent, logged with the train loss: the counts, and the seconds at the default link.
+LINK_COUNTS = (
+    "optimizer_steps", "ring_bytes_per_machine", "ring_hops", "ddp_ring_bytes_per_machine", "ddp_ring_hops",
+    "comm_s_10Gbitps_1ms", "ddp_comm_s_10Gbitps_1ms",
+)  # fmt: skip
 SEEDS = (1, 2)
 
 
@@ -104,6 +109,7 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
             "train_objective",
             "dispersion",
             "query_step",
+            *LINK_COUNTS,
         } | ({"iterate_step"} if t.params["method"] == "slowcal" else set())
         for name, value in params.items():
             assert torch.equal(t.final_state["params"][name], value), (t.params, name)

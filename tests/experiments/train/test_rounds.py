@@ -20,6 +20,7 @@ from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.experiments.train import rounds
 from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.rounds import TrainingDiverged
+from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.simulated import SimulatedMachines
 
 
@@ -84,13 +85,35 @@ def test_the_train_loss_is_the_float32_mean_of_the_rounds_since_the_last_log():
 
 
 def test_train_row():
-    row = rounds.train_row(0.5, syncs=6, steps_per_round=4, batch_size=2, machines=16, rounds_done=6, floats=6 * 7850)
-    assert row == {
+    # SLowcal's x and w of the 7,850-parameter model in float32 (62,800 bytes a sync), M = 16, 6 rounds of K = 4.
+    sent = LinkCounts.of_syncs(62_800, 16, syncs=6)
+    ddp = LinkCounts.of_syncs(31_400, 16, syncs=24)  # DDP: the gradients, every step
+    counts = rounds.RoundCounts(steps=24, syncs=6, floats=6 * 15700, sent=sent, ddp=ddp)
+    link = Link.parse("10Gbit/s,1ms")
+    row = rounds.train_row(
+        0.5, counts=counts, steps_per_round=4, batch_size=2, machines=16, rounds_done=6, links=[link], step_seconds=1e-4
+    )
+    by_hand = {
         "train_loss": 0.5,
         "round": 6.0,
         "samples_seen": 4 * 2 * 16 * 6.0,
-        "floats_communicated": 6 * 7850 * 16.0,
+        "floats_communicated": 6 * 15700 * 16.0,
+        "optimizer_steps": 24.0,
+        "ring_bytes_per_machine": 6 * 62_800 * 30 / 16,  # 2 (M - 1) / M of the payload, every round
+        "ring_hops": 6 * 30.0,
+        "ddp_ring_bytes_per_machine": 24 * 31_400 * 30 / 16,
+        "ddp_ring_hops": 24 * 30.0,
+        "comm_s_10Gbitps_1ms": 180 * 1e-3 + 706_500 / 1.25e9,
+        "ddp_comm_s_10Gbitps_1ms": 720 * 1e-3 + 1_413_000 / 1.25e9,
+        "wall_s_10Gbitps_1ms": 24 * 1e-4 + 180 * 1e-3 + 706_500 / 1.25e9,
+        "ddp_wall_s_10Gbitps_1ms": 24 * 1e-4 + 720 * 1e-3 + 1_413_000 / 1.25e9,
     }
+    assert list(row) == list(by_hand)
+    for name, value in by_hand.items():
+        assert float(row[name]) == pytest.approx(value, rel=1e-15), name
+    assert all(row[k].dtype == torch.float64 for k in list(by_hand)[4:])  # logged as they are, not in float32
+    without = rounds.train_row(0.5, counts=counts, steps_per_round=4, batch_size=2, machines=16, rounds_done=6)
+    assert list(without) == list(by_hand)[:9]  # no link: the counts alone
 
 
 def test_swap_outputs_calls_each_optimizers_swap_and_skips_the_others():
@@ -256,7 +279,7 @@ def test_the_final_rounds_train_metrics_are_written(tmp_path, capsys, eval_every
 
 def test_the_round_driver_ends_rounds_by_its_schedule_and_names_the_diverged_trials():
     steps = []
-    counts = (3, 7850.0)
+    counts = rounds.RoundCounts(steps=12, syncs=3, floats=7850.0)
     driver = rounds.RoundDriver(
         type("Opt", (), {"step": lambda self: steps.append(1)})(),
         rounds.RoundSchedule(log_every=2, eval_every=3),
@@ -283,6 +306,7 @@ def test_the_round_driver_ends_rounds_by_its_schedule_and_names_the_diverged_tri
     rows = driver.train_rows(last)
     assert [r["train_loss"].item() for r in rows] == last.train_loss.tolist()
     assert rows[0] == {**rows[0], "round": 3.0, "samples_seen": 4 * 2 * 3 * 5.0, "floats_communicated": 7850.0 * 3}
+    assert float(rows[0]["optimizer_steps"]) == 12.0
 
 
 def test_a_rows_new_column_is_written_once_for_the_single_run_and_the_stacked_trials(tmp_path, monkeypatch):
