@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_slowcal.experiments.analysis.time_to_target import Target, write_time_to_target
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_path, atomic_write
+from lit_slowcal.link import Link
 
 __all__ = ["Cell", "aggregate", "load_results", "main", "markdown_table", "plot_metric"]
 
@@ -208,7 +210,7 @@ def _methods(found: Sequence[str]) -> list[str]:
     return [m for m in METHODS if m in found] + sorted(m for m in set(found) if m not in METHODS)
 
 
-def _label(method: str) -> str:
+def method_label(method: str) -> str:
     return METHODS[method].label if method in METHODS else method
 
 
@@ -263,7 +265,7 @@ def plot_metric(
             x = [k for k, _ in points]
             # A method outside the registry takes the next colour of matplotlib's cycle.
             color = METHODS[method].color if method in METHODS else None
-            (line,) = ax.plot(x, [c.mean for _, c in points], marker="o", color=color, label=_label(method))
+            (line,) = ax.plot(x, [c.mean for _, c in points], marker="o", color=color, label=method_label(method))
             ax.fill_between(
                 x, [min(c.values) for _, c in points], [max(c.values) for _, c in points], color=line.get_color(),
                 alpha=0.2, lw=0,
@@ -280,10 +282,10 @@ def plot_metric(
     axes[0].legend(fontsize="small")
     n = max((c.n for c in cells.values()), default=0)
     fig.suptitle(f"{title} (mean over {n} seeds, band: min to max)")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig: Any, path: str | Path) -> None:
+def save_figure(fig: Any, path: str | Path) -> None:
     # The temporary file's suffix is not the target's: the format is given, not inferred.
     fmt = Path(path).suffix[1:].lower() or "png"
     with atomic_path(path) as tmp:
@@ -340,14 +342,14 @@ def plot_excess_rounds(curves: dict[str, list[tuple[float, float]]], m: int, k: 
     for method in _methods(list(curves)):
         points = curves[method]
         color = METHODS[method].color if method in METHODS else None
-        ax.plot([r for r, _ in points], [v for _, v in points], marker=".", color=color, label=_label(method))
+        ax.plot([r for r, _ in points], [v for _, v in points], marker=".", color=color, label=method_label(method))
     ax.set_yscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("excess loss f(x) - f*")
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(f"Excess loss against rounds, M = {m}, K = {k} (mean over seeds)")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def markdown_table(
@@ -361,7 +363,7 @@ def markdown_table(
     and, when given, the excess loss per method and G_* of the row's split (per M)."""
     keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
     methods = _methods([method for _, _, method in [*acc, *loss]])
-    labels = [_label(m) for m in methods]
+    labels = [method_label(m) for m in methods]
     header = [
         "M",
         "K",
@@ -429,6 +431,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--curve",
         help="M,K of the excess-loss-against-rounds figure (default: the largest M and K with an excess loss)",
     )
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="also the modelled time to reach it, per method and link: metric=value (test_acc=0.9, excess_loss=0.1); "
+        "repeat for several (docs/library.md, what a round costs)",
+    )
+    parser.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        help='with --target: a link "<bandwidth>,<latency>" (repeat; default 1Gbit/s,10ms 10Gbit/s,1ms 100Gbit/s,10us)',
+    )
+    parser.add_argument(
+        "--sample_seconds", type=float, help="with --target: compute time of one sample on one machine (required)"
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="with --target: a model this many times larger")
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem
     try:
@@ -441,6 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         excess = aggregate(records, "excess_loss")
         g_star = split_cells(records, "G_star")
         curve = _curve_choice(opts.curve, excess)
+        targets, links = _time_options(opts)
     except (OSError, ValueError) as err:
         print(f"lit_slowcal report: error: {err}", file=sys.stderr)
         return 2
@@ -477,5 +497,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with atomic_write(paths[-1], encoding="utf-8") as f:
         f.write(head + table + tail)
     print(table)
+    for target in targets:
+        command = " ".join(["python -m lit_slowcal report", *(argv if argv is not None else sys.argv[1:])])
+        try:
+            written = write_time_to_target(
+                records, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
+            )
+        except (OSError, ValueError) as err:
+            print(f"lit_slowcal report: error: {err}", file=sys.stderr)
+            return 2
+        paths.extend(written)
+        print(written[-1].read_text(encoding="utf-8"))
     print("wrote " + ", ".join(map(str, paths)))
     return 0
+
+
+def _time_options(opts: argparse.Namespace) -> tuple[list[Target], list[Link]]:
+    """``--target``, ``--link``, ``--sample_seconds`` and ``--scale``, checked: one line naming the one refused."""
+    targets = [Target.parse(text) for text in opts.target]
+    links = [Link.parse(text) for text in opts.link or ("1Gbit/s,10ms", "10Gbit/s,1ms", "100Gbit/s,10us")]
+    if targets:
+        if opts.sample_seconds is None or not (opts.sample_seconds >= 0 and math.isfinite(opts.sample_seconds)):
+            raise ValueError(
+                f"Invalid --sample_seconds: {opts.sample_seconds!r} (with --target: the compute time of one sample on "
+                "one machine, a number >= 0, e.g. 2e-5)"
+            )
+        if not (opts.scale > 0 and math.isfinite(opts.scale)):
+            raise ValueError(f"Invalid --scale: {opts.scale!r} (a number > 0)")
+    elif opts.link or opts.sample_seconds is not None or opts.scale != 1.0:
+        raise ValueError("--link, --sample_seconds and --scale need --target (what time to reach)")
+    return targets, links

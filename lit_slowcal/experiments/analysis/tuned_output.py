@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_slowcal.experiments.analysis.rate_choice import Choice, Win, winners
+from lit_slowcal.experiments.analysis.report import method_label
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 
@@ -77,10 +78,6 @@ def markdown(choices: Sequence[Choice], criterion: str) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-def _label(method: str) -> str:
-    return METHODS[method].label if method in METHODS else method
-
-
 def win_table(wins: Sequence[Win], metric: str) -> str:
     """Markdown: rows M, columns K, the winner and its lead in seeds' spreads."""
     ms, ks = sorted({w.M for w in wins}), sorted({w.K for w in wins})
@@ -94,17 +91,17 @@ def win_table(wins: Sequence[Win], metric: str) -> str:
                 row.append("")
                 continue
             if w.runner_up is None:
-                row.append(f"**{_label(w.best)}** (alone)")
+                row.append(f"**{method_label(w.best)}** (alone)")
                 continue
             lead = "∞" if math.isinf(w.margin_in_spreads) else f"{w.margin_in_spreads:.2f}"
-            row.append(f"**{_label(w.best)}** over {_label(w.runner_up)}: {w.margin:.2e} ({lead} σ)")
+            row.append(f"**{method_label(w.best)}** over {method_label(w.runner_up)}: {w.margin:.2e} ({lead} σ)")
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: str) -> list[Path]:
     """``stem``.md (the tuned table and the map of winners) and two figures in ``folder``."""
-    from lit_slowcal.experiments.analysis.report import Cell, _save, plot_metric
+    from lit_slowcal.experiments.analysis.report import Cell, plot_metric, save_figure
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -132,7 +129,7 @@ def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: st
             strong = math.isinf(w.margin_in_spreads) or w.margin_in_spreads >= 2
             ax.add_patch(Rectangle((j, i), 1, 1, color=color, alpha=0.85 if strong else 0.35))
             lead = "∞" if math.isinf(w.margin_in_spreads) else f"{w.margin_in_spreads:.1f}σ"
-            ax.text(j + 0.5, i + 0.5, f"{_label(w.best)}\n{lead}", ha="center", va="center", fontsize=7)
+            ax.text(j + 0.5, i + 0.5, f"{method_label(w.best)}\n{lead}", ha="center", va="center", fontsize=7)
         ax.set_xlim(0, len(ks)), ax.set_ylim(0, len(ms))
         ax.set_xticks([j + 0.5 for j in range(len(ks))], [str(k) for k in ks])
         ax.set_yticks([i + 0.5 for i in range(len(ms))], [str(m) for m in ms])
@@ -142,7 +139,7 @@ def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: st
             fontsize=9,
         )
         path = folder / f"{stem}_wins.png"
-        _save(fig, path)
+        save_figure(fig, path)
         written.append(path)
     lines = [
         f"# {stem}: every method at its own tuned rate per (M, K)",
@@ -185,7 +182,7 @@ def communication_table(choices: Sequence[Choice]) -> str:
     for c in choices:
         floats = floats_per_machine(c)
         lines.append(
-            f"| {_label(c.method)} | {c.M} | {c.K} | {c.lr:g} | {c.lr_at_edge} | {len(c.records)} | "
+            f"| {method_label(c.method)} | {c.M} | {c.K} | {c.lr:g} | {c.lr_at_edge} | {len(c.records)} | "
             f"{_pm(c, 'train_loss', '.4f')} | {_pm(c, 'test_acc', '.4f')} | {'n/a' if floats is None else f'{floats:.3g}'} |"
         )
     return "\n".join(lines) + "\n"
@@ -197,7 +194,7 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
     point; right: the top ``zoom`` of accuracy below the best mean, where the methods are told apart."""
     from matplotlib.figure import Figure
 
-    from lit_slowcal.experiments.analysis.report import _save
+    from lit_slowcal.experiments.analysis.report import save_figure
 
     by_method: dict[str, list[tuple[float, float, float, int]]] = {}
     for c in choices:
@@ -217,7 +214,7 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
         for ax in axes:
             ax.errorbar(
                 [f for f, *_ in points], [a for _, a, *_ in points], yerr=[s for _, _, s, _ in points], marker="o",
-                capsize=3, color=color, label=_label(method),
+                capsize=3, color=color, label=method_label(method),
             )  # fmt: skip
         for f, a, _, k in points:
             axes[1].annotate(f"K={k}", (f, a), textcoords="offset points", xytext=(4, -10), fontsize=6, color=color)
@@ -232,4 +229,4 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
     axes[0].legend(fontsize="small")
     n = max(len(c.records) for c in choices)
     fig.suptitle(f"{title} (each method at its tuned rate per K; mean over {n} seeds, bars: std)", fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
