@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_slowcal.experiments.analysis.time_to_target import Target, write_time_to_target
+from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, write_time_to_target
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_path, atomic_write
 from lit_slowcal.link import Link
@@ -448,6 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--sample_seconds", type=float, help="with --target: compute time of one sample on one machine (required)"
     )
     parser.add_argument("--scale", type=float, default=1.0, help="with --target: a model this many times larger")
+    parser.add_argument(
+        "--tuned", type=Path, help="with --target: only each cell's tuned rate, from `tune`'s CSV (method, M, K, lr)"
+    )
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem
     try:
@@ -500,8 +503,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for target in targets:
         command = " ".join(["python -m lit_slowcal report", *(argv if argv is not None else sys.argv[1:])])
         try:
+            chosen = at_tuned_rates(records, opts.tuned) if opts.tuned else records
             written = write_time_to_target(
-                records, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
+                chosen, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
             )
         except (OSError, ValueError) as err:
             print(f"lit_slowcal report: error: {err}", file=sys.stderr)
@@ -524,6 +528,6 @@ def _time_options(opts: argparse.Namespace) -> tuple[list[Target], list[Link]]:
             )
         if not (opts.scale > 0 and math.isfinite(opts.scale)):
             raise ValueError(f"Invalid --scale: {opts.scale!r} (a number > 0)")
-    elif opts.link or opts.sample_seconds is not None or opts.scale != 1.0:
-        raise ValueError("--link, --sample_seconds and --scale need --target (what time to reach)")
+    elif opts.link or opts.sample_seconds is not None or opts.scale != 1.0 or opts.tuned:
+        raise ValueError("--link, --sample_seconds, --scale and --tuned need --target (what time to reach)")
     return targets, links

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link
 
-__all__ = ["Target", "Trajectory", "cell_times", "time_table", "trajectory", "write_time_to_target"]
+__all__ = ["Target", "Trajectory", "at_tuned_rates", "cell_times", "time_table", "trajectory", "write_time_to_target"]
 
 #: Metrics a target can name; ``test_acc`` is reached from below, the others from above.
 TARGET_METRICS = ("test_acc", "test_loss", "excess_loss", "train_objective")
@@ -126,6 +127,23 @@ def trajectory(record: dict[str, Any], metric: str, machines: int) -> Trajectory
     )
 
 
+def at_tuned_rates(records: Sequence[dict[str, Any]], tuned_csv: str | Path) -> list[dict[str, Any]]:
+    """The records at their cell's tuned rate: where ``tuned_csv`` (``python -m lit_slowcal tune``'s output: method,
+    M, K, lr) has a row for a record's (method, M, K), the record is kept only when its ``model.lr`` is that row's;
+    records of cells it does not hold are all kept."""
+    from lit_slowcal.experiments.analysis.report import cell_of
+
+    with open(tuned_csv, newline="") as f:
+        tuned = {(r["method"], int(r["M"]), int(r["K"])): float(r["lr"]) for r in csv.DictReader(f)}
+    kept = []
+    for r in records:
+        cell = cell_of(r, "--tuned picks records by (method, M, K)")
+        lr = r["params"].get("model.lr")
+        if cell not in tuned or (isinstance(lr, (int, float)) and float(lr) == tuned[cell]):
+            kept.append(r)
+    return kept
+
+
 @dataclass(frozen=True)
 class CellTime:
     """A cell's time to the target at one link: the mean over its seeds when every seed reached it."""
@@ -212,6 +230,7 @@ def plot_times(
 ) -> None:
     """The target's metric against modelled wall time (log scale), mean over seeds, one panel per (M, link)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -219,12 +238,15 @@ def plot_times(
     from lit_slowcal.experiments.analysis.report import method_label, save_figure
 
     ms = sorted({m for m, _, _ in trajectories})
+    methods = sorted({method for _, _, method in trajectories})
+    ks = sorted({k for _, k, _ in trajectories})
+    colors = {m: METHODS[m].color if m in METHODS else f"C{i % 10}" for i, m in enumerate(methods)}
+    styles = ("-", "--", ":", "-.")
     fig, axes = plt.subplots(len(ms), len(links), figsize=(4.2 * len(links), 3.4 * len(ms)), squeeze=False)
-    many_k = len({k for _, k, _ in trajectories}) > 1
     for row, m in enumerate(ms):
         for col, link in enumerate(links):
             ax = axes[row][col]
-            for (mm, k, method), runs in sorted(trajectories.items(), key=lambda item: item[0][2]):
+            for (mm, k, method), runs in sorted(trajectories.items(), key=lambda item: (item[0][2], item[0][1])):
                 if mm != m or not runs[0].points:
                     continue
                 n = min(len(t.points) for t in runs)
@@ -233,9 +255,12 @@ def plot_times(
                     for i in range(n)
                 ]
                 ys = [statistics.fmean(t.points[i][1] for t in runs) for i in range(n)]
-                ax.plot(xs, ys, marker=".", label=method_label(method) + (f" K={k}" if many_k else ""))
+                label = method_label(method) + (f" K={k}" if len(ks) > 1 else "")
+                style = styles[ks.index(k) % len(styles)]
+                ax.plot(xs, ys, marker=".", markersize=3, color=colors[method], linestyle=style, label=label)
             ax.axhline(target.value, color="grey", linestyle=":", linewidth=1)
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             if target.metric != "test_acc":
                 ax.set_yscale("log")
             ax.set_title(f"M = {m}, {link}", fontsize=9)

@@ -85,3 +85,17 @@ def test_a_record_without_counts_is_refused_in_one_line(tmp_path):
     del record["metrics"]["ring_hops"]
     with pytest.raises(ValueError, match="logged no ring_hops.*rerun the sweep with this version"):
         trajectory(record, "test_acc", 16)
+
+
+def test_tuned_keeps_each_cells_tuned_rate_and_the_cells_it_does_not_hold(tmp_path):
+    from lit_slowcal.experiments.analysis.time_to_target import at_tuned_rates
+
+    records = []
+    for method, lr in (("slowcal", 0.01), ("slowcal", 0.0215), ("diloco", 0.001)):
+        r = trial(tmp_path, method, len(records), [0.9])
+        r["params"]["model.lr"] = lr
+        records.append(r)
+    tuned = tmp_path / "tuned.csv"
+    tuned.write_text("method,M,K,lr\nslowcal,16,4,0.0215\nslowcal,64,4,0.01\n")
+    kept = at_tuned_rates(records, tuned)
+    assert [(r["params"]["method"], r["params"]["model.lr"]) for r in kept] == [("slowcal", 0.0215), ("diloco", 0.001)]
