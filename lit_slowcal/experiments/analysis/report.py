@@ -447,7 +447,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--sample_seconds", type=float, help="with --target: compute time of one sample on one machine (required)"
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="with --target: a model this many times larger")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="with --target: a model this many times larger (its bytes; its compute is --sample_seconds)",
+    )
     parser.add_argument(
         "--tuned", type=Path, help="with --target: only each cell's tuned rate, from `tune`'s CSV (method, M, K, lr)"
     )

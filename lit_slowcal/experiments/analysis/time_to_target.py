@@ -13,7 +13,8 @@ compute time of one sample (``--sample_seconds``), and ``hops`` and ``bytes`` wh
 ring in a round (``lit_slowcal.link``: 2 (P - 1) latency terms, 2 (P - 1) / P of its payload), read from the
 counts the trial logged (``ring_hops``, ``ring_bytes_per_machine``). Every round of a run sends the same, so
 the counts of its last row give every round's. ``--scale N`` models a model N times larger with the same
-trajectory: compute and bytes N times more, the latency terms the same. The time to the target is that of
+trajectory: N times the bytes, the latency terms the same, and the compute of a sample the one given
+(``--sample_seconds``, measured for the larger model: ``benchmarks/bench_sample_seconds.py``). The time to the target is that of
 the first evaluation that reaches it (``test_acc`` at least the value; any other metric at most); a cell
 (method, M, K) reports the mean over its seeds when every seed reaches it, else how many did.
 """
@@ -84,8 +85,9 @@ class Trajectory:
 
     def seconds(self, rounds: float, link: Link, sample_seconds: float, scale: float = 1.0) -> float:
         """The modelled wall time of ``rounds`` rounds at ``link`` (see the module docstring)."""
-        per_round = scale * (self.samples * sample_seconds + self.ring_bytes / link.bandwidth)
-        return rounds * (per_round + self.ring_hops * link.latency)
+        return rounds * (
+            self.samples * sample_seconds + scale * self.ring_bytes / link.bandwidth + self.ring_hops * link.latency
+        )
 
     def first_reaching(self, target: Target) -> Optional[float]:
         """The round of the first evaluation that reaches ``target`` (``None``: none does)."""
@@ -289,7 +291,7 @@ def write_time_to_target(
         raise ValueError("no finished trial: nothing reaches a target")
     paths = [out / f"{name}_time_to_target.png", out / f"{name}_time_to_target.md"]
     plot_times(trajectories, target, links, sample_seconds, scale, paths[0])
-    scaled = f", a model {scale:g} times larger (compute and bytes)" if scale != 1 else ""
+    scaled = f"; a model {scale:g} times larger (its bytes)" if scale != 1 else ""
     text = (
         f"# Time to {target}\n\n![time to target]({paths[0].name})\n\n"
         + time_table(times, target, links)
