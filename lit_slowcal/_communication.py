@@ -6,8 +6,8 @@ is averaged by one of their averagers (``buffer_owners``).
 
 The tensors to average are grouped by device and dtype and flattened into buckets of at most a cap
 of bytes; each bucket is one all-reduce (a small model: one collective per device and dtype per
-synchronisation). At most two buckets are in flight, so a synchronisation needs at most two buckets
-of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place;
+synchronisation). At most two flattened buckets are in flight, so a synchronisation needs at most
+two buckets of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place;
 with two processes, so is every tensor of at least ``IN_PLACE_BYTES`` that lies contiguous (see
 ``average``: the same bits as in a bucket, without its copies). With one process nothing is
 communicated.
@@ -326,14 +326,14 @@ def average(
     divide = world if local is None else 1  # the weights already sum to 1 over all machines
     pending: list[tuple[Tensors, Optional[Tensor], Any]] = []
     for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
-        if len(pending) == 2:
-            _finish(*pending.pop(0), divide)
-        if _in_place(bucket):  # reduce in place: no copy at all
+        if _in_place(bucket):  # reduce in place: no copy at all, and no memory held while in flight
             t = bucket[0][0]
             if local is not None:
                 t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
             pending.append((bucket, None, dist.all_reduce(t, group=process_group, async_op=True)))
             continue
+        while sum(f is not None for _, f, _ in pending) == 2:  # at most two flattened buckets in flight
+            _finish(*pending.pop(0), divide)
         flat = torch.cat([_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
     for item in pending:
