@@ -6,7 +6,9 @@ them (so small tensors share buckets with large ones, as in real models), steppe
 alternating after a warm-up, each process times (a) ``averager.sync()`` (x and w averaged, the schedule
 check on, as shipped) and (b) ``dist.all_reduce`` of one flat float32 tensor of the same bytes,
 each after (c) a barrier, so that neither includes the ranks' skew; and, for the record, (d) the
-sync without the schedule check (``check_schedule=False``: its small all-gather left out). A rep's time is the slower
+sync without the schedule check (``check_schedule=False``: its small all-gather left out), and (e)
+the sync's own all-reduces alone: one tensor per bucket of the sync's layout, all in flight at once,
+without the copies, the division or the check (what the sync cannot go below). A rep's time is the slower
 rank's; the table gives the medians and their ratio. Goal: ratio <= 1.1.
 
 ``--digest`` prints, per size, a digest of rank 0's parameters and state after the timed syncs (the
@@ -47,7 +49,7 @@ def build_model(numel: int) -> nn.Module:
 def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, queue) -> None:
     import torch.distributed as dist
 
-    from lit_slowcal import PeriodicAverager, SlowcalSGD
+    from lit_slowcal import PeriodicAverager, SlowcalSGD, _communication
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -61,7 +63,10 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, que
         averager = PeriodicAverager(model, optimizer, sync_every=1)
         n = sum(p.numel() for p in model.parameters())
         flat = torch.randn(2 * n)  # the same bytes as x and w, one tensor
-        times: dict[str, list[float]] = {"sync": [], "all_reduce": [], "unchecked": []}
+        alone = getattr(_communication, "IN_PLACE_BYTES", None)  # a version of the code without it: no argument
+        layout = _communication.buckets(averager._tensors(), averager.bucket_cap_bytes, *[alone] if alone else [])
+        own = [torch.randn(sum(t.numel() for t, _ in b)) for b in layout]  # one tensor per all-reduce of the sync
+        times: dict[str, list[float]] = {"sync": [], "all_reduce": [], "unchecked": [], "own": []}
         warmup = 2
         for i in range(warmup + (reps if n < 20_000_000 else max(5, reps // 2))):
             for name in times:
@@ -70,12 +75,16 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, que
                 start = time.perf_counter()
                 if name == "all_reduce":
                     dist.all_reduce(flat)
+                elif name == "own":
+                    for work in [dist.all_reduce(t, async_op=True) for t in own]:
+                        work.wait()
                 else:
                     averager.sync()
                 seconds = time.perf_counter() - start
                 if i >= warmup:
                     times[name].append(seconds)
-            flat.mul_(0.5)  # bounded values, outside the timing
+            for t in (flat, *own):
+                t.mul_(0.5)  # bounded values, outside the timing
         slower = {}
         for name, mine in times.items():
             everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
@@ -88,6 +97,8 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, que
                 "sync": statistics.median(slower["sync"]),
                 "all_reduce": statistics.median(slower["all_reduce"]),
                 "unchecked": statistics.median(slower["unchecked"]),
+                "own": statistics.median(slower["own"]),
+                "buckets": len(layout),
             }
             if digest:
                 h = hashlib.sha256()
@@ -96,7 +107,7 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, que
                     h.update(optimizer.state[p]["w"].numpy().tobytes())
                 line["digest"] = h.hexdigest()[:16]
             queue.put(line)
-        del model, optimizer, averager, flat
+        del model, optimizer, averager, flat, own
     dist.destroy_process_group()
 
 
@@ -116,10 +127,13 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_worker, args=(port, sizes, args.reps, args.digest, queue), nprocs=2, start_method="spawn")
     print("one sync of SlowcalSGD (x and w) vs one all_reduce of the same bytes, 2 gloo processes, 1 thread each")
-    print("(medians of the slower rank; 'unchecked': the sync with check_schedule=False, for the record)")
+    print(
+        "(medians of the slower rank; 'unchecked': the sync with check_schedule=False; 'its all-reduces': the sync's "
+        "buckets (how many) all-reduced alone, no copy, division or check)"
+    )
     print(
         f"{'parameters':>12} {'MB/process':>10} {'reps':>5} {'sync ms':>9} {'all_reduce ms':>14} {'ratio':>6}  "
-        f"{'goal':<20} {'unchecked ms':>12} {'ratio':>6}"
+        f"{'goal':<20} {'unchecked ms':>12} {'ratio':>6} {'its all-reduces ms':>18} {'ratio':>6}"
     )
     while not queue.empty():
         r = queue.get()
@@ -128,7 +142,8 @@ def main() -> None:
         print(
             f"{r['size']:>12,} {8 * r['size'] / 1e6:>10.0f} {r['reps']:>5} {r['sync'] * 1e3:>9.1f} "
             f"{r['all_reduce'] * 1e3:>14.1f} {ratio:>6.3f}  {f'<= {GOAL}x: {met}':<20} {r['unchecked'] * 1e3:>12.1f} "
-            f"{r['unchecked'] / r['all_reduce']:>6.3f}" + (f"  digest {r['digest']}" if "digest" in r else "")
+            f"{r['unchecked'] / r['all_reduce']:>6.3f} {r['own'] * 1e3:>11.1f} ({r['buckets']:>3}) "
+            f"{r['own'] / r['all_reduce']:>6.3f}" + (f"  digest {r['digest']}" if "digest" in r else "")
         )
     sys.exit(0)
 
