@@ -8,6 +8,7 @@
    sync pre-hook (after the ranks' schedule check, which lines them up) to the end of ``sync()``: the
    average and the optimizer's pre/post-sync work; a sync's time is the slower rank's.
    (a) ``examples/lightning_cnn.py`` as its docstring runs it (``--devices 2 --sync-every 8 --max-steps 200``);
+   (a') the same CNN's syncs alone, in spawned processes without the Trainer, a barrier before each;
    (b) a plain torch loop over a 10M-parameter model (``bench_sync.py``'s), SlowcalSGD, K = 2.
    Each prediction is the fitted model's all-reduce of the bytes one sync sends: the sum over the
    averaged tensors of one machine's ``numel * element_size``. The whole ``sync()``, the schedule
@@ -130,8 +131,8 @@ def _sync_bytes(averager) -> int:
     return sum((t[0] if s else t).numel() * t.element_size() for t, s in averager._tensors())
 
 
-def _write(out: Path, rank: int, record: list, nbytes: int) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps({"syncs": record, "bytes": nbytes}))
+def _write(out: Path, rank: int, record: list, nbytes: int, name: str = "rank") -> None:
+    (out / f"{name}{rank}.json").write_text(json.dumps({"syncs": record, "bytes": nbytes}))
 
 
 def cnn_run(out: Path) -> None:
@@ -167,6 +168,22 @@ def _loop_worker(rank: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     record: list[tuple[float, float]] = []
     _time_syncs(record)
+    # (a') the CNN's syncs alone: no Trainer, no training between them, a barrier before each.
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lightning_cnn
+
+    cnn = lightning_cnn.CNN()
+    cnn_optimizer = SlowcalSGD(cnn.parameters(), lr=0.01)
+    for p in cnn.parameters():
+        p.grad = torch.zeros_like(p)
+    cnn_optimizer.step()  # creates w
+    cnn_averager = PeriodicAverager(cnn, cnn_optimizer, sync_every=1)
+    for _ in range(50):
+        dist.barrier()
+        cnn_averager.sync()
+    _write(out, rank, record[10:], _sync_bytes(cnn_averager), "alone")  # after 10 warm-ups
+    cnn_averager.remove_hooks()
+    record.clear()
     torch.manual_seed(0)
     model = build_model(10_000_000)
     d = model[0].in_features
@@ -184,8 +201,8 @@ def _loop_worker(rank: int, port: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _measured(out: Path) -> tuple[int, list[float], list[float]]:
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def _measured(out: Path, name: str = "rank") -> tuple[int, list[float], list[float]]:
+    ranks = [json.loads((out / f"{name}{r}.json").read_text()) for r in range(2)]
     assert len(ranks[0]["syncs"]) == len(ranks[1]["syncs"]) and ranks[0]["bytes"] == ranks[1]["bytes"]
     average = [max(a[0], b[0]) for a, b in zip(ranks[0]["syncs"], ranks[1]["syncs"])]
     whole = [max(a[1], b[1]) for a, b in zip(ranks[0]["syncs"], ranks[1]["syncs"])]
@@ -232,6 +249,7 @@ def main() -> None:
         import torch.multiprocessing as mp
 
         mp.start_processes(_loop_worker, args=(_port(), out), nprocs=2, start_method="spawn")
+        rows.append(("(a') the same CNN, 40 syncs alone (no Trainer)", *_measured(out, "alone")))
         rows.append(("(b) 10M parameters, plain loop, K = 2, 30 steps", *_measured(out)))
     print()
     print("syncs of real 2-process runs (SlowcalSGD: x and w): predicted by the fit vs measured (medians, slower rank)")
