@@ -1,7 +1,8 @@
 """The ring model of a link against this machine: calibrate on gloo all-reduces, then predict real runs' syncs.
 
 1. Two gloo processes (1 thread each) time ``dist.all_reduce`` of one float32 tensor at log-spaced
-   sizes from 1 KB to 100 MB (each after a barrier; a rep's time is the slower rank's; medians), and
+   sizes from 1 KB to 100 MB (each after a barrier, in increasing and decreasing order in turn; a rep's
+   time is the slower rank's; medians), and
    fit the ring model for P = 2, ``t = 2 * latency + n / bandwidth``, by least squares on the
    relative error (so that the small sizes count as much as the large ones).
 2. Two real 2-process runs, whose every synchronisation is timed on each rank from the averager's
@@ -71,8 +72,8 @@ def _calibrate_worker(rank: int, port: int, reps: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tensors = {n: torch.randn(n // 4) for n in SIZES}
     times: dict[int, list[float]] = {n: [] for n in SIZES}
-    for i in range(2 + reps):  # the sizes alternate within every rep; 2 warm-ups
-        for n, t in tensors.items():
+    for i in range(2 + reps):  # the sizes alternate within every rep, up and down in turn; 2 warm-ups
+        for n, t in list(tensors.items())[:: 1 if i % 2 else -1]:
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
