@@ -6,9 +6,11 @@ is averaged by one of their averagers (``buffer_owners``).
 
 The tensors to average are grouped by device and dtype and flattened into buckets of at most a cap
 of bytes; each bucket is one all-reduce (a small model: one collective per device and dtype per
-synchronisation). At most two buckets are in flight, so a synchronisation needs at most two buckets
-of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place.
-With one process nothing is communicated.
+synchronisation). At most two flattened buckets are in flight, so a synchronisation needs at most
+two buckets of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place;
+with two processes, so is every tensor of at least ``IN_PLACE_BYTES`` that lies contiguous (see
+``average``: the same bits as in a bucket, without its copies). With one process nothing is
+communicated.
 
 Every tensor comes with whether it is stacked: a parameter or buffer of a ``SimulatedMachines``
 module (or optimizer state of the parameter's shape) holds one slice per machine along dimension 0.
@@ -299,7 +301,15 @@ def average(
     bucket_cap_bytes: int,
 ) -> None:
     """Replace every tensor by its average over the machines: the mean, or with ``weights`` (one per
-    machine of all M, summing to 1) the weighted sum."""
+    machine of all M, summing to 1) the weighted sum.
+
+    The buckets are ``buckets``'s. With two processes, whose sum of two floats is the same whatever
+    the order or the place of a value in a buffer, a tensor that can be reduced in place (not stacked,
+    contiguous) of at least ``IN_PLACE_BYTES`` is reduced alone, in place, and only the others are
+    flattened (``buckets(..., alone_bytes=...)``): the same bits without the flatten copy and the copy
+    back. With more processes the ring's order of summation depends on the place of a value in the
+    buffer, so the buckets stay as they are.
+    """
     world = world_size(process_group)
     local = None
     if weights is not None:
@@ -307,54 +317,78 @@ def average(
         rank = dist.get_rank(process_group) if world > 1 else 0
         local = weights[rank * m : (rank + 1) * m]
 
-    def combine(t: Tensor, s: bool) -> Tensor:
-        """This process's share: the machines' mean (or weighted sum) over its machine dimension."""
-        if local is None:
-            return t.mean(0) if s else t
-        w = local.to(device=t.device, dtype=t.dtype)
-        return torch.tensordot(w, t, dims=1) if s else t * w[0]
-
     if world == 1:
         for t, s in tensors:
             if s:
-                t.copy_((t.mean(0, keepdim=True) if local is None else combine(t, s).unsqueeze(0)).expand_as(t))
+                t.copy_((t.mean(0, keepdim=True) if local is None else _combine(t, s, local).unsqueeze(0)).expand_as(t))
         return
+    # A tensor that the buckets of any number of processes reduce alone in place is weighted by a Python
+    # number, the others by a tensor of their dtype (for bfloat16 and float16 the two differ): kept so.
+    scalar = {id(b[0][0]) for b in buckets(tensors, bucket_cap_bytes) if _in_place(b)} if local is not None else set()
+    alone = IN_PLACE_BYTES if world == 2 else None
     divide = world if local is None else 1  # the weights already sum to 1 over all machines
     pending: list[tuple[Tensors, Optional[Tensor], Any]] = []
-    for bucket in buckets(tensors, bucket_cap_bytes):
-        if len(pending) == 2:
-            _finish(*pending.pop(0), divide)
-        t, s = bucket[0]
-        if len(bucket) == 1 and not s and t.is_contiguous():  # reduce in place: no copy at all
+    for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
+        if _in_place(bucket):  # reduce in place: no copy at all, and no memory held while in flight
+            t = bucket[0][0]
             if local is not None:
-                t.mul_(local[0].item())
+                t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
             pending.append((bucket, None, dist.all_reduce(t, group=process_group, async_op=True)))
             continue
-        flat = torch.cat([combine(t, s).reshape(-1) for t, s in bucket])
+        while sum(f is not None for _, f, _ in pending) == 2:  # at most two flattened buckets in flight
+            _finish(*pending.pop(0), divide)
+        flat = torch.cat([_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
     for item in pending:
         _finish(*item, divide)
 
 
+#: With two processes, a tensor of at least this many bytes that can be reduced in place is reduced
+#: alone (``average``): the copy into a bucket and the copy back that this saves cost more than the
+#: latency of one more collective (docs/performance.md).
+IN_PLACE_BYTES = 4 * 2**20
+
+
+def _in_place(bucket: Tensors) -> bool:
+    """Whether ``bucket`` is one tensor all-reduced where it lies (not stacked, contiguous)."""
+    return len(bucket) == 1 and not bucket[0][1] and bucket[0][0].is_contiguous()
+
+
+def _combine(t: Tensor, s: bool, local: Optional[Tensor], scalar: bool = False) -> Tensor:
+    """This process's share of ``t``: the machines' mean (or, with ``local``, this process's machines'
+    weights, the weighted sum) over its machine dimension when stacked ``s``."""
+    if local is None:
+        return t.mean(0) if s else t
+    if scalar and not s:
+        return t * local[0].item()
+    w = local.to(device=t.device, dtype=t.dtype)
+    return torch.tensordot(w, t, dims=1) if s else t * w[0]
+
+
 def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, world: int) -> None:
-    """Wait for a bucket's all-reduce, divide by ``world`` and copy the average back into its tensors."""
+    """Wait for a bucket's all-reduce, then divide by ``world`` in place or, for a flattened bucket, on
+    the way back into its tensors (one pass, the same quotients as dividing the buffer first)."""
     work.wait()
     if flat is None:
         if world != 1:
             bucket[0][0].div_(world)
         return
-    if world != 1:
-        flat.div_(world)
     offset = 0
     for t, s in bucket:
         n = t[0].numel() if s else t.numel()
         avg = flat[offset : offset + n].view(t.shape[1:] if s else t.shape)
-        t.copy_(avg.unsqueeze(0).expand_as(t) if s else avg)
+        avg = avg.unsqueeze(0).expand_as(t) if s else avg
+        if world != 1:
+            torch.div(avg, world, out=t)
+        else:
+            t.copy_(avg)
         offset += n
 
 
-def buckets(tensors: Tensors, cap_bytes: int) -> list[Tensors]:
-    """Tensors grouped by (device, dtype), in order, cut where a bucket would exceed ``cap_bytes``."""
+def buckets(tensors: Tensors, cap_bytes: int, alone_bytes: Optional[int] = None) -> list[Tensors]:
+    """Tensors grouped by (device, dtype), in order, cut where a bucket would exceed ``cap_bytes``; with
+    ``alone_bytes``, a tensor of at least that many bytes that can be reduced in place (``_in_place``)
+    is a bucket of its own, and the others of its kind are packed without it."""
     by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
     for t, s in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append((t, s))
@@ -364,6 +398,9 @@ def buckets(tensors: Tensors, cap_bytes: int) -> list[Tensors]:
         size = 0
         for t, s in items:
             nbytes = (t[0].numel() if s else t.numel()) * t.element_size()
+            if alone_bytes is not None and nbytes >= alone_bytes and _in_place([(t, s)]):
+                out.append([(t, s)])
+                continue
             if current and size + nbytes > cap_bytes:
                 out.append(current)
                 current, size = [], 0

@@ -1,0 +1,152 @@
+"""One synchronisation against one all-reduce of the same bytes, on 2 gloo processes (1 thread each).
+
+Each process holds a model of a few large ``nn.Linear`` layers with biases and a ``LayerNorm`` between
+them (so small tensors share buckets with large ones, as in real models), stepped once by
+``SlowcalSGD`` so that its averaged state w exists, and a ``PeriodicAverager`` over it. Per size,
+alternating after a warm-up, each process times (a) ``averager.sync()`` (x and w averaged, the schedule
+check on, as shipped) and (b) ``dist.all_reduce`` of one flat float32 tensor of the same bytes,
+each after (c) a barrier, so that neither includes the ranks' skew; and, for the record, (d) the
+sync without the schedule check (``check_schedule=False``: its small all-gather left out), and (e)
+the sync's own all-reduces alone: one tensor per bucket of the sync's layout, all in flight at once,
+without the copies, the division or the check (what the sync cannot go below). A rep's time is the slower
+rank's; the table gives the medians and their ratio. Goal: ratio <= 1.1.
+
+``--digest`` prints, per size, a digest of rank 0's parameters and state after the timed syncs (the
+ranks start from different models, so the first sync is a real average): two versions of the code
+that average alike print the same digests.
+
+    python benchmarks/bench_sync.py [--sizes 1M,10M,50M] [--reps 15] [--digest]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+GOAL = 1.1
+
+
+def _parse_size(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6}.get(text[-1].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def build_model(numel: int) -> nn.Module:
+    """Four square ``nn.Linear`` layers (with biases) and a ``LayerNorm``: about ``numel`` parameters."""
+    d = round(math.sqrt(numel / 4))
+    return nn.Sequential(nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d))
+
+
+def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, queue) -> None:
+    import torch.distributed as dist
+
+    from lit_slowcal import PeriodicAverager, SlowcalSGD, _communication
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for numel in sizes:
+        torch.manual_seed(rank)  # every process starts elsewhere: the first average is not trivial
+        model = build_model(numel)
+        optimizer = SlowcalSGD(model.parameters(), lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()  # creates w
+        averager = PeriodicAverager(model, optimizer, sync_every=1)
+        n = sum(p.numel() for p in model.parameters())
+        flat = torch.randn(2 * n)  # the same bytes as x and w, one tensor
+        alone = getattr(_communication, "IN_PLACE_BYTES", None)  # a version of the code without it: no argument
+        layout = _communication.buckets(averager._tensors(), averager.bucket_cap_bytes, *[alone] if alone else [])
+        own = [torch.randn(sum(t.numel() for t, _ in b)) for b in layout]  # one tensor per all-reduce of the sync
+        times: dict[str, list[float]] = {"sync": [], "all_reduce": [], "unchecked": [], "own": []}
+        warmup = 2
+        for i in range(warmup + (reps if n < 20_000_000 else max(5, reps // 2))):
+            for name in times:
+                averager.check_schedule = name != "unchecked"
+                dist.barrier()
+                start = time.perf_counter()
+                if name == "all_reduce":
+                    dist.all_reduce(flat)
+                elif name == "own":
+                    for work in [dist.all_reduce(t, async_op=True) for t in own]:
+                        work.wait()
+                else:
+                    averager.sync()
+                seconds = time.perf_counter() - start
+                if i >= warmup:
+                    times[name].append(seconds)
+            for t in (flat, *own):
+                t.mul_(0.5)  # bounded values, outside the timing
+        slower = {}
+        for name, mine in times.items():
+            everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
+            dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
+            slower[name] = torch.stack(everyone).max(0).values.tolist()
+        if rank == 0:
+            line = {
+                "size": n,
+                "reps": len(times["sync"]),
+                "sync": statistics.median(slower["sync"]),
+                "all_reduce": statistics.median(slower["all_reduce"]),
+                "unchecked": statistics.median(slower["unchecked"]),
+                "own": statistics.median(slower["own"]),
+                "buckets": len(layout),
+            }
+            if digest:
+                h = hashlib.sha256()
+                for p in model.parameters():
+                    h.update(p.detach().numpy().tobytes())
+                    h.update(optimizer.state[p]["w"].numpy().tobytes())
+                line["digest"] = h.hexdigest()[:16]
+            queue.put(line)
+        del model, optimizer, averager, flat, own
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1M,10M,50M", help="parameter counts, comma-separated (1M, 10M, 50M)")
+    p.add_argument("--reps", type=int, default=15, help="timed reps per size after 2 warm-ups (half above 20M)")
+    p.add_argument("--digest", action="store_true", help="print a digest of rank 0's model and state after the syncs")
+    args = p.parse_args()
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_worker, args=(port, sizes, args.reps, args.digest, queue), nprocs=2, start_method="spawn")
+    print("one sync of SlowcalSGD (x and w) vs one all_reduce of the same bytes, 2 gloo processes, 1 thread each")
+    print(
+        "(medians of the slower rank; 'unchecked': the sync with check_schedule=False; 'its all-reduces': the sync's "
+        "buckets (how many) all-reduced alone, no copy, division or check)"
+    )
+    print(
+        f"{'parameters':>12} {'MB/process':>10} {'reps':>5} {'sync ms':>9} {'all_reduce ms':>14} {'ratio':>6}  "
+        f"{'goal':<20} {'unchecked ms':>12} {'ratio':>6} {'its all-reduces ms':>18} {'ratio':>6}"
+    )
+    while not queue.empty():
+        r = queue.get()
+        ratio = r["sync"] / r["all_reduce"]
+        met = "met" if ratio <= GOAL else "NOT met"
+        print(
+            f"{r['size']:>12,} {8 * r['size'] / 1e6:>10.0f} {r['reps']:>5} {r['sync'] * 1e3:>9.1f} "
+            f"{r['all_reduce'] * 1e3:>14.1f} {ratio:>6.3f}  {f'<= {GOAL}x: {met}':<20} {r['unchecked'] * 1e3:>12.1f} "
+            f"{r['unchecked'] / r['all_reduce']:>6.3f} {r['own'] * 1e3:>11.1f} ({r['buckets']:>3}) "
+            f"{r['own'] / r['all_reduce']:>6.3f}" + (f"  digest {r['digest']}" if "digest" in r else "")
+        )
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The average's buckets: with two processes the large contiguous tensors are reduced alone, in place; with
+any number of processes every tensor ends with the same bits as an independent reference (the ranks'
+tensors gathered, each rank's share summed in rank order, then divided): mixed sizes, dtypes and
+layouts, machines simulated in a process, weighted rounds, and a SlowcalSGD model's parameters and w."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD
+from lit_slowcal import _communication as communication
+
+pytestmark = pytest.mark.slow  # two and three processes
+
+M_LOCAL = 3  # machines each process hosts in the stacked tensors
+CAP = 8 * 2**20  # more than a tensor reduced alone with two processes: without that rule, they would share buckets
+BIG = communication.IN_PLACE_BYTES // 4 + 1000  # float32 values of a tensor reduced alone with two processes
+# Dyadic weights, one per machine of two processes: exact in every dtype, so the reference's product is the library's.
+WEIGHTS = torch.tensor([0.25, 0.0, 0.125, 0.125, 0.25, 0.25], dtype=torch.float64)
+
+
+def _tensors(rank: int, world: int) -> list[tuple[torch.Tensor, bool]]:
+    """Every rank's own values; with more than two processes whole numbers, whose sums are exact in any order."""
+    g = torch.Generator().manual_seed(rank)
+
+    def values(*shape: int, dtype=torch.float32) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g)
+        return (t * 8).round().to(dtype) if world > 2 else t.to(dtype)  # sums below 256: exact in bfloat16 too
+
+    return [
+        (values(BIG), False),  # alone, in place, with two processes
+        (values(37), False),
+        (values(BIG // 1000, 1000).t(), False),  # as large, but not contiguous: flattened
+        (values(300, dtype=torch.float64), False),
+        (values(BIG * 2, dtype=torch.bfloat16), False),  # alone as well (the same bytes)
+        (values(33, dtype=torch.bfloat16), False),
+        (values(M_LOCAL, 40, 50), True),  # stacked: one slice per machine of this process
+        (values(BIG, 2), False),
+        (values(M_LOCAL, 7, dtype=torch.float64), True),
+    ]
+
+
+def _reference(gathered: list, stacked: list[bool], world: int, weighted: bool) -> list[torch.Tensor]:
+    out = []
+    for i, s in enumerate(stacked):
+        total = torch.zeros(())
+        for r in range(world):  # rank order: with two ranks the order does not matter, with more the sums are exact
+            t = gathered[r][i]
+            if weighted:
+                w = WEIGHTS[r * M_LOCAL : (r + 1) * M_LOCAL].to(t.dtype)
+                share = torch.tensordot(w, t, dims=1) if s else t * w[0]
+            else:
+                share = t.mean(0) if s else t
+            total = share if r == 0 else total + share
+        avg = total if weighted else total / world
+        out.append(avg.unsqueeze(0).expand_as(gathered[0][i]) if s else avg)
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    tensors = _tensors(rank, world)
+    gathered_lists: list = [None] * world
+    dist.all_gather_object(gathered_lists, [t.clone() for t, _ in tensors])
+    pointers = {t.data_ptr(): i for i, (t, _) in enumerate(tensors)}
+    reduced, all_reduce = [], dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        reduced.append(pointers.get(tensor.data_ptr(), -tensor.numel() * tensor.element_size()))  # index, or -bytes
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        communication.average(
+            tensors, WEIGHTS if weighted else None, machines_per_process=M_LOCAL, process_group=None,
+            bucket_cap_bytes=CAP,
+        )  # fmt: skip
+    finally:
+        dist.all_reduce = all_reduce
+    expected = _reference(gathered_lists, [s for _, s in tensors], world, weighted)
+
+    # A SlowcalSGD model with machines simulated in the process: its parameters and w, averaged by sync().
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(1100, 1000), SimulatedMachines(nn.Linear(20, 3), M_LOCAL), nn.LayerNorm(3))
+    optimizer = SlowcalSGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    if world > 2:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(64).round_()
+                optimizer.state[p]["w"].mul_(64).round_()
+    averager = PeriodicAverager(model, optimizer, sync_every=1)
+    pairs = averager._tensors()
+    before: list = [None] * world
+    dist.all_gather_object(before, [t.clone() for t, _ in pairs])
+    averager.sync()
+    model_expected = _reference(before, [s for _, s in pairs], world, weighted=False)
+    if rank == 0:
+        torch.save(
+            {
+                "after": [t for t, _ in tensors],
+                "expected": expected,
+                "reduced": reduced,
+                "model_after": [t.detach() for t, _ in pairs],
+                "model_expected": model_expected,
+            },
+            out,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, world: int, weighted: bool) -> dict:
+    out = str(tmp_path / "average.pt")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), out, weighted), nprocs=world, join=True)
+    return torch.load(out)
+
+
+def _assert_bit_identical(result: dict) -> None:
+    for key in ("", "model_"):
+        for i, (after, expected) in enumerate(zip(result[key + "after"], result[key + "expected"])):
+            assert after.dtype == expected.dtype and torch.equal(after, expected), f"{key}tensor {i} ({after.dtype})"
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bits(tmp_path, weighted):
+    result = _run(tmp_path, 2, weighted)
+    _assert_bit_identical(result)
+    # The large contiguous tensors are all-reduced where they lie (5, the small bfloat16 tensor, is left
+    # alone in its bucket: a bucket of one is reduced in place whatever the processes); the rest in buckets.
+    assert sorted(i for i in result["reduced"] if i >= 0) == [0, 4, 5, 7]
+    assert all(i >= 0 or -i <= CAP for i in result["reduced"])  # no bucket above the cap
+
+
+def test_three_processes_keep_the_buckets_and_the_same_bits(tmp_path):
+    result = _run(tmp_path, 3, weighted=False)
+    _assert_bit_identical(result)
+    # The buckets are those of any number of processes: only a tensor larger than the cap is alone.
+    tensors = _tensors(0, 3)
+    layout = communication.buckets(tensors, CAP)
+    alone = [next(i for i, (t, _) in enumerate(tensors) if t is b[0][0]) for b in layout if communication._in_place(b)]
+    assert sorted(i for i in result["reduced"] if i >= 0) == sorted(alone)
+    assert len(result["reduced"]) == len(layout)
