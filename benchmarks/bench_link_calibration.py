@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from lit_slowcal.link import Link
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SIZES = [int(10 ** (3 + 5 * i / 8)) // 4 * 4 for i in range(9)]  # bytes, 1 KB ... 100 MB, log-spaced
@@ -48,9 +50,8 @@ def _port() -> int:
 
 
 def ring_seconds(nbytes: float, participants: int, latency: float, bandwidth: float) -> float:
-    """The all-reduce time of the ring model (lit_slowcal.link's, issue 36 item 1)."""
-    # ring all-reduce: 2(P-1)*latency + 2(P-1)/P * n / bandwidth
-    return 2 * (participants - 1) * latency + 2 * (participants - 1) / participants * nbytes / bandwidth
+    """The all-reduce time of the ring model at the fitted link (``lit_slowcal.link.Link.all_reduce_seconds``)."""
+    return Link(bandwidth=bandwidth, latency=latency).all_reduce_seconds(nbytes, participants)
 
 
 def _slower(times: list[float]) -> list[float]:
