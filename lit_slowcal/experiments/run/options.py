@@ -141,7 +141,17 @@ def links_of(value: Any) -> tuple[Link, ...]:
     texts = [value] if isinstance(value, str) else list(value or ())
     if not texts:
         raise ValueError("Invalid link: [] (give at least one, e.g. 10Gbit/s,1ms)")
-    return tuple(Link.parse(text) for text in texts)
+    links = []
+    for text in texts:
+        try:
+            links.append(Link.parse(text))
+        except ValueError as err:
+            if isinstance(text, str) and "," not in text and len(texts) > 1:  # a list split at a link's own comma
+                raise ValueError(
+                    f'{err}; in a list, quote each link: --link \'["1Gbit/s,10ms","10Gbit/s,1ms"]\''
+                ) from None
+            raise
+    return tuple(links)
 
 
 def step_seconds_of(value: Any) -> Optional[float]:
