@@ -169,6 +169,10 @@ BAD_INPUT = [
     ),
     (["--data.derived=1"], ["unrecognized arguments: --data.derived=1"]),
     (
+        ["--data.steps_per_round=3"],
+        ["Invalid data.steps_per_round: 3 (the run's shape has 16, from method, local_steps and batch_size"],
+    ),
+    (
         ["--trainer.gradient_clip_val=1.0"],
         [
             "Invalid trainer setting: Automatic gradient clipping is not supported for "

@@ -109,6 +109,7 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
     from lit_slowcal.experiments.sweep.single import _trial_cli
 
     cli_class = _trial_cli()  # the CLI, its parsers built once for all cases
+    monkeypatch.setenv(RUN_VERSION_ENV, "")  # unset again when the test ends (run=False keeps the version)
     for M, K, b, devices in [(4, 3, 2, 2), (6, 2, 1, 1)]:
         args = [
             "--config=configs/slowcal.yaml", f"--method={method}", f"--num_machines={M}", f"--local_steps={K}",
@@ -152,7 +153,9 @@ def test_the_data_module_refuses_a_shape_other_than_its_arguments_streams_or_tra
     assert (data.steps_per_round, data.batch_size, data.num_rounds) == (1, 2, 4)
     with pytest.raises(ValueError, match=r"^Invalid shape: num_machines 8 \(the data module splits the data over"):
         data.use_shape(RunShape.of("minibatch_sgd", 8, 2, 1, train_size=32))
-    data.trainer = SimpleNamespace(world_size=2, global_rank=0, num_devices=2, is_global_zero=True, lightning_module=None)
+    data.trainer = SimpleNamespace(
+        world_size=2, global_rank=0, num_devices=2, is_global_zero=True, lightning_module=None
+    )
     with pytest.raises(ValueError, match=r"^Invalid shape: world_size 1 \(the trainer runs 2 processes"):
         data.setup("validate")
     data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32, world_size=2))
@@ -167,7 +170,7 @@ def test_a_configuration_of_an_earlier_version_gives_the_data_module_the_shapes_
     given = {**settings, "data": {"steps_per_round": 1, "batch_size": 16}, "trainer": {"limit_train_batches": 3}}
     shape = RunShape.of_settings(given, train_size=640)
     assert shape == RunShape.of("minibatch_sgd", 4, 8, 2, train_size=640, eval_every=5, limit_train_batches=3)
-    assert shape == RunShape.of_settings(settings, train_size=640).on(1) and shape.trained_rounds == 3
+    assert (shape.rounds, shape.trained_rounds) == (RunShape.of_settings(settings, train_size=640).rounds, 3)
     with pytest.raises(ValueError) as info:
         RunShape.of_settings({**settings, "data": {"steps_per_round": 8, "batch_size": 16}}, train_size=640)
     assert str(info.value) == (

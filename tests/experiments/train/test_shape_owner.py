@@ -101,6 +101,7 @@ def test_every_run_takes_k_m_and_the_rounds_from_its_one_shape(problem, devices,
         threads, "configure_threads", lambda s, work, **kw: works.append(work) or configure(s, work, **kw)
     )
     cli_class = _trial_cli()  # the CLI, its parsers built once for all cases
+    monkeypatch.setenv(RUN_VERSION_ENV, "")  # unset again when the test ends (run=False keeps the version)
     M, K, b = SIZES[devices]
     for method in METHODS:
         args = [
@@ -161,6 +162,7 @@ def test_a_config_file_of_an_earlier_version_loads_when_its_data_settings_agree(
     config = yaml.safe_load(Path("configs/minibatch_sgd.yaml").read_text())
     base = ["--wandb=false", f"--run_dir={tmp_path}", "--local_steps=4", "--batch_size=2"]
     identities = []
+    monkeypatch.setenv(RUN_VERSION_ENV, "")  # unset again when the test ends (run=False keeps the version)
     for data in ({}, {"steps_per_round": 1, "batch_size": 8}):
         path = tmp_path / f"config{len(identities)}.yaml"
         path.write_text(yaml.safe_dump({**config, "data": {**config.get("data", {}), **data}}))
