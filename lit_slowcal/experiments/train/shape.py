@@ -93,8 +93,9 @@ def hosted_machines(num_machines: int, world_size: int) -> int:
 class RunShape:
     """The shape of a run, per round and per process (see the module docstring).
 
-    Build it from the experiment settings with ``RunShape.of(method, M, K, b, train_size=N, ...)``, or
-    from a round's own values (a data module built by hand: its steps per round and per-step batch).
+    Build it from the experiment settings with ``RunShape.of(method, M, K, b, train_size=N, ...)``, from a
+    parsed configuration with ``RunShape.of_settings``, or from a round's own values (a data module built by
+    hand: its steps per round and per-step batch; ``RunShape.of_machines``: a model built by hand).
 
     Attributes:
         num_machines: M, machines over all processes.
