@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,32 +108,33 @@ def run_sweep(
     return wall, trials_s, records
 
 
-def _settings(method: str, local_steps: int) -> tuple[int, int, float]:
-    """(steps per round, per-step batch, lr) of a method with b = 1, as the CLI links them."""
+def _shape(method: str, num_machines: int, local_steps: int, train_size: int) -> tuple[Any, float]:
+    """The run's ``RunShape`` with b = 1, as the CLI builds it, and the method's paper lr."""
     from lit_slowcal.experiments.train.methods import get_method
+    from lit_slowcal.experiments.train.shape import RunShape
 
-    entry = get_method(method)
-    return entry.steps_per_round(local_steps), entry.per_step_batch(local_steps, 1), entry.paper_lr
+    shape = RunShape.of(method, num_machines, local_steps, 1, train_size=train_size)
+    return shape, get_method(method).paper_lr
 
 
 def minimal_run(method: str, num_machines: int, local_steps: int, seed: int, mnist, eval_every: int = 10):
     """One run of the minimal loop; returns (seconds without the intermediate evaluations, seconds of
     the intermediate evaluations, final test accuracy, final test loss, rounds, seconds of the
     training objective at every evaluation, the final one included)."""
-    from lit_slowcal.experiments.data.datamodule import MachineStreams, num_rounds
+    from lit_slowcal.experiments.data.datamodule import MachineStreams
     from lit_slowcal.experiments.data.partition import partition
     from lit_slowcal.experiments.train.model import official_init
     from lit_slowcal.optimizer import SlowcalSGD
 
     x, y, test_x, test_y = mnist
     start = time.perf_counter()
-    steps, batch, lr = _settings(method, local_steps)
-    rounds = num_rounds(len(y), num_machines, steps, batch)
+    shape, lr = _shape(method, num_machines, local_steps, len(y))
+    steps, batch, rounds = shape.steps_per_round, shape.per_step_batch, shape.rounds
     shards = [torch.from_numpy(s) for s in partition(y.numpy(), num_machines, 0.1, split="official", seed=seed)]
     streams = MachineStreams(x, y, shards, list(range(num_machines)), batch, steps, rounds, seed)
     W, bias = (t.requires_grad_() for t in official_init(num_machines, seed))  # each machine its own x_0
     opt = SlowcalSGD([W, bias], lr=lr) if method == "slowcal" else torch.optim.SGD([W, bias], lr=lr)
-    sync_every = steps
+    sync_every = shape.sync_every
 
     def evaluate():
         with torch.no_grad():

@@ -27,6 +27,7 @@ from lit_slowcal.experiments.data.mnist import MNIST_MEAN, MNIST_STD, load_mnist
 from lit_slowcal.experiments.data.partition import SPLITS, class_counts, partition
 from lit_slowcal.experiments.data.problems import MNIST, Problem, ProblemData
 from lit_slowcal.experiments.data.streams import MachineStreams
+from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.shape import RunShape
 
 # load_mnist, the normalisation constants and MachineStreams are defined beside this module, exported here too.
@@ -69,7 +70,8 @@ def partition_shards(labels: Tensor, num_machines: int, alpha: Optional[float], 
 
 
 def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
-    """R = ceil(N / (M * steps_per_round * batch_size)): rounds for all machines to see N samples (``RunShape.rounds``)."""
+    """``RunShape.rounds`` of a round's own values, R = ceil(N / (M * steps_per_round * batch_size)): the name
+    benchmarks and tests use (the app reads a run's ``RunShape``)."""
     return RunShape(num_machines, steps_per_round, batch_size, train_size=num_samples).rounds
 
 
@@ -98,16 +100,18 @@ class ProblemDataModule(pl.LightningDataModule):
     steps, so that all machines together see about N samples per epoch (N = 60,000 for MNIST; the
     problem's ``train_size``). Each training batch is one round (see ``MachineStreams``). Each rank
     hosts the m = M / world_size consecutive machines ``rank * m ... rank * m + m - 1``. These numbers
-    are the data module's ``shape()`` (a ``RunShape``); the CLI hands it the run's own with
-    ``use_shape``, the one the strategy's ``sync_every`` comes from. Validation and test use the
-    problem's test set (the 10,000 MNIST test images).
+    are the data module's ``shape()``, a ``RunShape``: the run's, which the CLI gives it with
+    ``use_shape`` (the one the strategy's ``sync_every`` and the model's machines come from), or, built
+    by hand, its own arguments'. Validation and test use the problem's test set (the 10,000 MNIST test
+    images).
 
     Args:
         root: folder holding ``MNIST/raw/`` (the repository ships the files in ``data/``).
         num_machines: M, machines over all processes.
-        batch_size: samples per machine per optimizer step.
+        batch_size: samples per machine per optimizer step (``None``: the run shape's, 1 without one).
         steps_per_round: optimizer steps per communication round (K for the local methods, 1 for
-            Minibatch-SGD, whose per-step batch is K * b).
+            Minibatch-SGD, whose per-step batch is K * b; ``None``: the run shape's, 16 without one).
+            The CLI leaves both unset and gives the run's shape (``use_shape``); given, they must agree with it.
         dirichlet_alpha: concentration of the class split (the paper: 0.1); ``None`` for a stratified IID split.
         split: which Dirichlet split (``lit_slowcal.experiments.data.partition.partition``): ``official``
             (the paper's code, draw for draw: shards of about N / M samples, some samples left out),
@@ -122,8 +126,8 @@ class ProblemDataModule(pl.LightningDataModule):
         self,
         root: str = "data",
         num_machines: int = 16,
-        batch_size: int = 1,
-        steps_per_round: int = 16,
+        batch_size: Optional[int] = None,
+        steps_per_round: Optional[int] = None,
         dirichlet_alpha: Optional[float] = 0.1,
         split: str = "dirichlet",
         seed: int = 1,
@@ -137,7 +141,8 @@ class ProblemDataModule(pl.LightningDataModule):
             ("steps_per_round", steps_per_round),
             ("eval_batch_size", eval_batch_size),
         ):
-            check_int(f"data.{name}", value)
+            if value is not None or name == "num_machines":
+                check_int(f"data.{name}", value)
         if dirichlet_alpha is not None and not (
             is_number(dirichlet_alpha) and math.isfinite(dirichlet_alpha) and dirichlet_alpha > 0
         ):
@@ -148,8 +153,7 @@ class ProblemDataModule(pl.LightningDataModule):
             raise ValueError(f"Invalid data.split: {split!r} (allowed: {', '.join(SPLITS)})")
         self.root = root
         self.num_machines = num_machines
-        self.batch_size = batch_size
-        self.steps_per_round = steps_per_round
+        self._given = (steps_per_round, batch_size)  # the arguments; the shape says what is served
         self.dirichlet_alpha = dirichlet_alpha
         self.split = split
         self.seed = seed
@@ -169,32 +173,50 @@ class ProblemDataModule(pl.LightningDataModule):
         return self.problem.train_size(self.num_machines, self.seed, self)
 
     def use_shape(self, shape: RunShape) -> None:
-        """Serve the rounds of ``shape``: its machines, steps per round and per-step batch replace the
-        constructor's (the CLI's one shape of the run, whose ``sync_every`` the strategy has)."""
+        """Serve the rounds of ``shape``, the run's (the CLI's one shape, whose ``sync_every`` the strategy has):
+        its M must be this data module's, and its steps per round and per-step batch the arguments given, if any.
+        """
         if not isinstance(shape, RunShape):
             raise ValueError(f"Invalid shape: {shape!r} (a RunShape)")
-        if self._train is not None and (shape.num_machines, shape.steps_per_round, shape.per_step_batch) != (
-            self.num_machines,
-            self.steps_per_round,
-            self.batch_size,
-        ):
+        if shape.num_machines != self.num_machines:
             raise ValueError(
-                f"Invalid shape: {shape} (the streams are set up for num_machines={self.num_machines}, "
-                f"steps_per_round={self.steps_per_round}, batch_size={self.batch_size}; give the shape before setup)"
+                f"Invalid shape: num_machines {shape.num_machines} (the data module splits the data over "
+                f"data.num_machines={self.num_machines})"
             )
-        self.num_machines, self.steps_per_round, self.batch_size = (
-            shape.num_machines,
-            shape.steps_per_round,
-            shape.per_step_batch,
-        )
+        shape.check_data_settings(*self._given)
+        served = self.shape() if self._train is not None else shape
+        if (shape.steps_per_round, shape.per_step_batch) != (served.steps_per_round, served.per_step_batch):
+            raise ValueError(
+                f"Invalid shape: {shape} (the streams are set up for num_machines={served.num_machines}, "
+                f"steps_per_round={served.steps_per_round}, batch_size={served.per_step_batch}; give the shape "
+                "before setup)"
+            )
         self._shape = shape
 
     def shape(self) -> RunShape:
-        """The run's shape: the one given by ``use_shape``, else the constructor's over the trainer's processes."""
+        """The run's shape: the one given by ``use_shape``, else the constructor's arguments' over the trainer's
+        processes."""
         if self._shape is not None:
             return self._shape
         world = self.trainer.world_size if self.trainer is not None else 1
-        return RunShape(self.num_machines, self.steps_per_round, self.batch_size, self.num_train_samples, world)
+        steps, batch = self._given
+        return RunShape(
+            self.num_machines,
+            16 if steps is None else steps,
+            1 if batch is None else batch,
+            self.num_train_samples,
+            world,
+        )
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps per round: the shape's."""
+        return self.shape().steps_per_round
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per machine per step: the shape's per-step batch."""
+        return self.shape().per_step_batch
 
     @property
     def train_streams(self) -> MachineStreams:
@@ -220,7 +242,8 @@ class ProblemDataModule(pl.LightningDataModule):
 
     @property
     def num_rounds(self) -> int:
-        """R = ceil(N / (M * steps_per_round * batch_size)) (``RunShape.rounds``)."""
+        """The shape's ``rounds``, R = ceil(N / (M * steps_per_round * batch_size)): the name tests and user code
+        read (the app reads ``shape().rounds``)."""
         return self.shape().rounds
 
     def _layout(self) -> tuple[RunShape, int]:
@@ -241,6 +264,9 @@ class ProblemDataModule(pl.LightningDataModule):
         prepare_mnist(Path(self.root))
 
     def setup(self, stage: str) -> None:
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        if isinstance(model, MachinesModel) and model.shape is None:  # a model built by hand: this data's shape
+            model.use_shape(self._layout()[0])
         if self._train is not None:
             return
         shape, rank = self._layout()
@@ -250,7 +276,9 @@ class ProblemDataModule(pl.LightningDataModule):
         data = self._build()
         x, y, self.test_x, self.test_y = data.train_x, data.train_y, data.test_x, data.test_y
         self.shards = list(data.shards)
-        check_shards_hold_a_batch(self.shards, self.batch_size, f"{self.num_machines} machines, {self.split_name()}")
+        check_shards_hold_a_batch(
+            self.shards, shape.per_step_batch, f"{self.num_machines} machines, {self.split_name()}"
+        )
         machines = list(range(rank * m, (rank + 1) * m))
         self._train = MachineStreams(
             x, y, self.shards, machines, shape.per_step_batch, shape.steps_per_round, shape.rounds, self.seed

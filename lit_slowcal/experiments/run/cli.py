@@ -3,11 +3,12 @@
 A ``LightningCLI`` whose four experiment settings live at the top level of the config, each in one
 place: ``method``, ``num_machines`` (M), ``local_steps`` (K) and ``batch_size`` (b); the options and
 the settings linked from them while parsing are ``lit_slowcal.experiments.run.options``'. Once the
-problem and the trainer exist, the run's shape is computed once from them
+problem exists (the data module is built), the run's shape is computed once from them
 (``lit_slowcal.experiments.train.shape.RunShape``: sync period, per-step batch, steps per round, rounds,
-machines per process) and both the strategy's ``sync_every`` and the data module's rounds are taken
-from it; R = ceil(N / (M * K * b)) rounds make one epoch for every method (N the problem's
-training samples, 60,000 for MNIST).
+machines per process), and the CLI hands that one object to everything that needs its values: torch's
+threads, the strategy's ``sync_every``, the data module (``ProblemDataModule.use_shape``) and the model
+(``MachinesModel.use_shape``); nothing else computes them. R = ceil(N / (M * K * b)) rounds make one
+epoch for every method (N the problem's training samples, 60,000 for MNIST).
 
 ``data.problem`` picks the problem (``MNIST`` by default, ``Synthetic``, ``Quadratic``; see
 ``lit_slowcal.experiments.data.problems``); the model's shape and loss follow from it. Every fit measures
@@ -17,8 +18,8 @@ per-step movement of query point and iterate (``lit_slowcal.experiments.measure.
 
 The other jobs of a run live in their own modules: where it writes and W&B
 (``lit_slowcal.experiments.run.run_folder``), the checks of a checkpoint it loads (``...resume``), the
-summary it prints (``...summary``) and torch's threads, set before anything is built (``--threads``,
-``auto`` by default; ``...threads``), printed once:
+summary it prints (``...summary``) and torch's threads, set from the run's shape before the trainer is
+built (``--threads``, ``auto`` by default; ``...threads``), printed once:
 ``threads: 1 (auto: 16 machines x 1 sample x 784 features per step; --threads N to choose)``.
 """
 
@@ -67,7 +68,7 @@ from lit_slowcal.experiments.run.threads import configure_run_threads, world_siz
 from lit_slowcal.experiments.train.architectures import get_architecture
 from lit_slowcal.experiments.train.methods import get_method, method_names
 from lit_slowcal.experiments.train.model import MachinesModel
-from lit_slowcal.experiments.train.shape import RunShape, per_step_batch
+from lit_slowcal.experiments.train.shape import RunShape
 from lit_slowcal.protocol import declared
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
@@ -77,9 +78,9 @@ __all__ = ["SlowcalCLI", "diagnostics_callback", "run"]
 class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     """LightningCLI with the paper's experiment settings and their derived values linked in.
 
-    When the trainer is built, ``self.shape`` is the run's ``RunShape`` (``run_shape``): the strategy's
-    ``sync_every``, the data module's rounds and batches, the evaluation interval and the checkpoint
-    interval all come from it.
+    When the trainer is built, ``self.shape`` is the run's ``RunShape`` (``run_shape``), built once: torch's
+    threads, the strategy's ``sync_every``, the data module's rounds and batches (``use_shape``), the model's
+    machines per process (``use_shape``), the evaluation interval and the checkpoint interval all come from it.
 
     A command that loads a checkpoint (``fit --ckpt_path``, ``validate``, ``test``) must describe the
     checkpoint's run: its configuration is compared with the identity stored in the checkpoint
@@ -154,9 +155,6 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         get = self.setting
-        configure_run_threads(
-            get, self.subcommand, per_step_batch(get("method"), get("local_steps"), get("batch_size"))
-        )
         # What defines this run (lit_slowcal.experiments.run.identity): stored in its checkpoints, and
         # compared with the checkpoint it loads, if any, before anything is built. The root parser's
         # dump holds each subcommand's section (as the sweep takes a trial's identity).
@@ -189,13 +187,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         return last_checkpoint(self.setting("run_dir"), self.run_name(), self.identity)
 
     def run_shape(self, world_size: int) -> RunShape:
-        """The run's shape over ``world_size`` processes, on the data module's problem."""
-        get, data = self.setting, self.datamodule
-        return RunShape.of(
-            get("method"), get("num_machines"), get("local_steps"), get("batch_size"),
-            train_size=data.problem.train_size(get("num_machines"), data.seed, data), world_size=world_size,
-            eval_every=get("eval_every"), limit_train_batches=get("trainer.limit_train_batches"),
-        )  # fmt: skip
+        """The run's shape over ``world_size`` processes, from its settings, on the data module's problem."""
+        return RunShape.of_settings(
+            self.run_config(), train_size=self.datamodule.num_train_samples, world_size=world_size
+        )
 
     def _diagnostics(self) -> Diagnostics:
         return diagnostics_callback(self.setting)
@@ -229,8 +224,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self.run_config(initialized=True).get("trainer")
         # The run's shape, computed once: over the processes the trainer will start (checked against the
-        # trainer's own count below), on the problem the data module holds.
+        # trainer's own count below), on the problem the data module holds. Torch's threads follow from
+        # it, set before the trainer is built.
         shape = self.shape = self.run_shape(world_size_of(self.setting("trainer") or {}))
+        configure_run_threads(self.setting, self.subcommand, shape)
         if self.subcommand == "fit" and self._resumed_step:
             check_trains_more(self.setting("ckpt_path"), self._resumed_step, shape, *self._training_limits())
         if self.subcommand == "fit":
@@ -249,7 +246,9 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             shape = self.shape = shape.on(trainer.world_size)
         self._set_up_strategy(trainer.strategy, shape)
         self.model.use_links(links_of(self.setting("link")), step_seconds_of(self.setting("step_seconds")))
-        self.datamodule.use_shape(shape)  # the batches' K and the strategy's K: both the shape's
+        # The batches' K, the model's machines and the strategy's K: all the shape's.
+        self.datamodule.use_shape(shape)
+        self.model.use_shape(shape)
         return trainer
 
     def _training_limits(self) -> tuple[Any, Any]:

@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 __all__ = [
-    "CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RESULT_SETTINGS", "SEED_KEYS", "RunIdentity", "allowed_on_resume",
+    "CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RESULT_SETTINGS", "SEED_KEYS", "SHAPE_KEYS", "RunIdentity", "allowed_on_resume",
     "check_same_run", "may_change_on_resume", "run_identity", "trial_identity",
 ]  # fmt: skip
 
@@ -100,7 +100,8 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of a run's configuration that define it, flattened (``model.lr``), as plain JSON values.
 
     ``config`` is the subcommand's configuration as plain data (settings linked from others, such as
-    ``data.batch_size``, left out: they follow from the keys they are linked from).
+    ``model.method``, left out: they follow from the keys they are linked from; so are the run's shape's
+    ``data.steps_per_round`` and ``data.batch_size``, ``SHAPE_KEYS``).
     """
     flat = _flat(config)
     return {k: v for k, v in flat.items() if not may_change_on_resume(k)}
@@ -128,10 +129,17 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(problem, dict) and str(problem.get("class_path")).startswith(_PROBLEMS_MODULE):
         name = problem["class_path"][len(_PROBLEMS_MODULE) :]
         flat["data.problem"] = {**problem, "class_path": _PROBLEMS_MODULE_STORED + name}
+    for key in SHAPE_KEYS:
+        flat.pop(key, None)
     if flat.get("data.problem") in _DEFAULT_PROBLEM:  # the default problem named: the same run as left unset
         flat["data.problem"] = None
     return flat
 
+
+#: The data module's keys that the run's shape owns (``RunShape``, from method, K and b; unset, or given by a
+#: config file of an earlier version and then checked against the shape): left out of every identity, as they
+#: were when they were computed while parsing, so that the digests stay the same.
+SHAPE_KEYS = ("data.steps_per_round", "data.batch_size")
 
 # A problem's class path in an identity: as it was when the stored identities were written (results files,
 # checkpoints), before the problems moved to ``lit_slowcal.experiments.data.problems``; the digests stay the same.

@@ -2,10 +2,14 @@
 
 The four experiment settings live at the top level of the config, each in one place: ``method``,
 ``num_machines`` (M), ``local_steps`` (K) and ``batch_size`` (b). While the command line is parsed,
-the settings that follow from them are linked into the model, the data and the trainer
-(``PARSE_LINKS``): the data module's per-step batch and steps per round (as the methods registry maps
-K, ``lit_slowcal.experiments.train.shape``), the evaluation interval and the seeds. A refusal is one line,
-``lit_slowcal: error: <field, value and what is allowed>`` (``OneLineErrorParser``).
+they are checked (``lit_slowcal.experiments.train.shape.check_settings``: a method, M, K or b no run can
+have is refused before anything is built) and a few settings are copied from them into the model, the
+data and the trainer (``PARSE_LINKS``): the method and M, the evaluation interval and the seeds. What
+follows from them, K's steps per round, per-step batch and sync period, the machines per process and the
+rounds, is not computed here: the run's ``RunShape`` owns it, built by the CLI once the problem is known
+(``lit_slowcal.experiments.run.cli``); the data module's ``data.steps_per_round`` and ``data.batch_size``
+are unset unless a config file of an earlier version gives them, and then must agree with it. A refusal
+is one line, ``lit_slowcal: error: <field, value and what is allowed>`` (``OneLineErrorParser``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
-from lit_slowcal.experiments.train.shape import per_step_batch, steps_per_round
+from lit_slowcal.experiments.train.shape import check_settings
 from lit_slowcal.link import Link
 
 __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
@@ -68,14 +72,35 @@ class OneLineErrorParser(LightningArgumentParser):
     The message is jsonargparse's, without the usage it prints before it and without the name of the link
     function that checked the value (the check's own message names the field, the value and what is
     allowed). ``exit_on_error=False`` and jsonargparse's debug mode (``JSONARGPARSE_DEBUG``) keep
-    jsonargparse's own behaviour.
+    jsonargparse's own behaviour. A parse (``parse_args``, ``parse_object``) ends with the check of the four
+    experiment settings (``check_settings``).
     """
 
-    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+        return self._checked(super().parse_args(*args, **kwargs))
+
+    def parse_object(self, *args: Any, **kwargs: Any) -> Any:
+        return self._checked(super().parse_object(*args, **kwargs))
+
+    def _checked(self, config: Any) -> Any:
+        """``config`` once its section (the subcommand's, or the whole of it) has a method, M, K and b a run
+        can have; else refused in one line, as the subcommand's parser refuses its own values."""
+        subcommand = config.get("subcommand")
+        section = config.get(subcommand) if subcommand else config
+        if section is not None and all(k in section for k in ("method", "num_machines", "local_steps", "batch_size")):
+            try:
+                check_settings(
+                    section["method"], section["num_machines"], section["local_steps"], section["batch_size"]
+                )
+            except ValueError as err:
+                self.error(str(err), command=subcommand)
+        return config
+
+    def error(self, message: str, *args: Any, command: Optional[str] = None, **kwargs: Any) -> Any:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, *args, **kwargs)
         message = one_line_message(message)
-        prog = self.prog.replace(" [options]", "")
+        prog = self.prog.replace(" [options]", "") + (f" {command}" if command else "")
         print(f"lit_slowcal: error: {message} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
         self.exit(2)
 
@@ -118,13 +143,12 @@ def _seed(seed: Any) -> int:
     return seed
 
 
-#: The settings linked from others while the command line is parsed: (sources, target, compute_fn or None).
+#: The settings copied from others while the command line is parsed: (sources, target, compute_fn or None).
+#: None computes the run's shape (K's steps per round and per-step batch): ``RunShape`` does, in the CLI.
 PARSE_LINKS: tuple[tuple[Any, str, Optional[Callable[..., Any]]], ...] = (
     ("method", "model.method", None),
     ("num_machines", "model.num_machines", None),
     ("num_machines", "data.num_machines", _num_machines),
-    (("method", "local_steps", "batch_size"), "data.batch_size", per_step_batch),
-    (("method", "local_steps"), "data.steps_per_round", steps_per_round),
     ("eval_every", "trainer.val_check_interval", _eval_every),
     ("seed_everything", "data.seed", _seed),
     ("seed_everything", "model.seed", _seed),

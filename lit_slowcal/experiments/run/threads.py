@@ -29,10 +29,13 @@ import argparse
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lit_slowcal._validation import is_int
 from lit_slowcal.experiments.print_once import note
+
+if TYPE_CHECKING:
+    from lit_slowcal.experiments.train.shape import RunShape
 
 __all__ = [
     "AUTO_MAX_THREADS",
@@ -293,20 +296,19 @@ def world_size_of(trainer: Mapping[str, Any]) -> int:
     )
 
 
-def configure_run_threads(get: Callable[..., Any], subcommand: Optional[str], samples_per_step: int) -> int:
-    """``configure_threads`` for a CLI run: ``get(key)`` its settings, ``samples_per_step`` a machine's per-step
-    batch (a fit; validate, test and predict size one evaluation batch). Set before the trainer exists."""
+def configure_run_threads(get: Callable[..., Any], subcommand: Optional[str], shape: RunShape) -> int:
+    """``configure_threads`` for a CLI run: ``get(key)`` its settings, ``shape`` its ``RunShape`` (a fit's step
+    takes its per-step batch on each of its machines per process; validate, test and predict size one
+    evaluation batch). Set before the trainer exists."""
     trainer = get("trainer") or {}
     processes = processes_per_node(trainer.get("devices"), trainer.get("accelerator"))
-    world = world_size_of(trainer)
     features = get("model.input_dim") or 784
     if subcommand in (None, "fit"):
-        machines = get("num_machines")
         work = WorkSize(
-            machines=max(1, machines // world) if is_int(machines) else 1,
-            samples=samples_per_step,
+            machines=shape.machines_per_process,
+            samples=shape.per_step_batch,
             features=features,
-            per_process=world > 1,
+            per_process=shape.world_size > 1,
         )
     else:  # validate, test, predict: one forward of the averaged model per evaluation batch
         work = WorkSize(1, get("data.eval_batch_size") or 1, features, what="evaluation batch")

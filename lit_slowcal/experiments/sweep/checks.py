@@ -34,7 +34,8 @@ class CommandLine:
     """``SlowcalCLI``'s parser, built once without instantiating anything, to check trial arguments.
 
     Parsing runs exactly what ``SlowcalCLI(args=...)`` runs before it builds the model: the config
-    file, every option's type and the linked settings (K >= 1, ...). About 0.2 s to build, 0.04 s a parse.
+    file, every option's type, the linked settings and the four experiment settings (K >= 1, ...). About 0.2 s
+    to build, 0.04 s a parse.
     """
 
     def __init__(self) -> None:
@@ -143,8 +144,8 @@ def _own_keys(name: str) -> Optional[frozenset[str]]:
     """The keys of the parsed configuration that a value of the option ``name`` sets, where they do not depend on any
     other option: ``fit.<name>``, and the settings linked from it alone (``fit.seed_everything``: also
     ``fit.data.seed`` and ``fit.model.seed``); ``None`` where they may (a source of a setting linked from several
-    options, as K with the method, or a setting another option sets too), or ``name`` is not one key of the ``fit``
-    section and of a run's identity (``model.lr``, ``checkpoint_every``, ``num_machines``)."""
+    options, or a setting another option sets too), or ``name`` is not one key of the ``fit`` section and of a
+    run's identity (``model.lr``, ``checkpoint_every``, ``num_machines``)."""
     from lit_slowcal.experiments.run.options import PARSE_LINKS
 
     parts = name.split(".")

@@ -21,9 +21,11 @@ from typing import Any, Optional
 
 import torch
 
+from lit_slowcal.experiments.train.shape import RunShape
+
 __all__ = [
     "StackedTrial", "balance_groups", "default_memory_budget", "group_cost", "group_title", "group_trials",
-    "plan_stacked", "stackable", "trial_bytes", "trial_device", "trial_problem",
+    "plan_stacked", "stackable", "trial_bytes", "trial_device", "trial_problem", "trial_shape",
 ]  # fmt: skip
 
 # Settings a group's trials may differ in: each trial's own learning rate and seed, and K (a local
@@ -111,6 +113,14 @@ def trial_problem(config: dict[str, Any]) -> Any:
     return MNIST() if problem is None else problem
 
 
+def trial_shape(config: dict[str, Any]) -> RunShape:
+    """The trial's ``RunShape`` (``RunShape.of_settings`` of its parsed configuration), on its problem's N, on
+    one process (a stacked trial runs on one device)."""
+    problem = trial_problem(config)
+    train_size = problem.train_size(config["num_machines"], (config.get("data") or {}).get("seed", 1))
+    return RunShape.of_settings(config, train_size=train_size)
+
+
 def _group_key(config: dict[str, Any]) -> str:
     def strip(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         out = {}
@@ -121,7 +131,9 @@ def _group_key(config: dict[str, Any]) -> str:
             out[k] = strip(v, f"{name}.") if isinstance(v, dict) else v
         return out
 
-    return json.dumps(strip(config), sort_keys=True, default=str)
+    # The per-step batch is the shape's (K * b for a minibatch method): trials of one group share it.
+    key = {**strip(config), "per_step_batch": trial_shape(config).per_step_batch}
+    return json.dumps(key, sort_keys=True, default=str)
 
 
 def trial_bytes(config: dict[str, Any]) -> int:
@@ -130,13 +142,11 @@ def trial_bytes(config: dict[str, Any]) -> int:
     Its parameters, gradients and up to four optimizer-state copies of them, its sample indices for
     the epoch, and its slice of one round's gathered samples (twice: the gather and the step).
     """
-    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
-
-    m, steps, b = config["num_machines"], config["data"]["steps_per_round"], config["data"]["batch_size"]
+    shape = trial_shape(config)
+    m, steps, b, rounds = shape.num_machines, shape.steps_per_round, shape.per_step_batch, shape.rounds
     problem = trial_problem(config)
     dim = problem.input_dim
     params = m * (dim + 1) * problem.num_outputs * 4
-    rounds = num_rounds(MNIST_TRAIN_SIZE, m, steps, b)
     return 6 * params + rounds * steps * m * b * 8 + 2 * steps * m * b * (dim * 4 + 8)
 
 
@@ -243,13 +253,11 @@ def group_cost(group: list[StackedTrial]) -> float:
     train + 40, a step's fixed cost in machines' worth of work on a CPU: a lone M = 16 trial of 3,750 steps
     takes 1.9 s, one of a group of 6 0.65 s), and its trials' evaluations (``EVALUATION_COST`` each; the small
     M and K have the most)."""
-    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
-
     c = group[0].config
-    m, b = c["num_machines"], c["data"]["batch_size"]
-    steps = MNIST_TRAIN_SIZE / (m * b)
+    first = trial_shape(c)
+    steps = first.train_size / (first.num_machines * first.per_step_batch)
     every = max(1, int(c.get("eval_every") or 1))
-    evaluations = sum(
-        -(-num_rounds(MNIST_TRAIN_SIZE, m, t.config["data"]["steps_per_round"], b) // every) for t in group
+    evaluations = sum(-(-trial_shape(t.config).rounds // every) for t in group)
+    return steps * (len(group) * first.num_machines + 40) + evaluations * (
+        EVALUATION_COST if c.get("objective", True) else TEST_COST
     )
-    return steps * (len(group) * m + 40) + evaluations * (EVALUATION_COST if c.get("objective", True) else TEST_COST)

@@ -55,6 +55,7 @@ from lit_slowcal.experiments.sweep.grouping import (
     stackable,
     trial_bytes,
     trial_device,
+    trial_shape,
 )
 from lit_slowcal.experiments.sweep.stacked_trial import (
     config_yaml,
@@ -72,6 +73,7 @@ from lit_slowcal.experiments.train.rounds import (
     swap_outputs,
     trial_status,
 )
+from lit_slowcal.experiments.train.shape import RunShape
 from lit_slowcal.link import LinkCounts, ddp_counts, payload_bytes
 
 __all__ = [
@@ -85,20 +87,18 @@ __all__ = [
 POINTS_PER_PASS = 64
 
 
-def _num_batches(config: dict[str, Any], rounds: int) -> int:
-    """The rounds of its epoch a trial trains: ``rounds`` under its ``trainer.limit_train_batches``."""
-    from lit_slowcal.experiments.train.shape import limited_rounds
-
-    return limited_rounds(rounds, config["trainer"].get("limit_train_batches"))
-
-
 class _Block:
-    """The trials of a group that share K (``data.steps_per_round``): rows ``[start, stop)`` of the stack,
-    their own optimizer (one parameter group per learning rate) and averager, on their own schedule."""
+    """The trials of a group that share K (their ``RunShape``'s steps per round): rows ``[start, stop)`` of the
+    stack, their own optimizer (one parameter group per learning rate) and averager, on their own schedule.
 
-    def __init__(self, members: list[int], start: int, steps_per_round: int, rounds: int) -> None:
+    ``shape`` is the first member's ``RunShape`` (the members differ in their learning rate and seed only);
+    ``k``, ``rounds`` and ``steps`` are its steps per round, trained rounds and their steps."""
+
+    def __init__(self, members: list[int], start: int, shape: RunShape) -> None:
         self.members, self.start, self.stop = members, start, start + len(members)
-        self.k, self.rounds, self.steps = steps_per_round, rounds, steps_per_round * rounds
+        self.shape = shape
+        self.k, self.rounds = shape.steps_per_round, shape.trained_rounds
+        self.steps = self.k * self.rounds
         self.optimizer: Any = None
         self.averager: Any = None
         self.driver: Any = None  # its RoundDriver
@@ -117,13 +117,12 @@ def run_group(group: list[StackedTrial], config_text: Optional[Any] = None) -> N
     _Group(group, config_text).run()
 
 
-def _blocks(trials: list[StackedTrial], streams: list[Any]) -> list[_Block]:
-    """The trials (ordered by K) in blocks of one K each."""
+def _blocks(shapes: list[RunShape]) -> list[_Block]:
+    """The trials (ordered by K), given by their ``RunShape``, in blocks of one K each."""
     blocks: list[_Block] = []
-    for i, t in enumerate(trials):
-        k = t.config["data"]["steps_per_round"]
-        if not blocks or blocks[-1].k != k:
-            blocks.append(_Block([], i, k, _num_batches(t.config, streams[i].num_rounds)))
+    for i, shape in enumerate(shapes):
+        if not blocks or blocks[-1].k != shape.steps_per_round:
+            blocks.append(_Block([], i, shape))
         blocks[-1].members.append(i)
         blocks[-1].stop = i + 1
     return blocks
@@ -139,22 +138,24 @@ class _Group:
 
         self.start = time.perf_counter()
         # The stack holds the trials ordered by K (each K's trials in sweep order): every K is a block of rows.
-        order = sorted(range(len(group)), key=lambda i: group[i].config["data"]["steps_per_round"])
+        shapes = [trial_shape(t.config) for t in group]
+        order = sorted(range(len(group)), key=lambda i: shapes[i].steps_per_round)
         self.trials = trials = [group[i] for i in order]
+        self.shapes = [shapes[i] for i in order]  # each trial's RunShape
         first = self.first = trials[0].config
         self.entry = get_method(first["method"])
-        self.T, self.M = len(trials), first["num_machines"]
+        self.T, self.M = len(trials), self.shapes[0].num_machines
         self.log_every = first["trainer"]["log_every_n_steps"]
-        self.every = first["trainer"]["val_check_interval"]
+        self.every = self.shapes[0].eval_every
         self.links = links_of(first["link"])
         self.step_time, self.steps_taken = 0.0, 0  # the compute time of the steps, measured (``step_seconds``)
         self.step_seconds = first.get("step_seconds")
         self.device = trial_device(first)
-        self.streams, self.models = map(list, zip(*(data_and_model(t.config) for t in trials)))
-        self.blocks = _blocks(trials, self.streams)
+        self.streams, self.models = map(list, zip(*(data_and_model(t.config, s) for t, s in zip(trials, self.shapes))))
+        self.blocks = _blocks(self.shapes)
         self.of = [s for s in self.blocks for _ in s.members]  # each trial's block
         self.steps = max(s.steps for s in self.blocks)  # a block whose epoch is shorter stops stepping earlier
-        self.b = self.streams[0].batch_size
+        self.b = self.shapes[0].per_step_batch
         self._place_data()
         self._stack()
         self._optimizers()
@@ -230,14 +231,13 @@ class _Group:
                 by_lr.setdefault(models[i].hparams.lr, []).extend(self.trial_params[i])
             groups = [{"params": ps, "lr": lr} for lr, ps in by_lr.items()]
             s.optimizer = self.entry.optimizer(groups, models[s.start].hparams, steps=s.steps)
-            period = self.entry.sync_period(self.trials[s.start].config["local_steps"])
-            s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, period)
+            s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, s.shape.sync_every)
             s.driver = RoundDriver(
                 s.optimizer,
                 RoundSchedule(log_every=self.log_every, eval_every=self.every),
-                steps_per_round=s.k,
-                per_step_batch=self.b,
-                machines=self.M,
+                steps_per_round=s.shape.steps_per_round,
+                per_step_batch=s.shape.per_step_batch,
+                machines=s.shape.num_machines,
                 method=self.first["method"],
                 lrs=[models[i].hparams.lr for i in s.members],
                 counts=lambda s=s: self._counts(s),

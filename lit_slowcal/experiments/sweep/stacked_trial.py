@@ -9,7 +9,8 @@ import json
 import os
 from typing import Any, Optional
 
-from lit_slowcal.experiments.sweep.grouping import StackedTrial, trial_problem
+from lit_slowcal.experiments.sweep.grouping import StackedTrial, trial_problem, trial_shape
+from lit_slowcal.experiments.train.shape import RunShape
 
 __all__ = ["config_yaml", "data_and_model", "model_settings", "trial_logger", "wandb_run"]
 
@@ -21,17 +22,21 @@ def model_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {**config["model"], "input_dim": problem.input_dim, "num_classes": problem.num_outputs, "loss": problem.loss}
 
 
-def data_and_model(config: dict[str, Any]) -> tuple[Any, Any]:
-    """A trial's data module (set up) and model (configured), built by its single run's own classes."""
+def data_and_model(config: dict[str, Any], shape: Optional[RunShape] = None) -> tuple[Any, Any]:
+    """A trial's data module (set up) and model (configured), built by its single run's own classes, both in the
+    trial's ``shape`` (``None``: ``trial_shape(config)``), as its single run's CLI gives it to them."""
     from lightning.fabric.utilities.seed import seed_everything
 
     from lit_slowcal.experiments.data.datamodule import ProblemDataModule
     from lit_slowcal.experiments.train.model import MachinesModel
 
     data = ProblemDataModule(**{k: v for k, v in config["data"].items()})
+    shape = trial_shape(config) if shape is None else shape
+    data.use_shape(shape)
     data.setup("fit")
     seed_everything(config["seed_everything"], verbose=False)  # as the CLI, for init=default
     model = MachinesModel(**model_settings(config))
+    model.use_shape(shape)
     model.configure_model()
     return data, model
 

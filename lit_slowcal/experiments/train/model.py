@@ -3,8 +3,9 @@ m simulated machines per process by any method of the registry.
 
 Every method of the comparison is a configuration of the same model: its entry in
 ``lit_slowcal.experiments.train.methods`` builds the optimizer from the model's hyperparameters; how
-often machines synchronise (K or 1) and how large the per-step batch is (b or K * b) are set on the
-strategy and the data, see ``lit_slowcal.experiments.run.cli``.
+often machines synchronise (K or 1) and how large the per-step batch is (b or K * b) are the run's shape
+(``lit_slowcal.experiments.train.shape.RunShape``), which the CLI gives the strategy, the data and this
+model (``MachinesModel.use_shape``), see ``lit_slowcal.experiments.run.cli``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lit_slowcal.experiments.train.rounds import (
     swap_outputs,
     test_loss,
 )
-from lit_slowcal.experiments.train.shape import hosted_machines
+from lit_slowcal.experiments.train.shape import RunShape
 from lit_slowcal.link import Link
 from lit_slowcal.simulated import SimulatedMachines
 from lit_slowcal.strategy import PeriodicAveragingStrategy
@@ -144,6 +145,9 @@ class MachinesModel(pl.LightningModule):
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
         self.automatic_optimization = False  # one training batch is a whole round of local steps
         self.machines: Optional[SimulatedMachines] = None
+        #: The run's shape: its machines per process are this process's machines, its steps per round a
+        #: training batch's (``use_shape``; ``None`` until given or configured).
+        self.shape: Optional[RunShape] = None
         self.test_acc = (
             MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
         )
@@ -153,13 +157,37 @@ class MachinesModel(pl.LightningModule):
         self._train_time = (0.0, 0)  # (seconds in the training steps' loops, optimizer steps), measured_step_seconds
         self._resumed_loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
 
-    def configure_model(self) -> None:
-        if self.machines is not None:
-            return
+    def use_shape(self, shape: RunShape) -> None:
+        """Train in the run's ``shape`` (the CLI's one shape, the data's and the strategy's): host its machines
+        per process; its M must be the model's ``num_machines``."""
+        if not isinstance(shape, RunShape):
+            raise ValueError(f"Invalid shape: {shape!r} (a RunShape)")
+        if shape.num_machines != self.hparams.num_machines:
+            raise ValueError(
+                f"Invalid shape: num_machines {shape.num_machines} (the model trains num_machines="
+                f"{self.hparams.num_machines})"
+            )
+        if self.machines is not None and self.machines.num_machines != shape.machines_per_process:
+            raise ValueError(
+                f"Invalid shape: {shape} (the model hosts {self.machines.num_machines} machines per process; give "
+                "the shape before configure_model)"
+            )
+        self.shape = shape
+
+    def _own_shape(self) -> RunShape:
+        """The shape of a model given none (built by hand, trained on data other than a ``ProblemDataModule``,
+        which gives it its own in ``setup``): its M machines over the trainer's processes."""
         try:
             world = self.trainer.world_size
         except RuntimeError:  # not attached to a Trainer (built and configured by hand)
             world = 1
+        return RunShape.of_machines(self.hparams.num_machines, world)
+
+    def configure_model(self) -> None:
+        if self.machines is not None:
+            return
+        if self.shape is None:
+            self.shape = self._own_shape()
         # Random init is seeded by seed_everything; rank 0's weights are broadcast at setup anyway.
         template = get_architecture(self.hparams.get("arch", "linear")).build(
             self.hparams.input_dim, self.hparams.num_classes
@@ -167,7 +195,7 @@ class MachinesModel(pl.LightningModule):
         if self.hparams.init == "zeros":
             nn.init.zeros_(template.weight)
             nn.init.zeros_(template.bias)
-        self.machines = SimulatedMachines(template, hosted_machines(self.hparams.num_machines, world))
+        self.machines = SimulatedMachines(template, self.shape.machines_per_process)
         if self.hparams.init == "official":
             self._official_init()
 
@@ -198,10 +226,12 @@ class MachinesModel(pl.LightningModule):
 
     def run_steps(self) -> Optional[int]:
         """N, the optimizer steps of the whole fit (``None`` for a fit without an end): its rounds (the
-        trainer's training batches over all epochs, the data module's ``num_rounds`` per epoch with
-        ``limit_train_batches`` applied) times the steps per round, at most ``trainer.max_steps``."""
+        trainer's training batches over all epochs, the shape's ``rounds`` per epoch with
+        ``limit_train_batches`` applied) times the shape's steps per round, at most ``trainer.max_steps``."""
         trainer = self.trainer
-        per_round = getattr(trainer.datamodule, "steps_per_round", 1)
+        if self.shape is None:
+            self.shape = self._own_shape()
+        per_round = self.shape.steps_per_round
         # In rounds (one training batch is one round), already capped by max_steps, which counts optimizer
         # steps: min(min(R, S) K, S) = min(R K, S) for K >= 1.
         rounds = trainer.estimated_stepping_batches

@@ -1,7 +1,8 @@
-"""A run's shape: one object, computed once, that every part of a run takes its K and M from.
+"""A run's shape: one object, built once per run, that every part of a run takes its K and M from.
 
 The experiment settings say what a run is: the method, M machines, K local steps of b samples, on a
-problem of N training samples, over P processes. Everything that follows from them is a field or a
+problem of N training samples, over P processes, evaluated every ``eval_every`` rounds, trained for
+``trainer.limit_train_batches`` rounds of an epoch. Everything that follows from them is a field or a
 property of ``RunShape``:
 
 =================  ======================  ====================================
@@ -13,13 +14,24 @@ per-step batch     b                       K * b
 steps per round    K                       1
 =================  ======================  ====================================
 
-(the method's entry in ``lit_slowcal.experiments.train.methods`` says which), R = ceil(N / (M * K * b))
-rounds make one epoch for every method, each process hosts M / P machines, and one training batch
-(one round) has the shape ``(steps per round, M / P, per-step batch, features)``. The CLI builds one
-``RunShape`` and gives the strategy its ``sync_every`` and the data module the whole shape
-(``ProblemDataModule.use_shape``), so the two cannot disagree; every divisibility and range check of
-these values is made here, once, each refused in one line naming the field, the value and what is
-allowed.
+(the method's entry in ``lit_slowcal.experiments.train.methods`` says which, and only this module asks it),
+R = ceil(N / (M * K * b)) rounds make one epoch for every method (``rounds``; ``trained_rounds`` under the
+limit), each process hosts m = M / P machines (``machines_per_process``), and one training batch (one round)
+has the shape ``(steps per round, m, per-step batch, features)`` (``batch_shape``).
+
+Who owns what: this module computes every value above, and nothing else does.
+
+- The training CLI (``lit_slowcal.experiments.run.cli``) builds one ``RunShape`` per run from its settings
+  (``RunShape.of_settings``) once the problem is known, and hands it to the threads, the strategy
+  (``sync_every``), the data module (``ProblemDataModule.use_shape``) and the model
+  (``MachinesModel.use_shape``); while parsing, ``check_settings`` refuses a bad method, M, K or b.
+- A data module built by hand takes its shape from its own arguments (``ProblemDataModule.shape``); a
+  model built by hand without one hosts its M machines over the trainer's processes (``RunShape.of_machines``).
+- The stacked engine and its grouping take each trial's shape from its parsed configuration
+  (``RunShape.of_settings``), with the trial's problem's N.
+
+Every divisibility and range check of these values is made here, once, each refused in one line naming the
+field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -27,22 +39,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lit_slowcal._validation import check_int, is_int, is_number
 from lit_slowcal.experiments.train.methods import get_method
 
-__all__ = ["RunShape", "hosted_machines", "limited_rounds", "per_step_batch", "steps_per_round"]
+__all__ = ["RunShape", "check_settings", "hosted_machines", "limited_rounds"]
 
 
-def steps_per_round(method: str, local_steps: int) -> int:
-    """Optimizer steps between synchronisations: K for the local methods, 1 for the minibatch methods."""
-    return get_method(method).steps_per_round(local_steps)
+def check_settings(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> None:
+    """Refuse, in one line, a method, M, K or b no run can have: the checks that need no problem (made while
+    the command line is parsed, before the problem's N is known)."""
+    _per_round(method, num_machines, local_steps, batch_size)
 
 
-def per_step_batch(method: str, local_steps: int, batch_size: int) -> int:
-    """Samples per machine per step: b, or K * b for the minibatch methods (same samples per round)."""
-    return get_method(method).per_step_batch(local_steps, batch_size)
+def _per_round(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> tuple[int, int, int]:
+    """``(steps per round, per-step batch, sync period)`` of ``method`` with M, K and b, as its registry
+    entry maps K (the one place that asks it), after checking each value."""
+    entry = get_method(method)
+    check_int("num_machines", num_machines)
+    check_int("batch_size", batch_size)
+    return (
+        entry.steps_per_round(local_steps),
+        entry.per_step_batch(local_steps, batch_size),
+        entry.sync_period(local_steps),
+    )
 
 
 def limited_rounds(rounds: int, limit: Optional[Union[int, float]]) -> int:
@@ -72,8 +93,9 @@ def hosted_machines(num_machines: int, world_size: int) -> int:
 class RunShape:
     """The shape of a run, per round and per process (see the module docstring).
 
-    Build it from the experiment settings with ``RunShape.of(method, M, K, b, train_size=N, ...)``, or
-    from a round's own values (a data module built by hand: its steps per round and per-step batch).
+    Build it from the experiment settings with ``RunShape.of(method, M, K, b, train_size=N, ...)``, from a
+    parsed configuration with ``RunShape.of_settings``, or from a round's own values (a data module built by
+    hand: its steps per round and per-step batch; ``RunShape.of_machines``: a model built by hand).
 
     Attributes:
         num_machines: M, machines over all processes.
@@ -123,19 +145,54 @@ class RunShape:
         limit_train_batches: Optional[Union[int, float]] = None,
     ) -> RunShape:
         """The shape of a run of ``method`` with M, K and b, as its entry in the methods registry maps K."""
-        entry = get_method(method)
-        check_int("num_machines", num_machines)
-        check_int("batch_size", batch_size)
+        steps, batch, sync = _per_round(method, num_machines, local_steps, batch_size)
         return cls(
             num_machines=num_machines,
-            steps_per_round=entry.steps_per_round(local_steps),
-            per_step_batch=entry.per_step_batch(local_steps, batch_size),
+            steps_per_round=steps,
+            per_step_batch=batch,
             train_size=train_size,
             world_size=world_size,
-            sync_every=entry.sync_period(local_steps),
+            sync_every=sync,
             eval_every=eval_every,
             limit_train_batches=limit_train_batches,
         )
+
+    @classmethod
+    def of_settings(cls, settings: Any, *, train_size: int, world_size: int = 1) -> RunShape:
+        """The shape of the run a parsed configuration describes (its ``fit`` section, as plain data or as the
+        parser's namespace): its ``method``, ``num_machines``, ``local_steps``, ``batch_size``, ``eval_every``
+        and ``trainer.limit_train_batches``, on a problem of ``train_size`` samples over ``world_size`` processes.
+
+        The configuration's ``data.steps_per_round`` and ``data.batch_size`` (written by earlier versions, or
+        given by hand) are the shape's: ``check_data_settings`` refuses them where they differ."""
+        trainer = settings.get("trainer") or {}
+        shape = cls.of(
+            settings["method"], settings["num_machines"], settings["local_steps"], settings["batch_size"],
+            train_size=train_size, world_size=world_size, eval_every=settings.get("eval_every", 1),
+            limit_train_batches=trainer.get("limit_train_batches"),
+        )  # fmt: skip
+        data = settings.get("data") or {}
+        shape.check_data_settings(data.get("steps_per_round"), data.get("batch_size"))
+        return shape
+
+    @classmethod
+    def of_machines(cls, num_machines: int, world_size: int = 1) -> RunShape:
+        """The shape of a run known only by its M machines over P processes: a model built by hand and trained
+        on data that is not a ``ProblemDataModule`` (its rounds are its data's: one step here, one round)."""
+        return cls(num_machines, 1, 1, train_size=num_machines, world_size=world_size)
+
+    def check_data_settings(self, steps_per_round: Any, batch_size: Any, what: str = "data") -> None:
+        """Refuse a data module's ``steps_per_round`` or ``batch_size`` other than this shape's (``None``: the
+        shape's): in one line naming the field, the value and the shape's."""
+        for name, value, own in (
+            ("steps_per_round", steps_per_round, self.steps_per_round),
+            ("batch_size", batch_size, self.per_step_batch),
+        ):
+            if value is not None and (not is_int(value) or value != own):
+                raise ValueError(
+                    f"Invalid {what}.{name}: {value!r} (the run's shape has {own}, from method, local_steps and "
+                    f"batch_size; leave it unset or give {own})"
+                )
 
     def on(self, world_size: int) -> RunShape:
         """The same run over ``world_size`` processes (checked again)."""

@@ -380,14 +380,14 @@ def test_layout_over_processes(cached_mnist):
     alone = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
     alone.setup("validate")
     ranked = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1, seed=3)
-    ranked.trainer = SimpleNamespace(world_size=2, global_rank=1)
+    ranked.trainer = SimpleNamespace(world_size=2, global_rank=1, lightning_module=None)
     ranked.setup("validate")
     stream = ranked.train_dataloader()
     assert stream.machine_ids == list(range(8, 16))
     assert torch.equal(stream.indices(0), alone.train_dataloader().indices(0)[:, :, 8:, :])
 
     uneven = ProblemDataModule(num_machines=16)
-    uneven.trainer = SimpleNamespace(world_size=3, global_rank=0)
+    uneven.trainer = SimpleNamespace(world_size=3, global_rank=0, lightning_module=None)
     with pytest.raises(ValueError, match="not divisible"):
         uneven.setup("fit")
 
@@ -488,7 +488,7 @@ def test_class_distribution_figure_is_drawn_once_per_split_and_copied(cached_mni
         dm = ProblemDataModule(num_machines=num_machines, dirichlet_alpha=0.1, seed=4)
         dm.trainer = SimpleNamespace(
             world_size=1, global_rank=0, is_global_zero=True, log_dir=str(tmp_path / folder),
-            default_root_dir=str(tmp_path), loggers=list(loggers),
+            default_root_dir=str(tmp_path), loggers=list(loggers), lightning_module=None,
         )  # fmt: skip
         dm.setup("fit")
         return dm

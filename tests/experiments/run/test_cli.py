@@ -96,8 +96,8 @@ def test_print_config_shows_the_four_settings_once(tmp_path):
         8,
         1,
     )
-    # Derived values are computed, not configurable: they do not appear in the config.
-    assert "batch_size" not in config["data"] and "steps_per_round" not in config["data"]
+    # Derived values are the run's shape's, not computed while parsing: the data module's are unset.
+    assert config["data"]["batch_size"] is None and config["data"]["steps_per_round"] is None
     assert "num_machines" not in config["model"] and "method" not in config["model"]
     assert config["model"]["lr"] == 0.1
 
@@ -168,6 +168,10 @@ BAD_INPUT = [
         ["Invalid trainer.strategy.sync_every: 8", "16 for slowcal with local_steps=16", "leave it unset"],
     ),
     (["--data.derived=1"], ["unrecognized arguments: --data.derived=1"]),
+    (
+        ["--data.steps_per_round=3"],
+        ["Invalid data.steps_per_round: 3 (the run's shape has 16, from method, local_steps and batch_size"],
+    ),
     (
         ["--trainer.gradient_clip_val=1.0"],
         [

@@ -199,10 +199,11 @@ def test_validate_and_test_size_the_evaluation_batch(monkeypatch, capsys, restor
     class Stop(Exception):
         pass
 
-    def stop(self):
+    def stop(self, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(SlowcalCLI, "instantiate_classes", stop)
+    # Torch's threads are set from the run's shape, before the trainer is built.
+    monkeypatch.setattr(SlowcalCLI, "_build_trainer", stop)
     monkeypatch.chdir(REPO)
     with pytest.raises(Stop):
         SlowcalCLI(args=["test", "--config=configs/slowcal.yaml", "--wandb=false", "--data.eval_batch_size=500"])

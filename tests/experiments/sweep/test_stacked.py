@@ -337,13 +337,8 @@ def test_workers_must_be_a_positive_integer(tmp_path, capsys):
 
 
 def test_groups_are_halved_only_while_that_shortens_the_workers_time():
-    def group(n, method="slowcal", batch=1, k=16):
-        config = {
-            "method": method,
-            "num_machines": 16,
-            "eval_every": 10,
-            "data": {"batch_size": batch, "steps_per_round": k},
-        }
+    def group(n, method="slowcal", k=16):
+        config = {"method": method, "num_machines": 16, "local_steps": k, "batch_size": 1, "eval_every": 10}
         return [stacked.StackedTrial({"seed": i}, [], config) for i in range(n)]
 
     # One group of 6 M = 16 trials (3,750 steps, 234 rounds of K = 16: 24 evaluations each) on 2 workers: two
@@ -352,7 +347,7 @@ def test_groups_are_halved_only_while_that_shortens_the_workers_time():
     parts = stacked.balance_groups([group(6)], 2)
     assert [len(p) for p in parts] == [3, 3] and [t.params["seed"] for p in parts for t in p] == list(range(6))
     # Two long groups and a short one (Minibatch-SGD, K = 16: 234 steps): already balanced on 2 workers.
-    groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd", 16, k=1)]
+    groups = [group(6), group(6, "local_sgd"), group(6, "minibatch_sgd")]
     assert stacked.balance_groups(groups, 2) == groups
     assert stacked.group_cost(group(6)) == 3750 * (96 + 40) + 6 * 24 * grouping.EVALUATION_COST
     # Without the objective an evaluation is the test set's alone; the smaller K, the more evaluations.

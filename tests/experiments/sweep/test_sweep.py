@@ -929,9 +929,11 @@ def test_a_trial_value_no_type_of_the_option_takes_is_one_line(tmp_path, capsys)
 
 @pytest.mark.slow
 def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_identity(monkeypatch, command_line):
-    """Options whose values set keys no other option changes (one key: the rate; with the settings linked from it
-    alone: M, the seed) are parsed value by value, the others (sources of settings linked from several: the
-    method, K) per combination: each trial's parse and identity are those of its own arguments."""
+    """Options whose values set keys no other option changes (one key: the rate, K; with the settings linked from
+    it alone: M, the seed, the method) are parsed value by value, the others (sources of settings linked from
+    several) per combination: each trial's parse and identity are those of its own arguments. Nothing is linked
+    from K (its steps per round are the run's shape's, not the parse's): every option here is parsed value by
+    value."""
     from lit_slowcal.experiments.sweep import checks
 
     monkeypatch.chdir(REPO)
@@ -949,9 +951,7 @@ def test_a_large_grid_checked_by_parts_gives_every_trial_its_own_parse_and_ident
     parse = command_line.parse
     monkeypatch.setattr(command_line, "parse", lambda args: parses.append(args) or parse(args))
     by_parts = checks.check_by_parts(trials, lambda p: sw.trial_args(sweep, p))
-    assert (
-        by_parts is not None and len(parses) == 1 + (2 + 2 + 2 + 2 + 2 + 2) + 3
-    )  # the first trial, the values, the other combinations
+    assert by_parts is not None and len(parses) == 1 + 2 * len(params)  # the first trial, then every value
     monkeypatch.setattr(command_line, "parse", parse)
     for p, args in trials:
         own = parse(args)

@@ -109,6 +109,7 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
     from lit_slowcal.experiments.sweep.single import _trial_cli
 
     cli_class = _trial_cli()  # the CLI, its parsers built once for all cases
+    monkeypatch.setenv(RUN_VERSION_ENV, "")  # unset again when the test ends (run=False keeps the version)
     for M, K, b, devices in [(4, 3, 2, 2), (6, 2, 1, 1)]:
         args = [
             "--config=configs/slowcal.yaml", f"--method={method}", f"--num_machines={M}", f"--local_steps={K}",
@@ -120,11 +121,9 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
         shape, data = cli.shape, cli.datamodule
         assert shape == RunShape.of(method, M, K, b, train_size=30 * M, world_size=devices, eval_every=100)
         assert cli.trainer.strategy.sync_every == shape.sync_every
-        # The values linked while parsing (what a stacked trial reads from its parsed configuration) agree.
-        assert (cli.config.data.steps_per_round, cli.config.data.batch_size) == (
-            shape.steps_per_round,
-            shape.per_step_batch,
-        )
+        # Nothing computes K for the data module while parsing: its arguments are unset, it serves the shape.
+        assert (cli.config.data.steps_per_round, cli.config.data.batch_size) == (None, None)
+        assert (data.steps_per_round, data.batch_size) == (shape.steps_per_round, shape.per_step_batch)
         assert cli.trainer.val_check_interval == shape.rounds == math.ceil(30 / (K * b))
         data.trainer = cli.trainer
         data.setup("fit")
@@ -135,19 +134,46 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
         cli.trainer.strategy.teardown()
 
 
-def test_the_data_module_refuses_a_shape_other_than_its_streams_or_trainer():
+def test_the_data_module_refuses_a_shape_other_than_its_arguments_streams_or_trainer():
     from types import SimpleNamespace
 
     from lit_slowcal.experiments.data.datamodule import ProblemDataModule
 
     data = ProblemDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=8))
     assert data.shape() == RunShape(4, 2, 1, train_size=32)
+    with pytest.raises(ValueError) as info:  # its own arguments are not overwritten
+        data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32))
+    assert str(info.value) == (
+        "Invalid data.steps_per_round: 2 (the run's shape has 1, from method, local_steps and batch_size; "
+        "leave it unset or give 1)"
+    )
+    data = ProblemDataModule(num_machines=4, problem=Quadratic(dim=3, samples=8))
+    assert data.shape() == RunShape(4, 16, 1, train_size=32)  # built by hand without a shape: K = 16, b = 1
     data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32))
     assert (data.steps_per_round, data.batch_size, data.num_rounds) == (1, 2, 4)
-    data.trainer = SimpleNamespace(world_size=2, global_rank=0, num_devices=2, is_global_zero=True)
+    with pytest.raises(ValueError, match=r"^Invalid shape: num_machines 8 \(the data module splits the data over"):
+        data.use_shape(RunShape.of("minibatch_sgd", 8, 2, 1, train_size=32))
+    data.trainer = SimpleNamespace(
+        world_size=2, global_rank=0, num_devices=2, is_global_zero=True, lightning_module=None
+    )
     with pytest.raises(ValueError, match=r"^Invalid shape: world_size 1 \(the trainer runs 2 processes"):
         data.setup("validate")
     data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32, world_size=2))
     data.setup("validate")
     with pytest.raises(ValueError, match=r"the streams are set up for num_machines=4, steps_per_round=1, batch_size=2"):
         data.use_shape(RunShape.of("slowcal", 4, 2, 1, train_size=32, world_size=2))
+
+
+def test_a_configuration_of_an_earlier_version_gives_the_data_module_the_shapes_values_or_is_refused():
+    """Config files written when K was linked into the data module (a stacked trial's config.yaml) still load."""
+    settings = {"method": "minibatch_sgd", "num_machines": 4, "local_steps": 8, "batch_size": 2, "eval_every": 5}
+    given = {**settings, "data": {"steps_per_round": 1, "batch_size": 16}, "trainer": {"limit_train_batches": 3}}
+    shape = RunShape.of_settings(given, train_size=640)
+    assert shape == RunShape.of("minibatch_sgd", 4, 8, 2, train_size=640, eval_every=5, limit_train_batches=3)
+    assert (shape.rounds, shape.trained_rounds) == (RunShape.of_settings(settings, train_size=640).rounds, 3)
+    with pytest.raises(ValueError) as info:
+        RunShape.of_settings({**settings, "data": {"steps_per_round": 8, "batch_size": 16}}, train_size=640)
+    assert str(info.value) == (
+        "Invalid data.steps_per_round: 8 (the run's shape has 1, from method, local_steps and batch_size; "
+        "leave it unset or give 1)"
+    )
