@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lit_slowcal.experiments.analysis.report import _check_one_setting, cell_of
+from lit_slowcal.experiments.analysis.records import cell_of, check_one_setting
 from lit_slowcal.experiments.train.methods import METHODS
 
 __all__ = ["Choice", "Win", "check_criterion", "tune", "winners"]
@@ -83,7 +83,7 @@ def check_criterion(criterion: str) -> str:
 
 
 def _lr(record: dict[str, Any]) -> float:
-    from lit_slowcal.experiments.analysis.report import located
+    from lit_slowcal.experiments.analysis.records import located
 
     params = record["params"]
     value = params.get(_LR)
@@ -121,9 +121,9 @@ def tune(records: list[dict[str, Any]], criterion: str = "train_objective") -> l
         where = f"{method} M={m} K={k}"
         trials = [r for rs in by_lr.values() for r in rs]
         # One setting per cell but the rate (by the records' arguments), and per rate but the seed (their identities).
-        _check_one_setting((m, k, method), trials, varies=(_LR,), averages="tuning compares rates averaged")
+        check_one_setting((m, k, method), trials, varies=(_LR,), averages="tuning compares rates averaged")
         for rs in by_lr.values():
-            _check_one_setting((m, k, method), rs, averages="tuning compares rates averaged")
+            check_one_setting((m, k, method), rs, averages="tuning compares rates averaged")
         for name in {n for r in trials for n in r["params"]} - {*_CELL, _LR, _SEED}:
             values = {json.dumps(r["params"].get(name)) for r in trials}
             if len(values) > 1:

@@ -28,15 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_slowcal.experiments.analysis.records import (
+    CELL_KEYS,
+    SEED,
+    cell_of,
+    check_one_setting,
+    integer_param,
+    load_results,
+    method_label,
+    methods_in_order,
+    save_figure,
+)
 from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, write_time_to_target
 from lit_slowcal.experiments.train.methods import METHODS
-from lit_slowcal.files import atomic_path, atomic_write
+from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link
 
 __all__ = ["Cell", "aggregate", "load_results", "main", "markdown_table", "plot_metric"]
-
-_KEYS = ("method", "num_machines", "local_steps")
-_SEED = "seed_everything"
 
 
 @dataclass(frozen=True)
@@ -59,161 +67,6 @@ class Cell:
         return statistics.stdev(self.values) if self.n > 1 else 0.0
 
 
-class Record(dict):
-    """A trial record read from a results file, with where it was read (``where``: ``<file>, line <n>``)."""
-
-    where: str = ""
-
-
-def located(record: dict[str, Any], message: str) -> ValueError:
-    """``message`` about ``record``, preceded by the file and line it was read from (when it was read from one)."""
-    where = getattr(record, "where", "")
-    return ValueError(f"{where}: {message}" if where else message)
-
-
-def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """The records of a results file (one JSON object a line), each checked to be a whole trial record, one per
-    trial: two records of one trial (its parameters and identity) with the same status and metrics count once
-    (files concatenated), with different ones are refused. Each is a ``Record`` that knows its line.
-
-    Raises:
-        ValueError: naming the file and the line that is not JSON or not a trial record, or the two lines of
-            one trial that disagree; or naming the file when it holds no record.
-
-    ``notes``: a list that gets a line saying how many repeated records were counted once, if any.
-    """
-    from lit_slowcal.experiments.sweep.results import check_record, duplicate_error, parse_line, same_values
-
-    records: dict[str, Record] = {}
-    lines: dict[str, int] = {}
-    repeated = 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if raw.strip():
-                try:
-                    parsed = parse_line(raw)
-                except ValueError as err:
-                    raise ValueError(f"{path}, line {n}: {err}; remove or repair that line") from None
-                wrong = check_record(parsed)
-                if wrong is not None:
-                    raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
-                record = Record(parsed)
-                record.where = f"{path}, line {n}"
-                key = _trial_of(record)
-                if key in records:
-                    if not same_values(records[key], record):
-                        raise duplicate_error(path, record, lines[key], n)
-                    repeated += 1
-                    continue
-                records[key], lines[key] = record, n
-    if not records:
-        raise ValueError(f"{path}: no trial records (the file is empty); give the results file a sweep wrote")
-    if repeated and notes is not None:
-        notes.append(
-            f"{path}: {repeated} record{'s' if repeated > 1 else ''} repeat{'' if repeated > 1 else 's'} another of the same trial with the same status and metrics; each trial is counted once"
-        )
-    return list(records.values())
-
-
-def _trial_of(record: dict[str, Any]) -> str:
-    """Which trial a record is: its run's identity (two spellings of one value, ``1e-2`` and ``0.01``, are one
-    run) and its parameters that are not part of it (``eval_every``); a record written before identities were
-    stored: its parameters and its arguments."""
-    from lit_slowcal.experiments.run.identity import RESULT_SETTINGS, may_change_on_resume
-    from lit_slowcal.experiments.sweep.trials import record_key
-
-    params = record["params"]
-    if record.get("identity") is None:
-        return record_key(params, json.dumps(record.get("args")))
-    return record_key(
-        {k: v for k, v in params.items() if may_change_on_resume(k) and k not in RESULT_SETTINGS}, record["identity"]
-    )
-
-
-def cell_of(record: dict[str, Any], needed: str) -> tuple[str, int, int]:
-    """``(method, M, K)`` of a record's parameters.
-
-    Raises:
-        ValueError: naming the record's file and line when one is missing or not of its type (``needed``: why
-            the caller needs them).
-    """
-    p = record["params"]
-    missing = [k for k in _KEYS if k not in p]
-    if missing:
-        raise located(record, f"a trial lacks {', '.join(missing)} in its params ({p}); {needed}")
-    if not isinstance(p["method"], str):
-        raise located(record, f"method is {p['method']!r}, expected a method's name")
-    return p["method"], _whole(record, "num_machines"), _whole(record, "local_steps")
-
-
-def _whole(record: dict[str, Any], name: str) -> int:
-    value = record["params"][name]
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
-        raise located(record, f"{name} is {value!r}, expected an integer")
-    return int(value)
-
-
-def _flags(args: Sequence[str]) -> dict[str, str]:
-    """A record's command-line settings that define its run but its seed: ``{option: value}``, as given."""
-    from lit_slowcal.experiments.run.identity import SEED_KEYS, may_change_on_resume
-
-    flags: dict[str, str] = {}
-    tokens = list(args)
-    for i, token in enumerate(tokens):
-        if not token.startswith("--"):
-            continue
-        key, eq, value = token[2:].partition("=")
-        if not eq:
-            value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else ""
-        if key not in SEED_KEYS and (key == "config" or not may_change_on_resume(key)):
-            flags[key] = flags[key] + " " + value if key == "config" and key in flags else value
-    return flags
-
-
-def _check_one_setting(
-    key: tuple[int, int, str],
-    records: list[dict[str, Any]],
-    varies: Sequence[str] = (),
-    averages: str = "the report averages",
-) -> None:
-    """Refuse a point whose records were run with different settings (not only another seed): by their stored
-    identities (``sweep.trials.setting_of``; not when a setting ``varies`` among them), and by their arguments
-    (but the options that ``varies`` names)."""
-    from lit_slowcal.experiments.sweep.trials import setting_of
-
-    where = f"M={key[0]}, K={key[1]}, {key[2]}"
-    advice = f"{averages} over seeds only; give each setting its own results file (sweep --results) or remove the old records"
-    by_args: dict[str, dict[str, str]] = {}
-    for r in records:
-        flags = {k: v for k, v in _flags(r.get("args") or []).items() if k not in varies}
-        by_args.setdefault(json.dumps(flags, sort_keys=True), flags)
-    if len(by_args) > 1:
-        first, *others = by_args.values()
-        other = others[0]
-        diff = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
-        shown = "; ".join(
-            f"--{k} {first.get(k, '(not given)')} in one, {other.get(k, '(not given)')} in another" for k in diff[:4]
-        )
-        raise ValueError(f"the trials at {where} were run with different command lines ({shown}): {advice}")
-    settings = {setting_of(r["identity"]) for r in records if r.get("identity")}
-    if len(settings) > 1 and not varies:
-        raise ValueError(
-            f"the trials at {where} were run with different settings (the same arguments, {len(settings)} identities: "
-            f"a config file changed in between?): {advice}"
-        )
-
-
-def _methods(found: Sequence[str]) -> list[str]:
-    """The methods found: the registry's in its order, then any others by name."""
-    return [m for m in METHODS if m in found] + sorted(m for m in set(found) if m not in METHODS)
-
-
-def method_label(method: str) -> str:
-    return METHODS[method].label if method in METHODS else method
-
-
 def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int, str], Cell]:
     """``{(M, K, method): Cell}`` of ``metric`` over the finished trials (seeds).
 
@@ -227,14 +80,14 @@ def aggregate(records: list[dict[str, Any]], metric: str) -> dict[tuple[int, int
         groups.setdefault((m, k, method), []).append(r)
     cells = {}
     for key, rs in groups.items():
-        for name in {k for r in rs for k in r["params"]} - {*_KEYS, _SEED}:
+        for name in {k for r in rs for k in r["params"]} - {*CELL_KEYS, SEED}:
             values = {json.dumps(r["params"].get(name)) for r in rs}
             if len(values) > 1:
                 raise ValueError(
                     f"{name} takes several values ({', '.join(sorted(values))}) at M={key[0]}, K={key[1]}, "
                     f"{key[2]}: the report averages over seeds only; keep one value of {name}"
                 )
-        _check_one_setting(key, rs)
+        check_one_setting(key, rs)
         values = [r.get("metrics", {}).get(metric) for r in rs if r.get("status") == "finished"]
         values = [float(v) for v in values if v is not None and math.isfinite(v)]
         if values:
@@ -254,7 +107,7 @@ def plot_metric(
 
     ms = sorted({m for m, _, _ in cells})
     ks = sorted({k for _, k, _ in cells})
-    methods = _methods([method for _, _, method in cells])
+    methods = methods_in_order([method for _, _, method in cells])
     fig = Figure(figsize=(4.2 * len(ms), 3.6), layout="constrained")
     axes = fig.subplots(1, len(ms), sharey=True, squeeze=False)[0]
     for ax, m in zip(axes, ms):
@@ -285,20 +138,13 @@ def plot_metric(
     save_figure(fig, path)
 
 
-def save_figure(fig: Any, path: str | Path) -> None:
-    # The temporary file's suffix is not the target's: the format is given, not inferred.
-    fmt = Path(path).suffix[1:].lower() or "png"
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format=fmt)
-
-
 def split_cells(records: list[dict[str, Any]], metric: str) -> dict[int, Cell]:
     """``{M: Cell}`` of a per-split metric (``G_star``): one value per (M, seed), whatever K or the method."""
     by_split: dict[tuple[int, str], float] = {}
     for r in records:
         p, v = r.get("params", {}), r.get("metrics", {}).get(metric)
         if r.get("status") == "finished" and v is not None and math.isfinite(v) and "num_machines" in p:
-            by_split.setdefault((_whole(r, "num_machines"), json.dumps(p.get(_SEED), sort_keys=True)), float(v))
+            by_split.setdefault((integer_param(r, "num_machines"), json.dumps(p.get(SEED), sort_keys=True)), float(v))
     cells: dict[int, list[float]] = {}
     for (m, _), v in sorted(by_split.items()):
         cells.setdefault(m, []).append(v)
@@ -339,7 +185,7 @@ def plot_excess_rounds(curves: dict[str, list[tuple[float, float]]], m: int, k: 
 
     fig = Figure(figsize=(5.2, 3.6), layout="constrained")
     ax = fig.subplots()
-    for method in _methods(list(curves)):
+    for method in methods_in_order(list(curves)):
         points = curves[method]
         color = METHODS[method].color if method in METHODS else None
         ax.plot([r for r, _ in points], [v for _, v in points], marker=".", color=color, label=method_label(method))
@@ -362,7 +208,7 @@ def markdown_table(
     """Rows (M, K); per method the test accuracy and test loss as mean ± std over seeds (best accuracy in bold),
     and, when given, the excess loss per method and G_* of the row's split (per M)."""
     keys = sorted({(m, k) for m, k, _ in acc} | {(m, k) for m, k, _ in loss})
-    methods = _methods([method for _, _, method in [*acc, *loss]])
+    methods = methods_in_order([method for _, _, method in [*acc, *loss]])
     labels = [method_label(m) for m in methods]
     header = [
         "M",
@@ -477,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     skipped = [
         f"{r['params'].get('method')} M={r['params'].get('num_machines')} K={r['params'].get('local_steps')} "
-        f"seed={r['params'].get(_SEED)} {r.get('status')}"
+        f"seed={r['params'].get(SEED)} {r.get('status')}"
         for r in records
         if r.get("status") != "finished"
     ]

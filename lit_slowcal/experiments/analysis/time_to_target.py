@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_slowcal.experiments.analysis.records import cell_of, located, method_label, save_figure
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link
@@ -101,8 +102,6 @@ def trajectory(record: dict[str, Any], metric: str, machines: int) -> Trajectory
     Raises:
         ValueError: naming the record when its counts or its log are missing (a run of an earlier version).
     """
-    from lit_slowcal.experiments.analysis.report import located
-
     metrics = record.get("metrics") or {}
     needed = ("round", "samples_seen", "ring_bytes_per_machine", "ring_hops")
     missing = [k for k in needed if not isinstance(metrics.get(k), (int, float))]
@@ -133,8 +132,6 @@ def at_tuned_rates(records: Sequence[dict[str, Any]], tuned_csv: str | Path) -> 
     """The records at their cell's tuned rate: where ``tuned_csv`` (``python -m lit_slowcal tune``'s output: method,
     M, K, lr) has a row for a record's (method, M, K), the record is kept only when its ``model.lr`` is that row's;
     records of cells it does not hold are all kept."""
-    from lit_slowcal.experiments.analysis.report import cell_of
-
     with open(tuned_csv, newline="") as f:
         tuned = {(r["method"], int(r["M"]), int(r["K"])): float(r["lr"]) for r in csv.DictReader(f)}
     kept = []
@@ -173,8 +170,6 @@ def cell_times(
     records: Sequence[dict[str, Any]], target: Target, links: Sequence[Link], sample_seconds: float, scale: float = 1.0
 ) -> tuple[dict[tuple[int, int, str], dict[Link, CellTime]], dict[tuple[int, int, str], list[Trajectory]]]:
     """Every cell's ``CellTime`` at each link, and its trials' trajectories, from the finished records."""
-    from lit_slowcal.experiments.analysis.report import cell_of
-
     trajectories: dict[tuple[int, int, str], list[Trajectory]] = {}
     for r in records:
         if r.get("status") != "finished":
@@ -197,8 +192,6 @@ def cell_times(
 
 def time_table(times: dict[tuple[int, int, str], dict[Link, CellTime]], target: Target, links: Sequence[Link]) -> str:
     """The markdown table: one row per (M, K, method), one column per link; the fastest of each (M, link) in bold."""
-    from lit_slowcal.experiments.analysis.report import method_label
-
     head = "| M | K | method | " + " | ".join(str(link) for link in links) + " |\n"
     head += "|---|---|---|" + "---|" * len(links) + "\n"
     best: dict[tuple[int, Link], float] = {}
@@ -236,8 +229,6 @@ def plot_times(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from lit_slowcal.experiments.analysis.report import method_label, save_figure
 
     ms = sorted({m for m, _, _ in trajectories})
     methods = sorted({method for _, _, method in trajectories})

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_slowcal.experiments.analysis.rate_choice import Choice, check_criterion, tune, winners
-from lit_slowcal.experiments.analysis.report import load_results
+from lit_slowcal.experiments.analysis.records import load_results
 from lit_slowcal.experiments.analysis.tuned_output import (
     CSV_HEADER,
     communication_table,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_slowcal.experiments.analysis.rate_choice import Choice, Win, winners
-from lit_slowcal.experiments.analysis.report import method_label
+from lit_slowcal.experiments.analysis.records import method_label, save_figure
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 
@@ -101,7 +101,7 @@ def win_table(wins: Sequence[Win], metric: str) -> str:
 
 def write_docs(choices: Sequence[Choice], criterion: str, folder: Path, stem: str) -> list[Path]:
     """``stem``.md (the tuned table and the map of winners) and two figures in ``folder``."""
-    from lit_slowcal.experiments.analysis.report import Cell, plot_metric, save_figure
+    from lit_slowcal.experiments.analysis.report import Cell, plot_metric
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -193,8 +193,6 @@ def plot_accuracy_vs_floats(choices: Sequence[Choice], path: str | Path, title: 
     (its values of K) in the order of the floats, error bars: the sample std over the seeds. Left: every
     point; right: the top ``zoom`` of accuracy below the best mean, where the methods are told apart."""
     from matplotlib.figure import Figure
-
-    from lit_slowcal.experiments.analysis.report import save_figure
 
     by_method: dict[str, list[tuple[float, float, float, int]]] = {}
     for c in choices:
