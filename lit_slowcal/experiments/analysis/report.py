@@ -300,13 +300,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="with --target: a model this many times larger (its bytes; its compute is --sample_seconds)",
     )
     parser.add_argument(
-        "--tuned", type=Path, help="with --target: only each cell's tuned rate, from `tune`'s CSV (method, M, K, lr)"
+        "--tuned",
+        type=Path,
+        action="append",
+        default=[],
+        help="only each cell's tuned rate, from `tune`'s CSV (method, M, K, lr; repeat for several); cells none holds: all",
     )
     opts = parser.parse_args(argv)
     name = opts.name or opts.results.stem
     try:
         notes: list[str] = []
         records = load_results(opts.results, notes)
+        if opts.tuned:
+            records = at_tuned_rates(records, *opts.tuned)
         for line in notes:
             print(f"note: {line}", file=sys.stderr)
         acc = aggregate(records, "test_acc")
@@ -354,9 +360,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for target in targets:
         command = " ".join(["python -m lit_slowcal report", *(argv if argv is not None else sys.argv[1:])])
         try:
-            chosen = at_tuned_rates(records, opts.tuned) if opts.tuned else records
             written = write_time_to_target(
-                chosen, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
+                records, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
             )
         except (OSError, ValueError) as err:
             print(f"lit_slowcal report: error: {err}", file=sys.stderr)
@@ -379,6 +384,6 @@ def _time_options(opts: argparse.Namespace) -> tuple[list[Target], list[Link]]:
             )
         if not (opts.scale > 0 and math.isfinite(opts.scale)):
             raise ValueError(f"Invalid --scale: {opts.scale!r} (a number > 0)")
-    elif opts.link or opts.sample_seconds is not None or opts.scale != 1.0 or opts.tuned:
-        raise ValueError("--link, --sample_seconds, --scale and --tuned need --target (what time to reach)")
+    elif opts.link or opts.sample_seconds is not None or opts.scale != 1.0:
+        raise ValueError("--link, --sample_seconds and --scale need --target (what time to reach)")
     return targets, links

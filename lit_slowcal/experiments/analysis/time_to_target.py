@@ -128,12 +128,14 @@ def trajectory(record: dict[str, Any], metric: str, machines: int) -> Trajectory
     )
 
 
-def at_tuned_rates(records: Sequence[dict[str, Any]], tuned_csv: str | Path) -> list[dict[str, Any]]:
-    """The records at their cell's tuned rate: where ``tuned_csv`` (``python -m lit_slowcal tune``'s output: method,
-    M, K, lr) has a row for a record's (method, M, K), the record is kept only when its ``model.lr`` is that row's;
-    records of cells it does not hold are all kept."""
-    with open(tuned_csv, newline="") as f:
-        tuned = {(r["method"], int(r["M"]), int(r["K"])): float(r["lr"]) for r in csv.DictReader(f)}
+def at_tuned_rates(records: Sequence[dict[str, Any]], *tuned_csvs: str | Path) -> list[dict[str, Any]]:
+    """The records at their cell's tuned rate: where a ``tuned_csvs`` file (``python -m lit_slowcal tune``'s output:
+    method, M, K, lr) has a row for a record's (method, M, K), the record is kept only when its ``model.lr`` is that
+    row's (a later file's row wins); records of cells none holds are all kept."""
+    tuned: dict[tuple[str, int, int], float] = {}
+    for path in tuned_csvs:
+        with open(path, newline="") as f:
+            tuned.update({(r["method"], int(r["M"]), int(r["K"])): float(r["lr"]) for r in csv.DictReader(f)})
     kept = []
     for r in records:
         cell = cell_of(r, "--tuned picks records by (method, M, K)")

@@ -146,7 +146,6 @@ class _Group:
         self.entry = get_method(first["method"])
         self.T, self.M = len(trials), self.shapes[0].num_machines
         self.log_every = first["trainer"]["log_every_n_steps"]
-        self.every = self.shapes[0].eval_every
         self.links = links_of(first["link"])
         self.step_time, self.steps_taken = 0.0, 0  # the compute time of the steps, measured (``step_seconds``)
         self.step_seconds = first.get("step_seconds")
@@ -234,10 +233,8 @@ class _Group:
             s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, s.shape.sync_every)
             s.driver = RoundDriver(
                 s.optimizer,
-                RoundSchedule(log_every=self.log_every, eval_every=self.every),
-                steps_per_round=s.shape.steps_per_round,
-                per_step_batch=s.shape.per_step_batch,
-                machines=s.shape.num_machines,
+                RoundSchedule(log_every=self.log_every, eval_every=s.shape.val_check_interval),
+                s.shape,
                 method=self.first["method"],
                 lrs=[models[i].hparams.lr for i in s.members],
                 counts=lambda s=s: self._counts(s),

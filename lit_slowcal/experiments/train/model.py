@@ -246,7 +246,14 @@ class MachinesModel(pl.LightningModule):
         ``batch`` holds the round's samples, shapes ``(steps, m, b, 784)`` and ``(steps, m, b)``.
         """
         xs, ys = batch
-        driver = self._round_driver(steps_per_round=xs.shape[0], per_step_batch=xs.shape[2])
+        shape = self.shape
+        if shape is None or (len(xs), xs.shape[2]) != (shape.steps_per_round, shape.per_step_batch):
+            raise ValueError(
+                f"Invalid training batch: {len(xs)} steps of {xs.shape[2]} samples a machine (the run's shape: "
+                f"{getattr(shape, 'steps_per_round', None)} of {getattr(shape, 'per_step_batch', None)}; give the "
+                "model its data's shape, MachinesModel.use_shape, as ProblemDataModule does)"
+            )
+        driver = self._round_driver(shape)
         losses = []
         start = time.perf_counter()
         for k in range(len(xs)):
@@ -272,7 +279,7 @@ class MachinesModel(pl.LightningModule):
             (row,) = driver.train_rows(end)
             self.log_dict(row, on_step=True, on_epoch=False)
 
-    def _round_driver(self, steps_per_round: int, per_step_batch: int) -> RoundDriver:
+    def _round_driver(self, shape: RunShape) -> RoundDriver:
         """This fit's ``RoundDriver`` (one trial), built at its first round; the train-loss sums since the last
         log carry over from a checkpoint."""
         optimizer = self.optimizers()
@@ -280,10 +287,8 @@ class MachinesModel(pl.LightningModule):
             trainer = self.trainer
             driver = RoundDriver(
                 optimizer,
-                RoundSchedule(log_every=trainer.log_every_n_steps, eval_every=trainer.val_check_batch),
-                steps_per_round=steps_per_round,
-                per_step_batch=per_step_batch,
-                machines=self.hparams.num_machines,
+                RoundSchedule(log_every=trainer.log_every_n_steps, eval_every=shape.val_check_interval),
+                shape,
                 method=self.hparams.method,
                 lrs=[self.hparams.lr],
                 counts=self.round_counts,

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_slowcal.experiments.train.shape import RunShape
 from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.protocol import declared
 
@@ -223,7 +224,7 @@ class RoundDriver:
     Args:
         optimizer: the trials' optimizer; ``step`` steps it.
         schedule: when a round logs and when it is evaluated.
-        steps_per_round, per_step_batch, machines: the run's shape (``RunShape``), for the rows logged.
+        shape: the run's ``RunShape`` (its steps per round, per-step batch and M), for the rows logged.
         method: the method's name, and ``lrs`` each trial's learning rate, for a divergence's error.
         counts: ``() -> RoundCounts`` so far, of one machine of one trial.
         sync: called after each optimizer step where no strategy synchronises (the stacked trials'
@@ -237,10 +238,8 @@ class RoundDriver:
         self,
         optimizer: Any,
         schedule: RoundSchedule,
+        shape: RunShape,
         *,
-        steps_per_round: int,
-        per_step_batch: int,
-        machines: int,
         method: str,
         lrs: Sequence[float],
         counts: Callable[[], RoundCounts],
@@ -250,7 +249,7 @@ class RoundDriver:
         step_seconds: Optional[float] = None,
     ) -> None:
         self.optimizer, self.schedule, self.sync, self.counts = optimizer, schedule, sync, counts
-        self.steps_per_round, self.per_step_batch, self.machines = steps_per_round, per_step_batch, machines
+        self.shape = shape
         self.method, self.lrs = method, list(lrs)
         self.links, self.step_seconds = tuple(links), step_seconds
         self.trials = len(self.lrs)
@@ -285,9 +284,9 @@ class RoundDriver:
             train_row(
                 loss,
                 counts=counts,
-                steps_per_round=self.steps_per_round,
-                batch_size=self.per_step_batch,
-                machines=self.machines,
+                steps_per_round=self.shape.steps_per_round,
+                batch_size=self.shape.per_step_batch,
+                machines=self.shape.num_machines,
                 rounds_done=end.index,
                 links=self.links,
                 step_seconds=self.step_seconds,

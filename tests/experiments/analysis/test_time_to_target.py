@@ -74,6 +74,17 @@ def test_report_writes_the_time_to_target_table_and_figure(tmp_path, capsys):
     sc = 2 * (4 * 1e-3 + 30 * 1e-3 + 117_750 / 1.25e9)
     assert f"| 16 | 1 | Minibatch-SGD | **{mb:.3g} s (1 rounds)** |" in table
     assert f"| 16 | 4 | SLowcal-SGD | {sc:.3g} s (2 rounds) |" in table
+    tuned = tmp_path / "tuned.csv"
+    tuned.write_text("method,M,K,lr\nslowcal,16,4,0.5\n")  # not the rate the SLowcal trial ran at
+    for r in records:
+        r["params"]["model.lr"] = 0.01
+    results.write_text(
+        "".join(json.dumps({**r, "identity": f"i{n}", "error": None}) + "\n" for n, r in enumerate(records))
+    )
+    code = report.main([str(results), "--out", str(out), "--target", "test_acc=0.9", "--sample_seconds", "1e-3",
+                        "--link", "10Gbit/s,1ms", "--tuned", str(tuned)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert "SLowcal-SGD" not in (out / "r_test_acc_time_to_target.md").read_text()  # only the tuned rate is kept
     assert report.main([str(results), "--out", str(out), "--target", "test_acc=0.9"]) == 2
     assert "Invalid --sample_seconds: None" in capsys.readouterr().err
     assert report.main([str(results), "--out", str(out), "--link", "10Gbit/s,1ms"]) == 2

@@ -20,6 +20,7 @@ from lit_slowcal.experiments.sweep import stacked
 from lit_slowcal.experiments.train import rounds
 from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.rounds import TrainingDiverged
+from lit_slowcal.experiments.train.shape import RunShape
 from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -283,7 +284,8 @@ def test_the_round_driver_ends_rounds_by_its_schedule_and_names_the_diverged_tri
     driver = rounds.RoundDriver(
         type("Opt", (), {"step": lambda self: steps.append(1)})(),
         rounds.RoundSchedule(log_every=2, eval_every=3),
-        steps_per_round=4, per_step_batch=2, machines=3, method="slowcal", lrs=[0.1, 0.2],
+        RunShape(num_machines=3, steps_per_round=4, per_step_batch=2, train_size=1000),
+        method="slowcal", lrs=[0.1, 0.2],
         counts=lambda: counts, sync=lambda: len(steps) % 4 == 0,
     )  # fmt: skip
     assert [driver.step() for _ in range(4)] == [False, False, False, True] and len(steps) == 4
