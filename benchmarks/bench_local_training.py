@@ -310,7 +310,7 @@ def _scale_run(args: argparse.Namespace) -> None:
     rss = max(r["rss_one_fit"] for r in results)
     per_process = " ".join(f"{r['rss_one_fit']:.2f}" for r in results)
     print(
-        f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {steps} steps; data setup {setup:.2f} s; "
+        f"M={M} K={K} b={b}: R={data.shape().rounds} rounds, {steps} steps; data setup {setup:.2f} s; "
         f"median of {args.repeats} fresh processes:"
     )
     print(
@@ -380,7 +380,7 @@ def main() -> None:
             "clocks read after torch.cuda.synchronize()"
         )
     print(
-        f"M={M} K={K} b={b}: R={data.num_rounds} rounds, {data.num_rounds * K} steps; "
+        f"M={M} K={K} b={b}: R={data.shape().rounds} rounds, {data.shape().rounds * K} steps; "
         f"data setup (load + partition, not timed below) {setup_seconds:.2f} s"
     )
 

@@ -101,7 +101,7 @@ state = {
     },
     "collectives": dict(calls),
     "num_syncs": cli.trainer.strategy.num_syncs,
-    "num_rounds": cli.datamodule.num_rounds,
+    "num_rounds": cli.datamodule.shape().rounds,
     "world_size": cli.trainer.world_size,
     "metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()},
 }

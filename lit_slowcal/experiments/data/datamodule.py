@@ -69,12 +69,6 @@ def partition_shards(labels: Tensor, num_machines: int, alpha: Optional[float], 
     return [s.clone() for s in hit[1]]
 
 
-def num_rounds(num_samples: int, num_machines: int, steps_per_round: int, batch_size: int) -> int:
-    """``RunShape.rounds`` of a round's own values, R = ceil(N / (M * steps_per_round * batch_size)): the name
-    benchmarks and tests use (the app reads a run's ``RunShape``)."""
-    return RunShape(num_machines, steps_per_round, batch_size, train_size=num_samples).rounds
-
-
 class _Slices:
     """Consecutive batches of in-memory tensors: no per-sample indexing or collation."""
 
@@ -239,12 +233,6 @@ class ProblemDataModule(pl.LightningDataModule):
         x, y, test_x, test_y = load_mnist(self.root)
         shards = partition_shards(y, num_machines, self.dirichlet_alpha, self.split, seed)
         return ProblemData(x, y, tuple(shards), test_x, test_y)
-
-    @property
-    def num_rounds(self) -> int:
-        """The shape's ``rounds``, R = ceil(N / (M * steps_per_round * batch_size)): the name tests and user code
-        read (the app reads ``shape().rounds``)."""
-        return self.shape().rounds
 
     def _layout(self) -> tuple[RunShape, int]:
         """The run's shape (checked: M a multiple of the processes) and this process's rank."""

@@ -178,8 +178,9 @@ def test_refusals_name_the_cell(tmp_path, capsys):
 
 def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
     from lit_slowcal.experiments import sweep as sw
-    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE
     from lit_slowcal.experiments.train.methods import METHODS, TABLE1_METHODS
+    from lit_slowcal.experiments.train.shape import RunShape
 
     sweeps = Path(__file__).resolve().parents[3] / "sweeps"
     lr_grid, c_grid = sw.load_sweep(sweeps / "table1_tuned.yaml"), sw.load_sweep(sweeps / "table1_tuned_acsa.yaml")
@@ -204,7 +205,7 @@ def test_the_tuned_grid_files_expand_to_the_five_methods_rate_grids():
         assert "--model.weight_decay=1e-4" in args and "--diagnostics=false" in args
         # One evaluation, after the last round, however long the run (M = 16, K = 4: 938 rounds).
         every = int(next(a for a in args if a.startswith("--eval_every=")).split("=")[1])
-        assert every >= num_rounds(MNIST_TRAIN_SIZE, 16, 4, 1) == 938
+        assert every >= RunShape(16, 4, 1, train_size=MNIST_TRAIN_SIZE).rounds == 938
     assert (
         "--model.horizon_aware=true" in c_grid.args_before and "--model.horizon_aware=true" not in lr_grid.args_before
     )
@@ -306,7 +307,8 @@ def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
     (Lightning keeps int(fraction x rounds) rounds); the committed results hold every trial, at that budget."""
     from lit_slowcal.experiments import sweep as sw
     from lit_slowcal.experiments.analysis.report import load_results
-    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE, num_rounds
+    from lit_slowcal.experiments.data.datamodule import MNIST_TRAIN_SIZE
+    from lit_slowcal.experiments.train.shape import RunShape
 
     repo = Path(__file__).resolve().parents[3]
     files = sorted((repo / "sweeps" / "nonconvex").glob("*.yaml"))
@@ -320,7 +322,7 @@ def test_the_nonconvex_grid_files_give_every_method_and_k_the_same_budget():
     (common,) = args
     assert {"--model.arch=cnn", "--model.init=default", "--trainer.limit_train_batches=0.137"} <= set(common)
     for k in (4, 16, 64):
-        assert int(num_rounds(MNIST_TRAIN_SIZE, 16, k, 1) * 0.137) * k == 512
+        assert int(RunShape(16, k, 1, train_size=MNIST_TRAIN_SIZE).rounds * 0.137) * k == 512
     for name, s in sweeps.items():
         rates = next(p.spec["values"] for p in s.params if p.name == "model.lr")
         assert all(abs(b / a / 10 ** (1 / 3) - 1) < 0.01 for a, b in zip(rates, rates[1:])), (name, rates)

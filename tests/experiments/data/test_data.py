@@ -260,9 +260,9 @@ def test_seed_fixes_the_stream():
         (1, 1, 60000, 1),
     ],
 )
-def test_num_rounds(machines, steps, batch, rounds):
+def test_rounds_of_the_shape(machines, steps, batch, rounds):
     dm = ProblemDataModule(num_machines=machines, steps_per_round=steps, batch_size=batch)
-    assert dm.num_rounds == rounds
+    assert dm.shape().rounds == rounds
     assert rounds == math.ceil(60000 / (machines * steps * batch))
 
 
@@ -278,7 +278,7 @@ def test_setup_without_trainer_reads_mnist_and_serves_rounds(mnist):
     loader = dm.train_dataloader()
     assert isinstance(loader, MachineStreams)
     assert loader.machine_ids == list(range(16))
-    assert len(loader) == dm.num_rounds == 235
+    assert len(loader) == dm.shape().rounds == 235
     x, y = mnist[0], mnist[1]
     idx = loader.indices(0)
     xb, yb = next(iter(loader))

@@ -59,7 +59,7 @@ def test_quadratic_sizes_and_the_data_module_builds_any_problem():
     assert [len(s) for s in data.shards] == [7] * 4 and data.test_x.shape == (8, 3)
     assert data.train_y.dtype == torch.float32
     dm = ProblemDataModule(num_machines=4, steps_per_round=2, batch_size=1, problem=Quadratic(dim=3, samples=7))
-    assert dm.num_train_samples == 28 and dm.num_rounds == 4  # ceil(28 / (4 * 2 * 1))
+    assert dm.num_train_samples == 28 and dm.shape().rounds == 4  # ceil(28 / (4 * 2 * 1))
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 4, 1, 3) and y.shape == (2, 4, 1)

@@ -44,7 +44,7 @@ def fit(problem, method, weight_decay, tmp_path, machines=4, k=3, per_round=True
     trainer = pl.Trainer(
         strategy=PeriodicAveragingStrategy(sync_every=k), accelerator="cpu", devices=1, max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[diagnostics, recorder], val_check_interval=dm.num_rounds, num_sanity_val_steps=0,
+        callbacks=[diagnostics, recorder], val_check_interval=dm.shape().rounds, num_sanity_val_steps=0,
         default_root_dir=str(tmp_path),
     )  # fmt: skip
     trainer.fit(model, datamodule=dm)
@@ -66,12 +66,12 @@ def test_excess_loss_g_star_dispersion_and_steps_on_the_quadratic(method, step_e
     assert abs(metrics["f_star"] - f_star) <= 1e-9 and abs(metrics["G_star"] - g_star) <= 1e-9
     assert metrics["excess_loss"] > 1e-4  # one epoch of SGD does not reach x*: a real number was checked
     # Dispersion: the mean over the run's syncs of (1/M) sum_i ||x_i - x_bar||^2 before each.
-    assert len(recorder.syncs) == dm.num_rounds
+    assert len(recorder.syncs) == dm.shape().rounds
     expected = np.mean([sum(float((p - p.mean(0)).square().sum()) for p in ps) / 4 for ps in recorder.syncs])
     assert expected > 0 and abs(metrics["dispersion"] - expected) <= 1e-6 * expected
     # Per-step movement, mean over machines and the steps of every step_every-th round, of x and (SLowcal) of w.
     pairs = list(zip(recorder.steps[::2], recorder.steps[1::2]))
-    assert len(pairs) == dm.num_rounds * 3 and dm.num_rounds == 4
+    assert len(pairs) == dm.shape().rounds * 3 and dm.shape().rounds == 4
     pairs = [pair for i, pair in enumerate(pairs) if (i // 3) % step_every == 0]
 
     def mean_step(which):
@@ -114,7 +114,7 @@ def test_the_cli_trains_the_quadratic_and_prints_the_optimum_in_its_summary(tmp_
     cli = SlowcalCLI(args=args)
     out = capsys.readouterr().out
     assert cli.model.machines.weight.shape == (4, 1, 3) and cli.model.hparams.loss == "squared"
-    assert cli.trainer.strategy.num_syncs == cli.datamodule.num_rounds == 2
+    assert cli.trainer.strategy.num_syncs == cli.datamodule.shape().rounds == 2
     data = cli.datamodule.problem_data
     theta, f_star, h, g_star = quadratic_closed_form(data, 0.0)
     metrics = cli.trainer.callback_metrics

@@ -128,7 +128,7 @@ def test_the_cli_gives_the_strategy_and_the_batches_the_shapes_k(method, tmp_pat
         data.trainer = cli.trainer
         data.setup("fit")
         batches = list(data.train_dataloader())
-        assert len(batches) == data.num_rounds == shape.rounds
+        assert len(batches) == data.shape().rounds == shape.rounds
         assert {tuple(x.shape) for x, _ in batches} == {shape.batch_shape(10)}
         assert {x.shape[0] for x, _ in batches} == {cli.trainer.strategy.sync_every}
         cli.trainer.strategy.teardown()
@@ -150,7 +150,7 @@ def test_the_data_module_refuses_a_shape_other_than_its_arguments_streams_or_tra
     data = ProblemDataModule(num_machines=4, problem=Quadratic(dim=3, samples=8))
     assert data.shape() == RunShape(4, 16, 1, train_size=32)  # built by hand without a shape: K = 16, b = 1
     data.use_shape(RunShape.of("minibatch_sgd", 4, 2, 1, train_size=32))
-    assert (data.steps_per_round, data.batch_size, data.num_rounds) == (1, 2, 4)
+    assert (data.steps_per_round, data.batch_size, data.shape().rounds) == (1, 2, 4)
     with pytest.raises(ValueError, match=r"^Invalid shape: num_machines 8 \(the data module splits the data over"):
         data.use_shape(RunShape.of("minibatch_sgd", 8, 2, 1, train_size=32))
     data.trainer = SimpleNamespace(

@@ -140,7 +140,7 @@ def test_every_run_takes_k_m_and_the_rounds_from_its_one_shape(problem, devices,
             data.setup("validate")  # the training streams, without the class figure (a collective)
             loader = data.train_dataloader()
             x, y = next(iter(loader))
-            assert len(loader) == data.num_rounds == shape.rounds
+            assert len(loader) == data.shape().rounds == shape.rounds
             assert tuple(x.shape) == shape.batch_shape(data.problem.input_dim) and tuple(y.shape) == shape.batch_shape()
             assert trainer.val_check_interval == shape.val_check_interval and shape.trained_rounds == min(
                 5, shape.rounds
