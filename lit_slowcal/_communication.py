@@ -35,7 +35,7 @@ if dist.is_available():
     # torch loop). Imported after init_process_group it would keep the default group alive past
     # destroy_process_group: gloo's threads would then run into the interpreter's exit, where a
     # process occasionally aborts ("terminate called without an active exception"). Imported here,
-    # with lit_slowcal and before any process group, it binds None (2 ms).
+    # with lit_slowcal and before any process group, it binds None.
     import torch.distributed.nn.functional  # noqa: F401
 
 __all__ = [

@@ -45,7 +45,7 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
 
     ``notes``: a list that gets a line saying how many repeated records were counted once, if any.
     """
-    from lit_slowcal.experiments.sweep.results import check_record, duplicate_error, parse_line, same_values
+    from lit_slowcal.experiments.sweep.results import duplicate_error, read_record, same_values
 
     records: dict[str, Record] = {}
     lines: dict[str, int] = {}
@@ -53,14 +53,7 @@ def load_results(path: str | Path, notes: Optional[list[str]] = None) -> list[di
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if raw.strip():
-                try:
-                    parsed = parse_line(raw)
-                except ValueError as err:
-                    raise ValueError(f"{path}, line {n}: {err}; remove or repair that line") from None
-                wrong = check_record(parsed)
-                if wrong is not None:
-                    raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
-                record = Record(parsed)
+                record = Record(read_record(raw, path, n))
                 record.where = f"{path}, line {n}"
                 key = _trial_of(record)
                 if key in records:

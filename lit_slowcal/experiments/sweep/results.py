@@ -31,7 +31,7 @@ from typing import Any, Optional
 from lit_slowcal.experiments.sweep.trials import record_key, trial_key
 from lit_slowcal.files import atomic_write, locked
 
-__all__ = ["MAX_DEPTH", "ResultsFile", "check_record", "duplicate_error", "parse_line", "same_values"]
+__all__ = ["MAX_DEPTH", "ResultsFile", "check_record", "duplicate_error", "parse_line", "read_record", "same_values"]
 
 
 #: The statuses a record may have.
@@ -95,6 +95,22 @@ def duplicate_error(path: Any, record: dict[str, Any], first: int, second: int) 
     )
 
 
+def read_record(line: bytes, path: Any, n: int) -> dict[str, Any]:
+    """Line ``n`` of the results file ``path``, parsed and checked to be a whole trial record.
+
+    Raises:
+        ValueError: naming the file and the line that is not JSON or not a trial record.
+    """
+    try:
+        record = parse_line(line)
+    except ValueError as err:
+        raise ValueError(f"{path}, line {n}: {err}; remove or repair that line") from None
+    wrong = check_record(record)
+    if wrong is not None:
+        raise ValueError(f"{path}, line {n}: not a trial record: {wrong}; remove or repair that line")
+    return record
+
+
 def check_record(record: Any) -> Optional[str]:
     """``None`` when ``record`` is a whole trial record as a sweep writes it, else what is wrong with it."""
     if not isinstance(record, dict):
@@ -155,15 +171,7 @@ class ResultsFile:
                         break
                     if not line.strip():
                         continue
-                    try:
-                        record = parse_line(line)
-                    except ValueError as err:
-                        raise ValueError(f"{self.path}, line {n}: {err}; remove or repair that line") from None
-                    wrong = check_record(record)
-                    if wrong is not None:
-                        raise ValueError(
-                            f"{self.path}, line {n}: not a trial record: {wrong}; remove or repair that line"
-                        )
+                    record = read_record(line, self.path, n)
                     key = record_key(record["params"], self._identity(record))
                     if key in records and not same_values(records[key], record):
                         raise duplicate_error(self.path, record, lines[key], n)
