@@ -317,7 +317,6 @@ class MachinesModel(pl.LightningModule):
         """Log, with the train loss, the modelled communication time at each of ``links`` and, with the compute
         time of one optimizer step of one machine, the modelled wall time (``rounds.link_columns``)."""
         self.links, self.step_seconds = tuple(links), step_seconds
-        self._driver = None  # the next round's driver takes them
 
     @property
     def measured_step_seconds(self) -> float:
