@@ -34,8 +34,7 @@ class CommandLine:
     """``SlowcalCLI``'s parser, built once without instantiating anything, to check trial arguments.
 
     Parsing runs exactly what ``SlowcalCLI(args=...)`` runs before it builds the model: the config
-    file, every option's type, the linked settings and the four experiment settings (K >= 1, ...). About 0.2 s
-    to build, 0.04 s a parse.
+    file, every option's type, the linked settings and the four experiment settings (K >= 1, ...).
     """
 
     def __init__(self) -> None:
