@@ -32,6 +32,7 @@ def main(args: Optional[list[str]] = None, freeze_imports: bool = False) -> None
     once the command's modules are imported, ``_freeze`` the objects made so far and turn the collector on.
     """
     argv = sys.argv[1:] if args is None else list(args)
+    had_group = _process_group_initialized()
     try:
         command = _command(argv, args)
         if freeze_imports:
@@ -43,6 +44,20 @@ def main(args: Optional[list[str]] = None, freeze_imports: bool = False) -> None
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"lit_slowcal: error: {message} ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    finally:
+        # Lightning leaves the process group it made for several processes to the script; a gloo group
+        # still alive at the interpreter's exit occasionally aborts the process ("terminate called
+        # without an active exception"), whatever the run's outcome. The command made it: it ends it.
+        if not had_group and _process_group_initialized():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _process_group_initialized() -> bool:
+    """Whether this process has a default process group (torch not imported: no)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def _command(argv: list[str], args: Optional[list[str]]) -> Callable[[], None]:

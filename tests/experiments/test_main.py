@@ -183,6 +183,28 @@ def test_test_without_a_checkpoint_says_it_evaluates_the_untrained_model(tmp_pat
     assert code == 0 and "note: test without --ckpt_path evaluates the untrained starting model" in err
 
 
+def test_the_command_ends_the_process_group_its_run_made(tmp_path, capsys, monkeypatch):
+    """Lightning leaves the group it makes to the script; one alive at the interpreter's exit occasionally
+    aborts the process after the run (gloo: "terminate called without an active exception"). A group the
+    caller made before the command is the caller's, and stays."""
+    import lit_slowcal.experiments.run.cli as cli
+
+    def run_that_makes_a_group(args):
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        assert torch.distributed.is_initialized()
+
+    monkeypatch.setattr(cli, "run", run_that_makes_a_group)
+    main(["fit"])
+    assert not torch.distributed.is_initialized()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(cli, "run", lambda args: None)
+        main(["fit"])
+        assert torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- the command's start and exit
 
 

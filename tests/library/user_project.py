@@ -314,6 +314,12 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     scenario, out, rest = sys.argv[1], Path(sys.argv[2]), [a for a in sys.argv[3:] if a != "--"]
     out.mkdir(parents=True, exist_ok=True)
-    {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine, "different_k": different_k}[
-        scenario
-    ](out, rest)
+    try:
+        {"cnn": cnn, "gan": gan, "gradscaler": gradscaler, "per_machine": per_machine, "different_k": different_k}[
+            scenario
+        ](out, rest)
+    finally:
+        # Lightning leaves its process group to the script: a gloo group still alive at the interpreter's
+        # exit occasionally aborts the process ("terminate called without an active exception").
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
