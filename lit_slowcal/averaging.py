@@ -58,12 +58,24 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal import _communication, _machine_state, _server, link
 from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffer_owners, machines_per_process
+from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._server import check_participation
 from lit_slowcal._validation import check_int, check_number
+from lit_slowcal.compression import Compressor, compressor
 from lit_slowcal.protocol import declared
 
-__all__ = ["PeriodicAverager", "broadcast_module", "buffer_owners", "check_participation", "machines_per_process"]
+#: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
+COMPRESSION_KEY = "compression"
+
+__all__ = [
+    "COMPRESSION_KEY",
+    "PeriodicAverager",
+    "broadcast_module",
+    "buffer_owners",
+    "check_participation",
+    "machines_per_process",
+]
 
 
 class PeriodicAverager:
@@ -90,6 +102,10 @@ class PeriodicAverager:
         participation: machines taking part in each round: an int S (1 <= S <= M) or a fraction of
             M in (0, 1]; ``None``: all of them.
         participation_seed: the seed of the per-round sample of participants.
+        compression: how a machine's round change travels (``lit_slowcal.compression``): ``None`` (the
+            exact average), ``"bf16"``, ``"int8"`` or a ``Compressor``.
+        error_feedback: with ``compression``, keep what each message lost and add it to the next
+            round's change; ``None``: on for a lossy compressor.
 
     Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
 
@@ -118,6 +134,8 @@ class PeriodicAverager:
         outer_optimizer: Optional[Callable[[list[Tensor]], Optimizer]] = None,
         participation: Optional[Union[int, float]] = None,
         participation_seed: int = 0,
+        compression: Union[None, str, Compressor] = None,
+        error_feedback: Optional[bool] = None,
     ) -> None:
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
@@ -165,6 +183,23 @@ class PeriodicAverager:
         self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
         if factory is not None:
             self.global_params, self.outer = _server.start_outer(factory, self._outer_pairs())
+        code = compressor(compression)
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(
+                f"Invalid error_feedback: {error_feedback!r} (True, False, or None: on for a lossy compressor)"
+            )
+        if code is not None and self.machines_per_process > 1:
+            loose = [t for t, s in self._tensors() if not s]
+            if loose:
+                raise ValueError(
+                    f"Invalid compression: {code.name!r} with {self.machines_per_process} simulated machines per process "
+                    f"and {len(loose)} averaged tensors outside SimulatedMachines (of shape {tuple(loose[0].shape)}); "
+                    "compression needs every averaged tensor to hold one slice per machine"
+                )
+        #: The compressed average's anchors and error feedback (``None``: the exact average).
+        self.compressed: Optional[CompressedAverage] = (
+            None if code is None else CompressedAverage(code, code.lossy if error_feedback is None else error_feedback)
+        )
         if start_step:
             self.resume(start_step)
 
@@ -233,9 +268,17 @@ class PeriodicAverager:
         self._count_bytes_from_syncs(tensors)
 
     def _count_bytes_from_syncs(self, tensors: Tensors) -> None:
-        payload = link.payload_bytes(tensors)
-        self.bytes_communicated = self.num_syncs * self._bytes(payload)
-        self.link_counts = self._link_counts(payload, self.num_syncs)
+        """With ``compression``, every synchronisation counted as compressed (``message_bytes``)."""
+        first, second = self._sync_bytes(tensors)
+        self.bytes_communicated = self.num_syncs * self._bytes(first)
+        self.link_counts = self._link_counts(first, second, syncs=self.num_syncs)
+
+    def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
+        """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
+        those of its two stages (as if every tensor had an anchor)."""
+        if self.compressed is None:
+            return link.payload_bytes(tensors), None
+        return self.compressed.message_bytes(tensors)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
@@ -259,6 +302,9 @@ class PeriodicAverager:
         own = _machine_state.local_state(self.optimizer, self._averaged_keys())
         if own:  # absent where the optimizer keeps no tensor per machine (SGD without momentum, SlowcalSGD)
             state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {self.rank: own}}
+        if self.compressed is not None:  # the anchors and this process's error feedback, per averaged tensor
+            coded = self.compressed.state_dict(self._tensors())
+            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {self.rank: coded}}
         return state
 
     def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
@@ -282,13 +328,18 @@ class PeriodicAverager:
         )
         mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
         own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
+        coded = state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(self.rank)
+        if coded is not None:
+            coded = {k: [None if v is None else v.cpu() for v in vs] for k, vs in coded.items()}
         ranks = _communication.gather_objects(
-            (self.rank, own), dst, self.process_group
+            (self.rank, own, coded), dst, self.process_group
         )  # on every rank, even with none
         if ranks is None:
             return None
-        if any(per for _, per in ranks):
-            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": dict(ranks)}
+        if any(per for _, per, _ in ranks):
+            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {r: per for r, per, _ in ranks}}
+        if coded is not None:
+            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {r: c for r, _, c in ranks}}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -308,6 +359,7 @@ class PeriodicAverager:
             )
         saved = state.get(_machine_state.KEY)
         own = None if saved is None else _machine_state.select(saved, self.rank, self.world_size)
+        coded = self._saved_compression(state)
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
         # States saved before the key existed come from schedules that synchronised every K only.
@@ -322,6 +374,8 @@ class PeriodicAverager:
             self._count_bytes_from_syncs(self._tensors())
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
+        if self.compressed is not None:
+            self.compressed.load_state_dict(coded, self._tensors())
         if own is not None:
             keys = self._averaged_keys()
             _machine_state.load(self.optimizer, own, keys)
@@ -331,6 +385,24 @@ class PeriodicAverager:
             self._reload_hook = self.optimizer.register_load_state_dict_post_hook(
                 lambda o: _machine_state.load(o, own, keys)
             )
+
+    def _saved_compression(self, state: dict[str, Any]) -> dict[str, list[Optional[Tensor]]]:
+        """This process's anchors and error feedback in ``state`` (none: the next synchronisation is exact), or
+        one line where they cannot be taken."""
+        saved = state.get(COMPRESSION_KEY)
+        if saved is not None and self.compressed is None:
+            raise ValueError(
+                "Cannot load the averager's state: it holds a compressed run's anchors and error feedback and this "
+                "averager has compression=None; build it with the same compression"
+            )
+        if saved is None or self.compressed is None:
+            return {}
+        if int(saved["world_size"]) != self.world_size:
+            raise ValueError(
+                f"Cannot resume the compressed synchronisation's error feedback of {saved['world_size']} processes on "
+                f"{self.world_size}: it is kept per process; resume on {saved['world_size']} processes"
+            )
+        return saved["ranks"][self.rank]
 
     def _drop_reload_hook(self) -> None:
         if self._reload_hook is not None:
@@ -410,8 +482,9 @@ class PeriodicAverager:
         """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent: the payload
         of one machine's averaged tensors (with S < M participants, S/M of it: the average over the
         machines); 0 with one machine in all. On the ring a participant sends 2 (S - 1) / S times the
-        payload (``link_counts``)."""
-        return self._bytes(link.payload_bytes(self._tensors()))
+        payload (``link_counts``). With ``compression``, its message: the codes and per-block values of
+        the first stage (``lit_slowcal.compression``)."""
+        return self._bytes(self._sync_bytes(self._tensors())[0])
 
     def _bytes(self, payload: int) -> Union[int, float]:
         """What one machine sends on average for a participant's ``payload`` bytes: S/M of it; 0 with one machine."""
@@ -419,11 +492,15 @@ class PeriodicAverager:
             return 0
         return payload if self.participants == self.num_machines else payload * self.participants / self.num_machines
 
-    def _link_counts(self, payload: int, syncs: int = 1) -> link.LinkCounts:
-        """The counts of ``syncs`` synchronisations of ``payload`` bytes among the S participants; none with one machine."""
+    def _link_counts(self, payload: int, second: Optional[int] = None, syncs: int = 1) -> link.LinkCounts:
+        """The counts of ``syncs`` synchronisations of ``payload`` bytes among the S participants (with
+        ``second``, a compressed one: ``payload`` bytes in its first stage, ``second`` in its second);
+        none with one machine."""
         if self.num_machines == 1:
             return link.LinkCounts()
-        return link.LinkCounts.of_syncs(payload, self.participants, syncs)
+        if second is None:
+            return link.LinkCounts.of_syncs(payload, self.participants, syncs)
+        return link.LinkCounts.of_stages(payload, second, self.participants, syncs)
 
     def ddp_counts(self) -> link.LinkCounts:
         """The DDP reference: what DDP would have sent over the ``steps`` taken so far, one all-reduce of one
@@ -471,15 +548,21 @@ class PeriodicAverager:
             protocol.pre_sync()
         tensors = self._tensors()
         self.floats_communicated += self._floats(tensors)
-        payload = link.payload_bytes(tensors)
-        self.bytes_communicated += self._bytes(payload)
-        self.link_counts += self._link_counts(payload)
         with torch.no_grad():
-            self._average(tensors, self.participant_weights())
+            stages = self._average(tensors, self.participant_weights())
             if self.outer is not None:
                 _server.outer_step(self.outer, self.global_params, self._outer_pairs(tensors))
+        if stages is None:
+            payload = link.payload_bytes(tensors)
+            self.bytes_communicated += self._bytes(payload)
+            self.link_counts += self._link_counts(payload)
+        else:
+            self.bytes_communicated += self._bytes(stages[0])
+            self.link_counts += self._link_counts(*stages)
         if protocol.post_sync is not None:
             protocol.post_sync()
+        if self.compressed is not None:  # what every machine holds now: the next round's anchor
+            self.compressed.anchor(tensors)
         self.num_syncs += 1
         self.last_sync_step = self.steps
 
@@ -524,13 +607,17 @@ class PeriodicAverager:
         Makes every machine start from the same point x_0, as the algorithms assume (machines
         simulated in one process are identical copies already). No-op with one process. With an
         outer optimizer, the round's start becomes that point. The ranks' set-up is checked first
-        (``check_setup``): tensors of other shapes on two ranks would not travel.
+        (``check_setup``): tensors of other shapes on two ranks would not travel. With ``compression``
+        the point becomes every tensor's anchor, so the first synchronisation is compressed too
+        (machines simulated in one process share machine 0's slice as theirs).
         """
         self.check_setup()
-        extra = [t for t, _ in self._tensors()]
-        broadcast_module(self.modules, src, process_group=self.process_group, extra=extra)
+        tensors = self._tensors()
+        broadcast_module(self.modules, src, process_group=self.process_group, extra=[t for t, _ in tensors])
         if self.outer is not None:
             _server.reset_round_start(self.global_params, self._outer_pairs())
+        if self.compressed is not None:
+            self.compressed.anchor(tensors)
 
     # -- what is averaged ---------------------------------------------------------------------
 
@@ -548,10 +635,25 @@ class PeriodicAverager:
         optimizer's declared state and ``average_state``, the buffers."""
         return _communication.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
 
-    def _average(self, tensors: Tensors, weights: Optional[Tensor] = None) -> None:
-        """Replace every tensor by its average over the machines (``_communication.average``)."""
+    def _average(self, tensors: Tensors, weights: Optional[Tensor] = None) -> Optional[tuple[int, int]]:
+        """Replace every tensor by its average over the machines: exactly (``_communication.average``), or
+        with ``compression`` the tensors that have an anchor compressed (``lit_slowcal._compressed``).
+        Returns ``None`` when all went exactly, else one participant's bytes in the two stages."""
         m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
-        _communication.average(tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap)
+        coded: Tensors = []
+        if self.compressed is not None and self.num_machines > 1:
+            coded = [(t, s) for t, s in tensors if self.compressed.has_anchor(t)]
+        ids = {id(t) for t, _ in coded}
+        exact = [(t, s) for t, s in tensors if id(t) not in ids]
+        if exact:
+            _communication.average(exact, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap)
+        if not coded:
+            return None
+        assert self.compressed is not None
+        participants = None if weights is None else weights > 0
+        first, second = self.compressed.average(coded, participants, machines_per_process=m, process_group=group)
+        payload = link.payload_bytes(exact)
+        return payload + first, payload + second
 
     def _buckets(self, tensors: Tensors) -> list[Tensors]:
         """The buckets of one synchronisation: one all-reduce each (``_communication.buckets``)."""

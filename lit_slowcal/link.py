@@ -177,6 +177,20 @@ class LinkCounts:
             ring_hops=syncs * ring_hops(participants),
         )
 
+    @classmethod
+    def of_stages(cls, first: int, second: int, participants: int, syncs: int = 1) -> LinkCounts:
+        """The counts of ``syncs`` two-stage synchronisations (``lit_slowcal.compression``): an all-to-all of
+        ``first`` bytes a participant, then an all-gather of ``second`` bytes of results; each sends
+        (P - 1) / P of its bytes and costs P - 1 latencies, as the ring all-reduce's two halves."""
+        check_int("syncs", syncs, minimum=0)
+        P = participants
+        return cls(
+            syncs=syncs,
+            payload_bytes=syncs * first,
+            ring_bytes=syncs * ((P - 1) * (first + second) / P if P > 1 else 0.0),
+            ring_hops=syncs * ring_hops(P),
+        )
+
     def __add__(self, other: LinkCounts) -> LinkCounts:
         if not isinstance(other, LinkCounts):
             return NotImplemented

@@ -1,0 +1,141 @@
+"""Compressed synchronisation: what a machine sends is its round's change, encoded.
+
+With ``PeriodicAverager(..., compression=...)`` every averaged tensor (parameters, the optimizer's
+declared state such as SLowcal-SGD's w, floating buffers) travels as its change since the round's
+start, the *anchor* every machine holds after the last synchronisation: machine i sends
+``encode(delta_i)`` with ``delta_i = value_i - anchor`` (plus its error feedback, below), and every
+machine ends the round at ``anchor + reduce(delta)``. The absolute values never travel. A tensor
+without an anchor yet (the first synchronisation, or optimizer state that appeared since) is averaged
+exactly and gets one; so is every tensor when ``compression=None`` (today's average, bit for bit).
+
+The reduce is the two-stage scheme (torchft's for DiLoCo), the same on every path and for any number
+of processes P:
+
+1. every machine encodes its change, block by block;
+2. an all-to-all gives process j every machine's codes for its chunk j of the blocks (the blocks
+   split into P nearly equal runs);
+3. process j decodes them and sums the changes in the accumulation dtype (float32; float64 for
+   float64 tensors), in machine order, then divides by M (under partial participation: sums the S
+   participants' and divides by S);
+4. with ``Compressor.second_stage``, process j encodes that mean again (its own error feedback
+   added); an all-to-all of each chunk to every process (an all-gather) then gives every machine
+   every chunk, decoded; without it, the mean travels in the accumulation dtype.
+
+Blocks are ``block_size`` consecutive values of one tensor (a tensor's last block may be shorter;
+no block spans two tensors), so a tensor's result depends neither on the other tensors averaged with
+it nor on P: a simulated run, a run on several processes and a trial stacked with others agree bit
+for bit. One machine sends ``(P - 1) / P`` of its codes in step 2 and ``(P - 1) / P`` of the mean's
+in step 4, per byte as the ring all-reduce's ``2 (P - 1) / P`` when both stages have the same size;
+``PeriodicAverager.link_counts`` counts these bytes (codes and scales, no padding) and the ring's
+``2 (P - 1)`` latencies.
+
+*Error feedback* (``error_feedback=True``, the default for a lossy compressor): each machine keeps,
+per tensor, what its encoded message lost (``delta_i + e_i - decode(encode(delta_i + e_i))``) and adds
+it to its next change; the owner of a chunk does the same for its second-stage encoding. What the
+rounds applied then stays within the last round's quanta of the sum of the true changes instead of
+drifting. The buffers, and the anchors, travel in ``PeriodicAverager.state_dict()``; a machine that
+does not take part in a round keeps its buffer.
+
+The compressors
+---------------
+``"bf16"`` (``BFloat16``): the changes travel as bfloat16 and are summed in float32; the mean
+travels back in float32 (no second encoding): the result is exactly
+``anchor + mean_i(bf16(delta_i + e_i))``.
+
+``"int8"`` (``Int8``): per block one float32 scale ``max |v| / 127`` (a block whose max is 0 is sent
+as zeros with scale 0), the values ``round(v / scale)`` (half to even) clamped to [-127, 127]; the
+mean is encoded the same way for the second stage. A float32 tensor then travels at a quarter of
+its bytes plus 4 bytes a block.
+
+Another compressor is a subclass of ``Compressor`` (``encode``, ``decode``, ``second_stage``,
+``block_size``), passed as the ``compression`` argument itself.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from lit_slowcal._validation import check_int
+
+__all__ = ["BFloat16", "Compressor", "Int8", "compressor"]
+
+
+class Compressor:
+    """How one machine's change travels: ``encode`` maps blocks of values to codes (and optionally one
+    value per block), ``decode`` maps them back. Subclass it to plug another code.
+
+    ``encode`` gets ``blocks`` of shape ``[..., n_blocks, block_size]`` in the accumulation dtype
+    (float32, or float64), zero-padded past a tensor's last value (the padding is never sent, and its
+    decoded values are ignored); it returns ``(codes, per_block)``: ``codes`` of the same shape in the
+    dtype that travels, ``per_block`` of shape ``[..., n_blocks]`` or ``None``. ``decode(codes,
+    per_block, dtype)`` returns the values in ``dtype``, of ``codes``' shape. Both act on each block
+    alone (elementwise, or per block), so that the result does not depend on how blocks are grouped.
+    """
+
+    #: Values a block.
+    block_size: int = 256
+    #: Whether the mean of the decoded changes travels encoded too (else in the accumulation dtype).
+    second_stage: bool = True
+    #: Whether decoding loses information (error feedback is on by default when it does).
+    lossy: bool = True
+    #: The name the app and ``repr`` use.
+    name: str = "compressor"
+
+    def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        raise NotImplementedError
+
+    def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+
+class BFloat16(Compressor):
+    """The changes as bfloat16 (round to nearest even), summed in float32; the mean travels in float32."""
+
+    second_stage = False
+    name = "bf16"
+
+    def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        return blocks.to(torch.bfloat16), None
+
+    def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        return codes.to(dtype)
+
+
+class Int8(Compressor):
+    """Per block, a float32 scale ``max |v| / 127`` and the values ``round(v / scale)`` as int8 in [-127, 127]."""
+
+    name = "int8"
+
+    def __init__(self, block_size: int = 256) -> None:
+        self.block_size = check_int("block_size", block_size)
+
+    def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        scale = (blocks.abs().amax(dim=-1) / 127).to(torch.float32)
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(blocks.dtype).unsqueeze(-1)
+        codes = torch.round(blocks / divisor).clamp_(-127, 127).to(torch.int8)
+        return codes, scale
+
+    def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        assert per_block is not None
+        return codes.to(dtype) * per_block.to(dtype).unsqueeze(-1)
+
+
+#: The compressors the ``compression`` argument names.
+NAMES = {"bf16": BFloat16, "int8": Int8}
+
+
+def compressor(spec: Union[None, str, Compressor]) -> Optional[Compressor]:
+    """The compressor ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, or a ``Compressor``."""
+    if spec is None or isinstance(spec, Compressor):
+        return spec
+    if isinstance(spec, str) and spec in NAMES:
+        return NAMES[spec]()
+    raise ValueError(
+        f"Invalid compression: {spec!r} (None, one of {', '.join(map(repr, NAMES))}, or a lit_slowcal.compression.Compressor)"
+    )
