@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal._validation import check_int
 from lit_slowcal.averaging import PeriodicAverager, buffer_owners
+from lit_slowcal.compression import Compressor, compressor
 from lit_slowcal.link import LinkCounts
 
 __all__ = ["CHECKPOINT_KEY", "AveragerSet"]
@@ -40,6 +41,8 @@ class AveragerSet:
         outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]],
         participation: Optional[Union[int, float]],
         participation_seed: int,
+        compression: Union[None, str, Compressor] = None,
+        error_feedback: Optional[bool] = None,
     ) -> None:
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
         self.sync_every = sync_every
@@ -51,6 +54,9 @@ class AveragerSet:
             "participation": participation,
             "participation_seed": participation_seed,
         }
+        # How a machine's round change travels (lit_slowcal.compression); checked now, not at the first average.
+        compressor(compression)
+        self._compression_options = {"compression": compression, "error_feedback": error_feedback}
 
     @property
     def sync_every(self) -> int:
@@ -98,7 +104,7 @@ class AveragerSet:
     ) -> PeriodicAverager:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
-            buffers=buffers, **self.server_options,
+            buffers=buffers, **self.server_options, **self._compression_options,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager

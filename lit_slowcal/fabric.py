@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import broadcast_module
+from lit_slowcal.compression import Compressor
 
 __all__ = ["PeriodicAveragingFabricStrategy"]
 
@@ -44,6 +45,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         bucket_cap_mb: largest flattened buffer of one all-reduce.
         outer_optimizer, participation, participation_seed: the server's side of a round
             (``PeriodicAverager``).
+        compression, error_feedback: how a machine's round change travels (``lit_slowcal.compression``).
         **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
     """
 
@@ -55,12 +57,15 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
         participation: Optional[Union[int, float]] = None,
         participation_seed: int = 0,
+        compression: Union[None, str, Compressor] = None,
+        error_feedback: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
-        )
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
+            compression, error_feedback,
+        )  # fmt: skip
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step

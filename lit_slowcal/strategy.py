@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
 from lit_slowcal.checkpoint_io import AtomicCheckpointIO
+from lit_slowcal.compression import Compressor
 
 __all__ = ["PeriodicAveragingStrategy"]
 
@@ -81,6 +82,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             (DiLoCo: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; ``PeriodicAverager``).
         participation: machines taking part in each round: an int S or a fraction of M (``PeriodicAverager``).
         participation_seed: the seed of the per-round sample of participants.
+        compression, error_feedback: how a machine's round change travels (``None``, ``"bf16"``,
+            ``"int8"``; ``lit_slowcal.compression``), and its error feedback (``PeriodicAverager``).
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -102,6 +105,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
         participation: Optional[Union[int, float]] = None,
         participation_seed: int = 0,
+        compression: Union[None, str, Compressor] = None,
+        error_feedback: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
@@ -112,8 +117,9 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
         self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
-        )
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
+            compression, error_feedback,
+        )  # fmt: skip
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
