@@ -56,7 +56,7 @@ class AveragerSet:
         }
         # How a machine's round change travels (lit_slowcal.compression); checked now, not at the first average.
         compressor(compression)
-        self._compression_options = {"compression": compression, "error_feedback": error_feedback}
+        self.compression_options = {"compression": compression, "error_feedback": error_feedback}
 
     @property
     def sync_every(self) -> int:
@@ -104,7 +104,7 @@ class AveragerSet:
     ) -> PeriodicAverager:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
-            buffers=buffers, **self.server_options, **self._compression_options,
+            buffers=buffers, **self.server_options, **self.compression_options,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager

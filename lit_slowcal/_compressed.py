@@ -29,42 +29,55 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Layout:
-    """Where the values of a group of tensors (one device, one accumulation dtype) lie.
+    """Where the values of a group of tensors (one device, one accumulation dtype) lie in its padded
+    buffer of ``NB`` blocks (``NB * block_size`` values, each tensor starting at a block).
 
-    ``sizes``: one machine's values of each tensor; ``offsets``: where each starts in the group's flat
-    vector of ``N`` values; ``blocks``: ``NB`` blocks in all; ``pos``: each value's place in the
-    zero-padded ``[NB, block_size]`` layout; ``block_starts[j]``/``value_starts[j]``: chunk j's first
-    block and value (``P + 1`` entries each).
+    ``sizes``: one machine's values of each tensor; ``starts``: where each starts in the padded buffer;
+    ``N``: the real values in all; ``block_starts[j]``: chunk j's first block (``P + 1`` entries);
+    ``segments[j]``: the padded ranges ``(lo, hi)`` of real values in chunk j, in order.
     """
 
     sizes: list[int]
-    offsets: list[int]
+    starts: list[int]
     N: int
     NB: int
-    pos: Tensor
     block_starts: list[int]
-    value_starts: list[int]
+    segments: list[list[tuple[int, int]]]
 
     @classmethod
-    def of(cls, sizes: list[int], block_size: int, chunks: int, device: torch.device) -> _Layout:
-        offsets, counts, pos = [], [], []
-        value, block = 0, 0
+    def of(cls, sizes: list[int], block_size: int, chunks: int) -> _Layout:
+        starts, block = [], 0
         for n in sizes:
-            nb = -(-n // block_size)
-            offsets.append(value)
-            pos.append(block * block_size + torch.arange(n, device=device))
-            counts.append(nb)
-            value += n
-            block += nb
+            starts.append(block * block_size)
+            block += -(-n // block_size)
         NB = block
         block_starts = [NB * j // chunks for j in range(chunks + 1)]
-        # The value a block starts at: its tensor's offset plus its place in the tensor.
-        first_value = torch.tensor(
-            [off + b * block_size for off, nb in zip(offsets, counts) for b in range(nb)] + [value], dtype=torch.long
-        )
-        value_starts = [int(first_value[b]) for b in block_starts]
-        flat_pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long, device=device)
-        return cls(sizes, offsets, value, NB, flat_pos, block_starts, value_starts)
+        segments = []
+        for j in range(chunks):
+            lo, hi = block_starts[j] * block_size, block_starts[j + 1] * block_size
+            segments.append(
+                [(max(st, lo), min(st + n, hi)) for st, n in zip(starts, sizes) if max(st, lo) < min(st + n, hi)]
+            )
+        return cls(sizes, starts, sum(sizes), NB, block_starts, segments)
+
+    def widths(self) -> list[int]:
+        """The real values of each chunk."""
+        return [sum(hi - lo for lo, hi in segments) for segments in self.segments]
+
+    def block_widths(self) -> list[int]:
+        """The blocks of each chunk."""
+        return [b - a for a, b in zip(self.block_starts, self.block_starts[1:])]
+
+    def real(self, x: Tensor, chunk: int, offset: int = 0) -> Tensor:
+        """The real values of chunk ``chunk`` of ``x`` (``[..., padded]``, starting at padded ``offset``), in order."""
+        return torch.cat([x[..., lo - offset : hi - offset] for lo, hi in self.segments[chunk]], dim=-1)
+
+    def place(self, values: Tensor, out: Tensor, chunk: int, offset: int = 0) -> None:
+        """Write ``values`` (``[..., real values of chunk]``) into their places in ``out`` (padded from ``offset``)."""
+        i = 0
+        for lo, hi in self.segments[chunk]:
+            out[..., lo - offset : hi - offset] = values[..., i : i + hi - lo]
+            i += hi - lo
 
 
 class CompressedAverage:
@@ -133,8 +146,8 @@ class CompressedAverage:
         for t, s in tensors:
             groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((t, s))
         first = second = 0
-        for (device, acc), items in groups.items():
-            layout = self._layout(items, world, device)
+        for (_, acc), items in groups.items():
+            layout = self._layout(items, world)
             a, b = self._average_group(
                 items, layout, acc, participants, machines_per_process, world, rank, process_group
             )
@@ -156,11 +169,11 @@ class CompressedAverage:
             second += coded if self.code.second_stage else n * torch.empty(0, dtype=acc).element_size()
         return first, second
 
-    def _layout(self, items: Tensors, world: int, device: torch.device) -> _Layout:
+    def _layout(self, items: Tensors, world: int) -> _Layout:
         sizes = [t[0].numel() if s else t.numel() for t, s in items]
-        key = (tuple(sizes), world, device, self.code.block_size)
+        key = (tuple(sizes), world, self.code.block_size)
         if key not in self._layouts:
-            self._layouts[key] = _Layout.of(sizes, self.code.block_size, world, device)
+            self._layouts[key] = _Layout.of(sizes, self.code.block_size, world)
         return self._layouts[key]
 
     def _message_bytes(self, codes: Tensor, per_block: Optional[Tensor], n: int, nb: int) -> int:
@@ -177,132 +190,134 @@ class CompressedAverage:
         rank: int,
         group: Optional[Any],
     ) -> tuple[int, int]:
-        B, N, NB, code = self.code.block_size, layout.N, layout.NB, self.code
-        device = layout.pos.device
-        # 1. Every machine's change (with its error feedback), [m, N] in the accumulation dtype.
-        changes = torch.empty(m, N, dtype=acc, device=device)
-        for (t, s), off, n in zip(items, layout.offsets, layout.sizes):
-            value = t.detach().reshape(m, n) if s else t.detach().reshape(1, n)
-            delta = changes[:, off : off + n]
-            torch.sub(value.to(acc), self.anchors[id(t)].reshape(1, n).to(acc), out=delta)
+        B, NB, code = self.code.block_size, layout.NB, self.code
+        W = NB * B
+        device = items[0][0].device
+        mine = None if participants is None else participants[rank * m : (rank + 1) * m]
+        # 1. Every machine's change (with its error feedback) in the padded buffer [m, NB * B], zeros between tensors.
+        changes = torch.zeros(m, W, dtype=acc, device=device)
+        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+            value = t.detach().reshape(m if s else 1, n)
+            delta = changes[:, st : st + n]
+            delta.copy_(value.to(acc) - self.anchors[id(t)].reshape(1, n).to(acc))
             e = self.errors.get(id(t))
             if e is not None:
                 delta.add_(e.reshape(m, n))
-        padded = torch.zeros(m, NB * B, dtype=acc, device=device)
-        padded[:, layout.pos] = changes
-        codes, per_block = code.encode(padded.view(m, NB, B))
-        decoded = code.decode(codes, per_block, acc).reshape(m, NB * B)[:, layout.pos]
-        mine = torch.ones(m, dtype=torch.bool) if participants is None else participants[rank * m : (rank + 1) * m]
+        codes, per_block = code.encode(changes.view(m, NB, B))
+        decoded = code.decode(codes, per_block, acc).view(m, W)
         if self.error_feedback:
-            lost = changes - decoded
-            for (t, s), off, n in zip(items, layout.offsets, layout.sizes):
+            for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+                lost = changes[:, st : st + n] - decoded[:, st : st + n]
                 e = self.errors.get(id(t))
                 if e is None:
                     e = self.errors[id(t)] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=device)
-                e.view(m, n)[mine] = lost[mine, off : off + n]
-        first = self._message_bytes(codes, per_block, N, NB)
+                if mine is None:
+                    e.view(m, n).copy_(lost)
+                else:
+                    e.view(m, n)[mine] = lost[mine]
+        first = self._message_bytes(codes, per_block, layout.N, NB)
 
         # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean.
         b0, b1 = layout.block_starts[rank], layout.block_starts[rank + 1]
-        v0, v1 = layout.value_starts[rank], layout.value_starts[rank + 1]
-        local_pos = layout.pos[v0:v1] - b0 * B
         if world == 1:
             received = decoded
         else:
-            codes_real = codes.reshape(m, NB * B)[:, layout.pos]
-            got = _exchange(codes_real, layout.value_starts, m, world, group)
-            got_block = None if per_block is None else _exchange(per_block, layout.block_starts, m, world, group)
-            received = _decode(code, got, got_block, local_pos, b1 - b0, B, acc)
-        everyone = torch.ones(world * m, dtype=torch.bool) if participants is None else participants
-        mean = _mean(received, everyone)
+            sent = torch.cat([layout.real(codes.view(m, W), j) for j in range(world)], dim=1)
+            got = _all_to_all(sent, layout.widths(), m, group)
+            chunk_codes = torch.zeros(world * m, (b1 - b0) * B, dtype=codes.dtype, device=device)
+            layout.place(got, chunk_codes, rank, b0 * B)
+            got_blocks = None
+            if per_block is not None:
+                got_blocks = _all_to_all(per_block, layout.block_widths(), m, group)
+            received = code.decode(chunk_codes.view(world * m, b1 - b0, B), got_blocks, acc).view(world * m, -1)
+        mean = _mean(received, participants)
 
         # 4. The mean, encoded again by its chunk's owner (with its error feedback), to every process.
         if code.second_stage:
-            owner = self._owner_errors(items, layout, acc, rank, B)
+            owner = self._owner_chunk(items, layout, acc, b0 * B, b1 * B) if self.error_feedback else None
             if owner is not None:
-                mean.add_(owner[v0:v1])
-            pad = torch.zeros(b1 - b0, B, dtype=acc, device=device)
-            pad.view(-1)[local_pos] = mean
-            codes2, per_block2 = code.encode(pad)
-            result = code.decode(codes2, per_block2, acc).reshape(-1)[local_pos]
+                mean.add_(owner)
+            codes2, per_block2 = code.encode(mean.view(b1 - b0, B))
+            result = code.decode(codes2, per_block2, acc).view(-1)
             if owner is not None:
-                self._keep_owner_errors(items, layout, mean - result, v0, v1)
-            second = self._message_bytes(codes2, per_block2, N, NB)
+                self._keep_owner_chunk(items, layout, mean - result, b0 * B, b1 * B)
+            second = self._message_bytes(codes2, per_block2, layout.N, NB)
             if world > 1:
-                codes_all = _gather(codes2.reshape(-1)[local_pos], layout.value_starts, world, group)
-                block_all = None if per_block2 is None else _gather(per_block2, layout.block_starts, world, group)
-                result = _decode(code, codes_all.unsqueeze(0), block_all, layout.pos, NB, B, acc).squeeze(0)
+                all_codes = torch.zeros(1, W, dtype=codes2.dtype, device=device)
+                mine_real = layout.real(codes2.view(1, -1), rank, b0 * B)
+                gathered = _gather(mine_real, layout.widths(), group)
+                for j, part in enumerate(gathered):
+                    layout.place(part.view(1, -1), all_codes, j)
+                blocks2 = None
+                if per_block2 is not None:
+                    blocks2 = torch.cat(_gather(per_block2, layout.block_widths(), group)).view(1, NB)
+                result = code.decode(all_codes.view(1, NB, B), blocks2, acc).view(W)
         else:
-            second = N * torch.empty(0, dtype=acc).element_size()
-            result = mean if world == 1 else _gather(mean, layout.value_starts, world, group)
+            second = layout.N * torch.empty(0, dtype=acc).element_size()
+            if world > 1:
+                full = torch.zeros(1, W, dtype=acc, device=device)
+                mine_real = layout.real(mean.view(1, -1), rank, b0 * B)
+                for j, part in enumerate(_gather(mine_real, layout.widths(), group)):
+                    layout.place(part.view(1, -1), full, j)
+                mean = full.view(W)
+            result = mean
 
         # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
-        for (t, s), off, n in zip(items, layout.offsets, layout.sizes):
+        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
             a = self.anchors[id(t)]
-            new = (a.to(acc).reshape(-1) + result[off : off + n]).to(t.dtype).view(a.shape)
+            new = (a.to(acc).reshape(-1) + result[st : st + n]).to(t.dtype).view(a.shape)
             a.copy_(new)
             t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
         return first, second
 
-    def _owner_errors(self, items: Tensors, layout: _Layout, acc: torch.dtype, rank: int, B: int) -> Optional[Tensor]:
-        """The second stage's error feedback of the group, flat ``[N]`` (zero outside this process's chunk)."""
-        if not self.error_feedback:
-            return None
-        flat = torch.zeros(layout.N, dtype=acc, device=layout.pos.device)
-        for (t, s), off, n in zip(items, layout.offsets, layout.sizes):
+    def _owner_chunk(self, items: Tensors, layout: _Layout, acc: torch.dtype, lo: int, hi: int) -> Tensor:
+        """The second stage's error feedback on the padded range ``lo:hi`` (this process's chunk)."""
+        out = torch.zeros(hi - lo, dtype=acc, device=items[0][0].device)
+        for (t, _), st, n in zip(items, layout.starts, layout.sizes):
             e = self.owner_errors.get(id(t))
-            if e is not None:
-                flat[off : off + n] = e.reshape(-1)
-        return flat
+            a, b = max(st, lo), min(st + n, hi)
+            if e is not None and a < b:
+                out[a - lo : b - lo] = e.reshape(-1)[a - st : b - st]
+        return out
 
-    def _keep_owner_errors(self, items: Tensors, layout: _Layout, lost: Tensor, v0: int, v1: int) -> None:
-        flat = torch.zeros(layout.N, dtype=lost.dtype, device=lost.device)
-        flat[v0:v1] = lost
-        for (t, s), off, n in zip(items, layout.offsets, layout.sizes):
-            if off + n <= v0 or off >= v1:
+    def _keep_owner_chunk(self, items: Tensors, layout: _Layout, lost: Tensor, lo: int, hi: int) -> None:
+        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+            a, b = max(st, lo), min(st + n, hi)
+            if a >= b:
                 continue
-            shape = t.shape[1:] if s else t.shape
-            self.owner_errors[id(t)] = flat[off : off + n].reshape(shape).clone()
+            e = self.owner_errors.get(id(t))
+            if e is None:
+                e = self.owner_errors[id(t)] = torch.zeros(
+                    t.shape[1:] if s else t.shape, dtype=lost.dtype, device=lost.device
+                )
+            e.reshape(-1)[a - st : b - st] = lost[a - lo : b - lo]
 
 
-def _mean(values: Tensor, participants: Tensor) -> Tensor:
-    """The participants' rows of ``values`` summed in machine order, divided by their number."""
-    rows = [i for i, p in enumerate(participants.tolist()) if p]
+def _mean(values: Tensor, participants: Optional[Tensor]) -> Tensor:
+    """The participants' rows of ``values`` (all: ``None``) summed in machine order, divided by their number."""
+    rows = (
+        list(range(values.shape[0])) if participants is None else [i for i, p in enumerate(participants.tolist()) if p]
+    )
     total = values[rows[0]].clone()
     for i in rows[1:]:
         total.add_(values[i])
     return total.div_(len(rows))
 
 
-def _decode(
-    code: Compressor, codes: Tensor, per_block: Optional[Tensor], pos: Tensor, blocks: int, B: int, acc: torch.dtype
-) -> Tensor:
-    """``codes`` ``[rows, n]`` of the values at ``pos`` of ``blocks`` padded blocks, decoded to ``[rows, n]``."""
-    rows = codes.shape[0]
-    padded = torch.zeros(rows, blocks * B, dtype=codes.dtype, device=codes.device)
-    padded[:, pos] = codes
-    scales = None if per_block is None else per_block.reshape(rows, blocks)
-    return code.decode(padded.view(rows, blocks, B), scales, acc).reshape(rows, blocks * B)[:, pos]
-
-
-def _exchange(x: Tensor, starts: list[int], m: int, world: int, group: Optional[Any]) -> Tensor:
-    """All-to-all of ``x`` ``[m, n]``: process j gets every process's columns ``starts[j]:starts[j+1]``;
-    returns them as ``[world * m, n_j]`` in machine order."""
-    x = x.reshape(m, -1)
+def _all_to_all(x: Tensor, widths: list[int], m: int, group: Optional[Any]) -> Tensor:
+    """All-to-all of ``x`` ``[m, sum(widths)]``, its columns cut into ``widths``: process j gets every process's
+    j-th part; returns them as ``[world * m, widths[rank]]`` in machine order."""
+    world, rank = len(widths), dist.get_rank(group)
+    starts = [sum(widths[:j]) for j in range(world + 1)]
     send = torch.cat([x[:, starts[j] : starts[j + 1]].reshape(-1) for j in range(world)])
-    rank = dist.get_rank(group)
-    width = starts[rank + 1] - starts[rank]
-    out = torch.empty(world * m * width, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(
-        out, send, [m * width] * world, [m * (starts[j + 1] - starts[j]) for j in range(world)], group=group
-    )
-    return out.view(world * m, width)
+    out = torch.empty(world * m * widths[rank], dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, send, [m * widths[rank]] * world, [m * w for w in widths], group=group)
+    return out.view(world * m, widths[rank])
 
 
-def _gather(x: Tensor, starts: list[int], world: int, group: Optional[Any]) -> Tensor:
-    """Every process's chunk ``x`` (process j's covers ``starts[j]:starts[j+1]``), concatenated, on every process."""
+def _gather(x: Tensor, widths: list[int], group: Optional[Any]) -> list[Tensor]:
+    """Every process's ``x`` (process j's of ``widths[j]`` values), on every process, in rank order."""
     x = x.reshape(-1)
-    out = torch.empty(starts[-1], dtype=x.dtype, device=x.device)
-    sizes = [starts[j + 1] - starts[j] for j in range(world)]
-    dist.all_to_all_single(out, x.repeat(world), sizes, [x.numel()] * world, group=group)
-    return out
+    out = torch.empty(sum(widths), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.repeat(len(widths)), widths, [x.numel()] * len(widths), group=group)
+    return list(out.split(widths))

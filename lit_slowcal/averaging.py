@@ -280,6 +280,13 @@ class PeriodicAverager:
             return link.payload_bytes(tensors), None
         return self.compressed.message_bytes(tensors)
 
+    def stage_bytes(self) -> tuple[int, int]:
+        """One participant's bytes in the two stages of a synchronisation (``LinkCounts.of_stages``): the
+        payload twice (the ring all-reduce's halves), or with ``compression`` its first-stage message and
+        the mean's (as if every tensor had an anchor)."""
+        first, second = self._sync_bytes(self._tensors())
+        return first, first if second is None else second
+
     def state_dict(self) -> dict[str, Any]:
         """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
         keeps tensors a synchronisation leaves per machine, e.g. AdamW's moments; see

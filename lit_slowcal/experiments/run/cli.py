@@ -58,6 +58,7 @@ from lit_slowcal.experiments.run.options import (
     ConfigFile,
     OneLineErrorParser,
     add_options,
+    compression_options,
     links_of,
     step_seconds_of,
 )
@@ -327,7 +328,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
                 f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: {message} ({advice})"
             ) from err
 
-    def _set_up_strategy(self, strategy: Any, shape: RunShape) -> None:
+    def _set_up_strategy(self, strategy: Any, shape: RunShape) -> None:  # noqa: C901 (one check a setting)
         """The strategy's ``sync_every`` from the run's shape, and its participation options."""
         if not isinstance(strategy, PeriodicAveragingStrategy):
             raise ValueError(
@@ -354,6 +355,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         strategy.server_options.update(
             participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0
         )
+        strategy.compression_options.update(compression_options(self.setting))
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()

@@ -25,6 +25,7 @@ from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_slowcal._validation import check_int, check_number, is_int
+from lit_slowcal.compression import NAMES as COMPRESSIONS
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings
@@ -183,6 +184,17 @@ def step_seconds_of(value: Any) -> Optional[float]:
     return None if value is None else float(check_number("step_seconds", value))
 
 
+def compression_options(get: Callable[[str], Any]) -> dict[str, Any]:
+    """The strategy's ``compression`` and ``error_feedback`` from ``--compression`` (unset, bf16 or int8) and
+    ``--error_feedback`` (which needs ``--compression``); one line for anything else."""
+    name, feedback = get("compression"), get("error_feedback")
+    if name is not None and name not in COMPRESSIONS:
+        raise ValueError(f"Invalid compression: {name!r} ({', '.join(COMPRESSIONS)}, or unset: the exact average)")
+    if feedback is not None and name is None:
+        raise ValueError(f"Invalid error_feedback: {feedback!r} (it applies with --compression only; leave it unset)")
+    return {"compression": name, "error_feedback": feedback}
+
+
 def add_options(parser: LightningArgumentParser) -> None:
     """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
     parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
@@ -233,6 +245,18 @@ def add_options(parser: LightningArgumentParser) -> None:
         default=None,
         help="machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every "
         "round from the seed; unset: all of them",
+    )
+    parser.add_argument(
+        "--compression",
+        type=Optional[str],
+        default=None,
+        help="how a machine's round change travels: bf16 or int8 (docs/communication.md); unset: the exact average",
+    )
+    parser.add_argument(
+        "--error_feedback",
+        type=Optional[bool],
+        default=None,
+        help="with --compression, carry what each message lost into the next round; unset: on",
     )
     parser.add_argument(
         "--threads",
