@@ -164,6 +164,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if self.subcommand == "fit":  # refused now, before anything is built
             links_of(get("link"))
             step_seconds_of(get("step_seconds"))
+            compression_options(get)
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":

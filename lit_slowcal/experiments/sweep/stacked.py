@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lit_slowcal.experiments.run.options import links_of
+from lit_slowcal.experiments.run.options import compression_options, links_of
 from lit_slowcal.experiments.sweep.grouping import (
     StackedTrial,
     balance_groups,
@@ -104,6 +104,7 @@ class _Block:
         self.driver: Any = None  # its RoundDriver
         self.floats_per_sync = 0  # per machine of one trial, known after the first synchronisation
         self.payload_per_sync = 0  # the same in bytes
+        self.stages_per_sync: Optional[tuple[int, int]] = None  # with compression, its two stages' bytes
         self.sent = LinkCounts()  # one trial's machine's, as its single run's averager counts them
 
 
@@ -230,7 +231,10 @@ class _Group:
                 by_lr.setdefault(models[i].hparams.lr, []).extend(self.trial_params[i])
             groups = [{"params": ps, "lr": lr} for lr, ps in by_lr.items()]
             s.optimizer = self.entry.optimizer(groups, models[s.start].hparams, steps=s.steps)
-            s.averager = PeriodicAverager([models[i].machines for i in s.members], s.optimizer, s.shape.sync_every)
+            s.averager = PeriodicAverager(
+                [models[i].machines for i in s.members], s.optimizer, s.shape.sync_every,
+                **compression_options(self.first.get),
+            )  # fmt: skip
             s.driver = RoundDriver(
                 s.optimizer,
                 RoundSchedule(log_every=self.log_every, eval_every=s.shape.val_check_interval),
@@ -325,10 +329,19 @@ class _Group:
         stopped (its slices dropped from the optimizer, the others going on), the train-loss rows logged, the
         block due for evaluation."""
         if s.driver.step():
+            # As a single run's averager adds them: the first synchronisation exact (no anchor yet), the others
+            # compressed where the trials are.
             if not s.floats_per_sync:  # all active in round 1: one trial's share of the averager's counts
                 s.floats_per_sync = s.averager.floats_communicated // len(s.members)
                 s.payload_per_sync = s.averager.link_counts.payload_bytes // len(s.members)
-            s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)  # as a single run's averager adds them
+                if s.averager.compressed is not None:
+                    first, second = s.averager.stage_bytes()
+                    s.stages_per_sync = (first // len(s.members), second // len(s.members))
+                s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
+            elif s.stages_per_sync is not None:
+                s.sent += LinkCounts.of_stages(*s.stages_per_sync, self.M)
+            else:
+                s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
         if (step + 1) % s.k:
             return
         r = (step + 1) // s.k

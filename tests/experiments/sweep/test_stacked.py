@@ -122,6 +122,39 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("extra", [("--compression=int8",), ("--compression=bf16", "--error_feedback=false")])
+def test_compressed_trials_stacked_equal_their_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line, extra):
+    """Compression runs stacked (its blocks never span two tensors, so a trial's bits do not depend on the
+    others'): SLowcal-SGD, Local-SGD and Minibatch-SGD, each trial as its single run, its counts included."""
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    methods = ("slowcal", "local_sgd", "minibatch_sgd")
+    sweep = sw.load_sweep(grid_file(tmp_path / "single", seeds=(1,), methods=methods, extra=extra))
+    trials = sw.expand_trials(sweep)
+    reference = single_runs(monkeypatch, sweep, trials)
+    sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked", seeds=(1,), methods=methods, extra=extra))
+    parsed = [
+        stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict())
+        for p in trials
+    ]
+    groups = stacked.group_trials(parsed, budget=2**30)
+    assert [len(g) for g in groups] == [2] * len(methods)
+    for group in groups:
+        stacked.run_group(group)
+    exact = sw.load_sweep(grid_file(tmp_path / "exact", seeds=(1,), methods=methods))
+    for t, (outcome, params, csv_text) in zip(parsed, reference):
+        assert outcome["status"] == t.outcome["status"] == "finished"
+        assert differences(t.outcome["metrics"], outcome["metrics"]) == [], t.params
+        for name, value in params.items():
+            assert torch.equal(t.final_state["params"][name], value), (t.params, name)
+        assert csv_differences(metrics_csv(t.outcome["run_dir"]), csv_text) == []
+    # Compressed: fewer bytes than the exact run, and not its results.
+    plain = sw.run_trial(sw.trial_args(exact, trials[0]))
+    assert parsed[0].outcome["metrics"]["ring_bytes_per_machine"] < 0.8 * plain["metrics"]["ring_bytes_per_machine"]
+    assert parsed[0].outcome["metrics"]["test_loss"] != plain["metrics"]["test_loss"]
+
+
+@pytest.mark.slow
 def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monkeypatch, command_line):
     # K = 2 and 4 in one group for the local methods (SCAFFOLD: an optimizer with pre_sync / post_sync,
     # one per K): 7 rounds are 14 and 28 steps, each K synchronising, logging and evaluating on its own

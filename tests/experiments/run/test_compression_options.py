@@ -1,0 +1,43 @@
+"""``--compression`` and ``--error_feedback``: what a compressed fit logs, against hand counts, and one line for
+a bad value before anything is built."""
+
+import csv
+
+import pytest
+from in_process import RUN, command, error_line
+
+# The tiny run of in_process: SLowcal-SGD, M = 4, K = 64, b = 64, R = 4 rounds. x and w of the 7,850-parameter
+# model: 62,800 bytes a round in float32. The first round has no anchor yet and is exact; the three others
+# send int8 codes and a float32 scale a block of 256, both ways: 7,840 + 31 x 4 + 10 + 4 = 7,978 bytes a vector.
+M = 4
+EXACT, INT8 = 62_800, 2 * 7_978
+RING = EXACT * 2 * (M - 1) / M + 3 * (M - 1) * (INT8 + INT8) / M
+
+
+def last_train_row(run_dir):
+    with open(run_dir / RUN / "version_0" / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["train_loss"]][-1]
+
+
+def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
+    code, err = command(capsys, "--compression=int8", run_dir=tmp_path / "int8")
+    assert code == 0, err
+    row = last_train_row(tmp_path / "int8")
+    assert float(row["ring_bytes_per_machine"]) == RING and float(row["ring_hops"]) == 4 * 2 * (M - 1)
+    code, err = command(capsys, run_dir=tmp_path / "exact")
+    exact = last_train_row(tmp_path / "exact")
+    assert float(exact["ring_bytes_per_machine"]) == 4 * EXACT * 2 * (M - 1) / M
+    assert row["train_loss"] != exact["train_loss"]  # it trained on the decoded means, not the exact ones
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--compression=fp4"], "Invalid compression: 'fp4' (bf16, int8, or unset: the exact average)"),
+        (["--error_feedback=false"], "Invalid error_feedback: False (it applies with --compression only"),
+    ],
+)
+def test_a_bad_compression_option_is_one_line_before_training(tmp_path, capsys, args, message):
+    code, err = command(capsys, *args, run_dir=tmp_path)
+    assert code != 0 and message in error_line(err)
+    assert not (tmp_path / RUN).exists()  # refused before anything is built
