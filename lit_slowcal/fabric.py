@@ -44,6 +44,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         bucket_cap_mb: largest flattened buffer of one all-reduce.
         outer_optimizer, participation, participation_seed: the server's side of a round
             (``PeriodicAverager``).
+        overlap_delay, fragments: overlapped rounds (``PeriodicAverager``).
         **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
     """
 
@@ -55,12 +56,15 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
         participation: Optional[Union[int, float]] = None,
         participation_seed: int = 0,
+        overlap_delay: int = 0,
+        fragments: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
-        )
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
+            overlap_delay, fragments,
+        )  # fmt: skip
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step

@@ -81,6 +81,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             (DiLoCo: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; ``PeriodicAverager``).
         participation: machines taking part in each round: an int S or a fraction of M (``PeriodicAverager``).
         participation_seed: the seed of the per-round sample of participants.
+        overlap_delay, fragments: overlapped rounds, tau steps for a round to land and F fragments
+            taking turns (``PeriodicAverager``); a closed round lands what is in flight first.
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -102,6 +104,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
         participation: Optional[Union[int, float]] = None,
         participation_seed: int = 0,
+        overlap_delay: int = 0,
+        fragments: int = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
@@ -112,8 +116,9 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
         self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed
-        )
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
+            overlap_delay, fragments,
+        )  # fmt: skip
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
