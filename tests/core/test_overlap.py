@@ -7,12 +7,14 @@ simulated in one; a round closed while one is in flight resumes exactly."""
 import copy
 import os
 import tempfile
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import Quadratics
+from test_strategy import Regression, fit, machine_data
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, Scaffold, SimulatedMachines, SlowcalSGD
@@ -176,6 +178,26 @@ def test_closing_a_round_in_flight_leaves_identical_machines_and_resumes_exactly
     assert averager2.state_dict() == averager.state_dict()
 
 
+def test_the_trainer_strategy_overlaps_rounds_as_a_plain_loop_does():
+    K, tau, steps = 4, 1, 10  # rounds at 4 and 8 land at 5 and 9; fit's end closes the round at 10
+    strategy = PeriodicAveragingStrategy(sync_every=K, overlap_delay=tau)
+    trainer = fit(Regression("slowcal"), strategy, steps)
+    (averager,) = strategy.averagers.values()
+    assert (averager.overlap_delay, averager.num_syncs, averager.in_round) == (tau, 3, False)
+
+    plain = Regression("slowcal")
+    opt = plain.configure_optimizers()
+    loop = PeriodicAverager(plain, opt, sync_every=K, overlap_delay=tau)
+    for i, batch in enumerate(machine_data(steps)):
+        opt.zero_grad()
+        plain.training_step(batch, i).backward()
+        opt.step()
+        loop.step()
+    loop.close_round()
+    for p, q in zip(trainer.lightning_module.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
 def one_line(error: pytest.ExceptionInfo) -> str:
     assert "\n" not in str(error.value)
     return str(error.value)
@@ -218,8 +240,12 @@ def test_bad_values_are_one_line_each():
 
 # -- two gloo processes --------------------------------------------------------------------------
 
-RUNS = {"default": {}, "zero": {"overlap_delay": 0, "fragments": 1}, "tau": {"overlap_delay": 1}}
-RUNS["fragments"] = {"overlap_delay": 1, "fragments": 2}
+RUNS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "zero": {"overlap_delay": 0, "fragments": 1},
+    "tau": {"overlap_delay": 1},
+    "fragments": {"overlap_delay": 1, "fragments": 2},
+}
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:
