@@ -42,6 +42,12 @@ the end of ``fit``; a plain loop calls it itself. Every machine must count ``ste
 
 Observers that are not the optimizer (diagnostics) register with ``register_sync_pre_hook``. The
 tensors travel in buckets, one all-reduce each, at most two in flight (``lit_slowcal._communication``).
+
+Overlapped rounds
+-----------------
+With ``overlap_delay`` tau >= 1 a round's average travels while training goes on and lands tau steps
+later as live <- avg + (live - snapshot); with ``fragments`` F > 1 the model's parts take turns, one
+every K / F steps (``lit_slowcal._overlap``, docs/communication.md). The defaults block, as above.
 """
 
 from __future__ import annotations
@@ -221,6 +227,8 @@ class PeriodicAverager:
 
     def step(self) -> bool:
         """Count one step of the schedule; synchronise when it is a multiple of K. Returns whether it did.
+        With overlapped rounds: land the round in flight at its step, and start a fragment's round every
+        K / F steps (returns whether one started).
 
         ``attach()`` calls it after every ``optimizer.step()``. A loop whose optimizer step may be
         skipped on one machine (``GradScaler``) calls it itself once per iteration, after
@@ -519,7 +527,7 @@ class PeriodicAverager:
     # -- the synchronisation -----------------------------------------------------------------
 
     def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
-        """Call ``hook(self)`` at the start of every ``sync()``, before ``optimizer.pre_sync()`` and the average.
+        """Call ``hook(self)`` at the start of every ``sync()`` (and overlapped round), before ``optimizer.pre_sync()``.
 
         The machines then hold their parameters after the round's last local step. Returns a handle
         whose ``remove()`` unregisters the hook.
@@ -563,13 +571,13 @@ class PeriodicAverager:
         self.link_counts += self._link_counts(payload)
         return tensors
 
-    def _end_round(self, started: bool = True) -> None:
-        """What a round does after its average: ``optimizer.post_sync()`` and, where it was not counted
-        when it started (``started``), the round."""
+    def _end_round(self, count: bool = True) -> None:
+        """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
+        round (an overlapped round is counted when it starts)."""
         protocol = declared(self.optimizer)
         if protocol.post_sync is not None:
             protocol.post_sync()
-        if started:
+        if count:
             self.num_syncs += 1
             self.last_sync_step = self.steps
 
@@ -599,7 +607,7 @@ class PeriodicAverager:
         with torch.no_grad():
             self._outer_step(landing.tensors, landing.result)
             landing.merge()
-        self._end_round(started=False)
+        self._end_round(count=False)
 
     def _outer_step(self, live: Tensors, averaged: Tensors) -> None:
         """With an outer optimizer, its step on the parameters among ``live`` (a fragment's, or all), whose
