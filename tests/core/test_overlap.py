@@ -50,13 +50,16 @@ def train(machines, opt, averager, steps: range, machine_ids=range(M)) -> None:
         averager.step()
 
 
-def reference(optimizer: str, steps: int, K: int, tau: int, F: int = 1) -> list[torch.Tensor]:
-    """The machines' a and b after ``steps`` steps, by hand in float64: per machine lists of vectors."""
+def reference(optimizer: str, steps: int, K: int, tau: int, F: int = 1, outer_lr=None, S: int = M):
+    """The machines' a and b (and w) after ``steps`` steps, by hand in float64. ``outer_lr``: an outer SGD
+    on the rounds' averages; ``S``: participants of each round, drawn as ``participation_seed=0`` draws."""
     names = ("a", "b")
     x = {n: [PROBLEMS[j].x0.clone() for _ in range(M)] for j, n in enumerate(names)}
     w = {n: [v.clone() for v in x[n]] for n in names}  # SlowcalSGD's iterate, averaged with x
+    start = {n: x[n][0].clone() for n in names}  # the outer optimizer's global parameters
     fragment_of = {"a": 0, "b": 1} if F == 2 else {"a": 0, "b": 0}
     flight = None  # (landing step, names, snapshot of x and w, their averages)
+    rounds = 0
     for t in range(steps):
         for j, n in enumerate(names):
             for i in range(M):
@@ -71,10 +74,16 @@ def reference(optimizer: str, steps: int, K: int, tau: int, F: int = 1) -> list[
         if step % (K // F) == 0:  # with tau >= 1 the last round landed before (tau < K / F)
             which = [n for n in names if fragment_of[n] == (step // (K // F)) % F]
             snap = {key: {n: [v.clone() for v in state[n]] for n in which} for key, state in (("x", x), ("w", w))}
-            avg = {key: {n: sum(snap[key][n]) / M for n in which} for key in snap}
+            draw = torch.randperm(M, generator=torch.Generator().manual_seed(rounds))  # seed 0: 0 * 1_000_003 + r
+            chosen = draw[:S].tolist() if S < M else range(M)
+            avg = {key: {n: sum(snap[key][n][i] for i in chosen) / S for n in which} for key in snap}
             flight = (step + tau, which, snap, avg)
+            rounds += 1
         if flight is not None and step == flight[0]:
             _, which, snap, avg = flight
+            for n in which if outer_lr is not None else ():
+                start[n] = start[n] - outer_lr * (start[n] - avg["x"][n])  # the pseudo-gradient start - avg
+                avg["x"][n] = start[n]
             for key, state in (("x", x), ("w", w)):
                 for n in which:
                     for i in range(M):
@@ -140,6 +149,16 @@ def test_fragments_take_turns_as_in_a_reference(optimizer, tau):
     resumed = PeriodicAverager(machines, opt, sync_every=K, overlap_delay=tau, fragments=F, start_step=12)
     assert resumed.num_syncs == 6 and resumed.floats_communicated == averager.floats_communicated
     assert resumed.link_counts == averager.link_counts
+
+
+@pytest.mark.parametrize("F", [1, 2])
+def test_an_outer_optimizer_steps_on_the_average_when_it_lands_and_participants_are_drawn_when_it_starts(F):
+    K, tau, steps = 4, 1, 15
+    outer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    machines, opt, averager = make("sgd", K=K, overlap_delay=tau, fragments=F, outer_optimizer=outer, participation=2)
+    train(machines, opt, averager, range(steps))
+    assert_close(tensors(machines, opt), reference("sgd", steps, K, tau, F, outer_lr=0.5, S=2))
+    assert averager.floats_communicated == averager.num_syncs * 6 / F * 2 / M  # S/M of each round's floats
 
 
 def test_partition_balances_contiguous_fragments():
