@@ -67,8 +67,7 @@ class AveragerSet:
     def sync_every(self, value: int) -> None:
         """K; set mid-run it applies to the running averagers too."""
         check_int("sync_every", value)
-        options = getattr(self, "overlap_options", {})
-        _overlap.check_options(value, options.get("overlap_delay", 0), options.get("fragments", 1), field="sync_every")
+        _overlap.check_options(value, **getattr(self, "overlap_options", {}), field="sync_every")
         self._sync_every = value
         for averager in getattr(self, "averagers", {}).values():
             averager.sync_every = value

@@ -8,7 +8,7 @@ the fragment's tensors and starts the snapshot's average; training goes on on th
 tau steps later the round lands: live <- avg + (live - snapshot). With tau < K / F a round lands
 before the next one starts, so at most one is in flight.
 
-The functions here hold no state: the averager keeps the round in flight and calls them.
+The averager keeps the round in flight (a ``Round``) and calls what is here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from lit_slowcal._validation import check_int
 __all__ = ["Round", "check_options", "partition"]
 
 
-def check_options(sync_every: int, overlap_delay: Any, fragments: Any, field: str = "overlap_delay") -> tuple[int, int]:
+def check_options(
+    sync_every: int, overlap_delay: Any = 0, fragments: Any = 1, field: str = "overlap_delay"
+) -> tuple[int, int]:
     """(tau, F), checked against K: tau >= 0, F >= 1, F divides K and tau < K / F (a round lands before
     the next starts); else one ``ValueError`` naming ``field`` where K is what is being set."""
     tau = check_int("overlap_delay", overlap_delay, minimum=0)
