@@ -67,7 +67,7 @@ class AveragerSet:
     def sync_every(self, value: int) -> None:
         """K; set mid-run it applies to the running averagers too."""
         check_int("sync_every", value)
-        _overlap.check_options(value, **getattr(self, "overlap_options", {}), field="sync_every")
+        _overlap.check_options(value, **getattr(self, "overlap_options", {}), setting_k=True)
         self._sync_every = value
         for averager in getattr(self, "averagers", {}).values():
             averager.sync_every = value

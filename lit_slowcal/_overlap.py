@@ -25,13 +25,13 @@ __all__ = ["Round", "check_options", "partition"]
 
 
 def check_options(
-    sync_every: int, overlap_delay: Any = 0, fragments: Any = 1, field: str = "overlap_delay"
+    sync_every: int, overlap_delay: Any = 0, fragments: Any = 1, setting_k: bool = False
 ) -> tuple[int, int]:
     """(tau, F), checked against K: tau >= 0, F >= 1, F divides K and tau < K / F (a round lands before
-    the next starts); else one ``ValueError`` naming ``field`` where K is what is being set."""
+    the next starts); else one ``ValueError`` naming the field, ``sync_every`` where K is being set (``setting_k``)."""
     tau = check_int("overlap_delay", overlap_delay, minimum=0)
     parts = check_int("fragments", fragments)
-    if field == "sync_every" and (sync_every % parts or tau >= sync_every // parts):
+    if setting_k and (sync_every % parts or tau >= sync_every // parts):
         raise ValueError(
             f"Invalid sync_every: {sync_every} (must be a multiple of fragments = {parts} and >= "
             f"(overlap_delay + 1) x fragments = {(tau + 1) * parts})"

@@ -217,7 +217,7 @@ class PeriodicAverager:
     @sync_every.setter
     def sync_every(self, value: int) -> None:
         check_int("sync_every", value)
-        _overlap.check_options(value, self.overlap_delay, self.fragments, field="sync_every")
+        _overlap.check_options(value, self.overlap_delay, self.fragments, setting_k=True)
         self._sync_every = value
 
     @property
