@@ -1,7 +1,7 @@
 """What the Trainer and Fabric strategies share: one ``PeriodicAverager`` per optimizer.
 
 ``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
-(K, extra averaged state, bucket size, the server's options), the averagers by optimizer, each
+(K, extra averaged state, bucket size, the server's options, overlapped rounds), the averagers by optimizer, each
 buffer given to one of them (``buffer_owners``), and the operations on all of them: K changed
 mid-run, the round closed, the schedules saved and restored, the counts read (floats, bytes, the
 ring model's ``LinkCounts`` and the DDP reference).
@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lit_slowcal import _overlap
 from lit_slowcal._validation import check_int
 from lit_slowcal.averaging import PeriodicAverager, buffer_owners
 from lit_slowcal.compression import Compressor, compressor
@@ -43,8 +44,14 @@ class AveragerSet:
         participation_seed: int,
         compression: Union[None, str, Compressor] = None,
         error_feedback: Optional[bool] = None,
+        overlap_delay: int = 0,
+        fragments: int = 1,
     ) -> None:
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
+        check_int("sync_every", sync_every)
+        tau, parts = _overlap.check_options(sync_every, overlap_delay, fragments)
+        # Overlapped rounds (PeriodicAverager): tau steps for a round to land, F fragments taking turns.
+        self.overlap_options = {"overlap_delay": tau, "fragments": parts}
         self.sync_every = sync_every
         self.average_state = tuple(average_state)
         self.bucket_cap_mb = bucket_cap_mb
@@ -65,7 +72,9 @@ class AveragerSet:
     @sync_every.setter
     def sync_every(self, value: int) -> None:
         """K; set mid-run it applies to the running averagers too."""
-        self._sync_every = check_int("sync_every", value)
+        check_int("sync_every", value)
+        _overlap.check_options(value, **getattr(self, "overlap_options", {}), setting_k=True)
+        self._sync_every = value
         for averager in getattr(self, "averagers", {}).values():
             averager.sync_every = value
 
@@ -104,7 +113,7 @@ class AveragerSet:
     ) -> PeriodicAverager:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
-            buffers=buffers, **self.server_options, **self.compression_options,
+            buffers=buffers, **self.server_options, **self.compression_options, **self.overlap_options,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager

@@ -39,9 +39,9 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 __all__ = [
-    "all_modules", "average", "averaged_tensors", "broadcast_module", "buckets", "buffer_owners", "check_same_point",
-    "check_unsharded", "floats_sent", "gather_ints", "gather_objects", "is_averaged", "machines_per_process", "rank",
-    "world_size",
+    "Averaging", "all_modules", "average", "averaged_tensors", "averaged_units", "broadcast_module", "buckets",
+    "buffer_owners", "check_same_point", "check_unsharded", "floats_sent", "gather_ints", "gather_objects",
+    "is_averaged", "machines_per_process", "rank", "start_average", "world_size",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -259,28 +259,39 @@ def averaged_tensors(
     A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
     optimizer state of such a parameter with the parameter's shape.
     """
+    return [pair for unit in averaged_units(modules, optimizer, keys, buffers) for pair in unit]
+
+
+def averaged_units(
+    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+) -> list[Tensors]:
+    """``averaged_tensors`` in units, in the same order: a parameter with its state under ``keys``, or
+    a buffer; each unit's first tensor is its parameter or buffer (units with nothing to average left out)."""
     stacked_ids: set[int] = set()
     for module in all_modules(modules):
         if isinstance(module, SimulatedMachines):
             stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
     seen: set[int] = set()
-    out: Tensors = []
+    out: list[Tensors] = []
 
-    def add(t: Tensor, owner: Tensor) -> None:
+    def add(unit: Tensors, t: Tensor, owner: Tensor) -> None:
         if id(t) not in seen and is_averaged(t):
             seen.add(id(t))
-            out.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
+            unit.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
 
     for group in optimizer.param_groups:
         for p in group["params"]:
-            add(p, p)
+            unit: Tensors = []
+            add(unit, p, p)
             state = optimizer.state.get(p, {})
             for key in keys:
                 if isinstance(state.get(key), Tensor):
-                    add(state[key], p)
+                    add(unit, state[key], p)
+            out.append(unit)
     for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
-        add(b, b)
-    return out
+        out.append([])
+        add(out[-1], b, b)
+    return [unit for unit in out if unit]
 
 
 def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union[int, float]:
@@ -308,8 +319,41 @@ def average(
     contiguous) of at least ``IN_PLACE_BYTES`` is reduced alone, in place, and only the others are
     flattened (``buckets(..., alone_bytes=...)``): the same bits without the flatten copy and the copy
     back. With more processes the ring's order of summation depends on the place of a value in the
-    buffer, so the buckets stay as they are.
+    buffer, so the buckets stay as they are. At most two flattened buckets are in flight.
     """
+    start_average(
+        tensors, weights, machines_per_process=machines_per_process, process_group=process_group,
+        bucket_cap_bytes=bucket_cap_bytes, flat_in_flight=2,
+    ).wait()  # fmt: skip
+
+
+class Averaging:
+    """An average started by ``start_average``; ``wait()`` writes it into the tensors it was started on."""
+
+    def __init__(self, divide: int) -> None:
+        self.pending: list[tuple[Tensors, Optional[Tensor], Any]] = []  # (bucket, its flat copy or None, work)
+        self.divide = divide
+
+    def wait(self) -> None:
+        """Wait for every bucket's all-reduce and write the averages back (at once with one process)."""
+        pending, self.pending = self.pending, []
+        for item in pending:
+            _finish(*item, self.divide)
+
+
+def start_average(
+    tensors: Tensors,
+    weights: Optional[Tensor] = None,
+    *,
+    machines_per_process: int,
+    process_group: Optional[Any],
+    bucket_cap_bytes: int,
+    flat_in_flight: Optional[int] = None,
+) -> Averaging:
+    """Start ``average``'s all-reduces, every one asynchronous, and return without waiting for them
+    (with one process the average is computed at once). ``tensors`` must not be read or written
+    until ``wait()``. ``flat_in_flight``: wait for the oldest flattened bucket before starting one
+    more than that many (``None``: start them all)."""
     world = world_size(process_group)
     local = None
     if weights is not None:
@@ -321,13 +365,13 @@ def average(
         for t, s in tensors:
             if s:
                 t.copy_((t.mean(0, keepdim=True) if local is None else _combine(t, s, local).unsqueeze(0)).expand_as(t))
-        return
+        return Averaging(1)
     # A tensor that the buckets of any number of processes reduce alone in place is weighted by a Python
     # number, the others by a tensor of their dtype (for bfloat16 and float16 the two differ): kept so.
     scalar = {id(b[0][0]) for b in buckets(tensors, bucket_cap_bytes) if _in_place(b)} if local is not None else set()
     alone = IN_PLACE_BYTES if world == 2 else None
-    divide = world if local is None else 1  # the weights already sum to 1 over all machines
-    pending: list[tuple[Tensors, Optional[Tensor], Any]] = []
+    out = Averaging(world if local is None else 1)  # the weights already sum to 1 over all machines
+    pending = out.pending
     for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
         if _in_place(bucket):  # reduce in place: no copy at all, and no memory held while in flight
             t = bucket[0][0]
@@ -335,12 +379,11 @@ def average(
                 t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
             pending.append((bucket, None, dist.all_reduce(t, group=process_group, async_op=True)))
             continue
-        while sum(f is not None for _, f, _ in pending) == 2:  # at most two flattened buckets in flight
-            _finish(*pending.pop(0), divide)
+        while flat_in_flight is not None and sum(f is not None for _, f, _ in pending) == flat_in_flight:
+            _finish(*pending.pop(0), out.divide)
         flat = torch.cat([_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
-    for item in pending:
-        _finish(*item, divide)
+    return out
 
 
 #: With two processes, a tensor of at least this many bytes that can be reduced in place is reduced

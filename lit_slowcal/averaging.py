@@ -42,6 +42,12 @@ the end of ``fit``; a plain loop calls it itself. Every machine must count ``ste
 
 Observers that are not the optimizer (diagnostics) register with ``register_sync_pre_hook``. The
 tensors travel in buckets, one all-reduce each, at most two in flight (``lit_slowcal._communication``).
+
+Overlapped rounds
+-----------------
+With ``overlap_delay`` tau >= 1 a round's average travels while training goes on and lands tau steps
+later as live <- avg + (live - snapshot); with ``fragments`` F > 1 the model's parts take turns, one
+every K / F steps (``lit_slowcal._overlap``, docs/communication.md). The defaults block, as above.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _communication, _machine_state, _server, link
+from lit_slowcal import _communication, _machine_state, _overlap, _server, link
 from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffer_owners, machines_per_process
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._hooks import after_every_step, on_every_backward
@@ -106,6 +112,27 @@ class PeriodicAverager:
             exact average), ``"bf16"``, ``"int8"`` or a ``Compressor``.
         error_feedback: with ``compression``, keep what each message lost and add it to the next
             round's change; ``None``: on for a lossy compressor.
+        overlap_delay: tau, optimizer steps a round's average takes to land while training goes on
+            (0: it blocks; see "Overlapped rounds" below); < K / F.
+        fragments: F, the parts of the model that take turns, one round every K / F steps (F divides K).
+
+    Overlapped rounds (tau >= 1 or F > 1; docs/communication.md): the averaged tensors are cut into F
+    fragments (``_overlap.partition``: contiguous runs of ``_tensors()``, a parameter with its averaged
+    optimizer state never cut from it, the largest run's parameter and buffer bytes as small as can be,
+    the same on every rank). Fragment f's round starts where ``steps % K == f * K / F``: the schedule
+    check, the sync pre-hooks, ``optimizer.pre_sync()``, then a snapshot of the fragment's tensors
+    whose average starts (all-reduces in flight; with one process, computed at once and held).
+    Training goes on on the live tensors; tau steps later (counted by ``step()``) the round lands:
+    with an outer optimizer its step is taken on the snapshot's average, then live <- avg + (live -
+    snapshot) (the round's average plus the local progress since the snapshot), then
+    ``optimizer.post_sync()``. With tau = 0 a fragment's round is a blocking average of the fragment.
+    A round's weights (``participation``) are drawn when it starts. Each fragment's round is one of
+    ``num_syncs`` and sends that fragment's bytes (K steps send the whole model once, as with F = 1);
+    ``last_sync_step`` is the step it started at. While a round is in flight it holds two copies of
+    its tensors (the snapshot and the average). ``close_round()`` (and ``sync()``) lands a round in
+    flight, then synchronises the whole model, blocking. ``state_dict()`` and ``load_state_dict()``
+    refuse to run while a round is in flight: close the round first. An optimizer that declares
+    ``pre_sync`` or ``post_sync`` acts on the whole model at once: it is refused with F > 1.
 
     Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
 
@@ -136,7 +163,11 @@ class PeriodicAverager:
         participation_seed: int = 0,
         compression: Union[None, str, Compressor] = None,
         error_feedback: Optional[bool] = None,
+        overlap_delay: int = 0,
+        fragments: int = 1,
     ) -> None:
+        check_int("sync_every", sync_every)
+        self.overlap_delay, self.fragments = _overlap.check_options(sync_every, overlap_delay, fragments)
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")
@@ -146,7 +177,12 @@ class PeriodicAverager:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"Invalid optimizer: {optimizer!r} (a torch.optim.Optimizer)")
         self.optimizer = optimizer
-        declared(optimizer)  # a member of the optimizer protocol of the wrong kind: one line now
+        protocol = declared(optimizer)  # a member of the optimizer protocol of the wrong kind: one line now
+        if self.fragments > 1 and (protocol.pre_sync is not None or protocol.post_sync is not None):
+            raise ValueError(
+                f"Invalid fragments: {self.fragments} ({type(optimizer).__name__}'s pre_sync/post_sync act on the "
+                "whole model at once; use fragments=1)"
+            )
         _communication.check_unsharded(self.modules, optimizer)
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
@@ -160,6 +196,8 @@ class PeriodicAverager:
         self.steps = 0
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
+        self._settled_step = 0  # steps at the last blocking synchronisation of the whole model
+        self._in_flight: Optional[_overlap.Round] = None  # an overlapped round started and not landed
         self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
         self.bytes_communicated: Union[int, float] = 0  # the same in bytes, in the dtypes sent
         self.link_counts = link.LinkCounts()  # one participant's, for the ring model (lit_slowcal.link)
@@ -200,6 +238,13 @@ class PeriodicAverager:
         self.compressed: Optional[CompressedAverage] = (
             None if code is None else CompressedAverage(code, code.lossy if error_feedback is None else error_feedback)
         )
+        if code is not None and (self.overlap_delay or self.fragments > 1):
+            raise ValueError(
+                f"Invalid compression: {code.name!r} with overlap_delay={self.overlap_delay}, fragments={self.fragments} "
+                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
+            )
+        if self.fragments > 1:
+            self._fragments()  # at least F units, or one line now
         if start_step:
             self.resume(start_step)
 
@@ -211,10 +256,19 @@ class PeriodicAverager:
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        self._sync_every = check_int("sync_every", value)
+        check_int("sync_every", value)
+        _overlap.check_options(value, self.overlap_delay, self.fragments, setting_k=True)
+        self._sync_every = value
+
+    @property
+    def _overlapped(self) -> bool:
+        """Whether rounds overlap training or take turns by fragment (tau >= 1 or F > 1)."""
+        return self.overlap_delay > 0 or self.fragments > 1
 
     def step(self) -> bool:
         """Count one step of the schedule; synchronise when it is a multiple of K. Returns whether it did.
+        With overlapped rounds: land the round in flight at its step, and start a fragment's round every
+        K / F steps (returns whether one started).
 
         ``attach()`` calls it after every ``optimizer.step()``. A loop whose optimizer step may be
         skipped on one machine (``GradScaler``) calls it itself once per iteration, after
@@ -227,22 +281,37 @@ class PeriodicAverager:
         """
         self._drop_reload_hook()  # training goes on: a later optimizer load is the loop's own
         self.steps += 1
+        if self._overlapped:
+            return self._overlapped_step()
         if self.steps % self.sync_every:
             return False
         self.sync()
         return True
 
+    def _overlapped_step(self) -> bool:
+        """``step()``'s schedule with overlapped rounds: land the round in flight at its step, start a
+        fragment's round every K / F steps. Returns whether one started."""
+        if self._in_flight is not None and self.steps >= self._in_flight.land_step:
+            self._land()
+        period = self.sync_every // self.fragments
+        if self.steps % period:
+            return False
+        self._start_round((self.steps // period) % self.fragments)
+        return True
+
     @property
     def in_round(self) -> bool:
-        """Whether a step was taken since the last synchronisation (the machines may differ)."""
-        return self.steps != self.last_sync_step
+        """Whether the machines may differ: a step was taken since the last synchronisation of the whole
+        model, or a round is in flight."""
+        return self.steps != self._settled_step or self._in_flight is not None
 
     def close_round(self) -> bool:
-        """Synchronise now if a step was taken since the last synchronisation. Returns whether it did.
+        """Synchronise now if a step was taken since the last synchronisation of the whole model, or a
+        round is in flight (it lands first). Returns whether it did.
 
         Call it where the model leaves training mid-round (evaluation, a checkpoint, the end of
         training): every machine then holds the same averaged model. The schedule is unchanged:
-        the next synchronisation is still after the next multiple of K steps.
+        the next synchronisation is still after the next multiple of K steps (of K / F with fragments).
         """
         if not self.in_round:
             return False
@@ -256,22 +325,29 @@ class PeriodicAverager:
         now (``floats_communicated``, ``bytes_communicated``, ``link_counts``; its ``check_bytes`` from 0).
         """
         check_int("steps", steps, minimum=0)
+        self._refuse_in_flight("resume()")
+        period = self.sync_every // self.fragments
         self.steps = steps
-        self.num_syncs = steps // self.sync_every
-        self.last_sync_step = self.num_syncs * self.sync_every
+        self.num_syncs = steps // period
+        self.last_sync_step = self._settled_step = self.num_syncs * period
         self._count_from_syncs()
 
-    def _count_from_syncs(self) -> None:
-        """The counts of what was sent, rebuilt as ``num_syncs`` synchronisations of what is averaged now."""
-        tensors = self._tensors()
-        self.floats_communicated = self.num_syncs * self._floats(tensors)
-        self._count_bytes_from_syncs(tensors)
-
-    def _count_bytes_from_syncs(self, tensors: Tensors) -> None:
-        """With ``compression``, every synchronisation counted as compressed (``message_bytes``)."""
-        first, second = self._sync_bytes(tensors)
-        self.bytes_communicated = self.num_syncs * self._bytes(first)
-        self.link_counts = self._link_counts(first, second, syncs=self.num_syncs)
+    def _count_from_syncs(self, floats: bool = True) -> None:
+        """The counts of what was sent, rebuilt as ``num_syncs`` rounds of what is averaged now (with
+        fragments, round j sends fragment j mod F; with ``compression``, every round counted as
+        compressed); ``floats``: ``floats_communicated`` too."""
+        if self.fragments == 1:
+            rounds = [(self._tensors(), self.num_syncs)]
+        else:
+            n, F = self.num_syncs, self.fragments
+            rounds = [(tensors, len(range(f or F, n + 1, F))) for f, tensors in enumerate(self._fragments())]
+        sizes = [(self._sync_bytes(tensors), count) for tensors, count in rounds]
+        if floats:
+            self.floats_communicated = sum(count * self._floats(tensors) for tensors, count in rounds)
+        self.bytes_communicated = sum(count * self._bytes(first) for (first, _), count in sizes)
+        self.link_counts = sum(
+            (self._link_counts(first, second, syncs=count) for (first, second), count in sizes), link.LinkCounts()
+        )
 
     def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
         """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
@@ -294,8 +370,10 @@ class PeriodicAverager:
         optimizer's state.
 
         Local: it holds this process's machines only. A single file for all processes is
-        ``gather_state_dict()``'s.
+        ``gather_state_dict()``'s. With overlapped rounds it also holds ``"settled_step"`` (the last
+        synchronisation of the whole model), and raises ``RuntimeError`` while a round is in flight.
         """
+        self._refuse_in_flight("state_dict()")
         state: dict[str, Any] = {
             "steps": self.steps,
             "num_syncs": self.num_syncs,
@@ -304,6 +382,8 @@ class PeriodicAverager:
             "bytes_communicated": self.bytes_communicated,
             "link_counts": self.link_counts.state_dict(),
         }
+        if self._overlapped:
+            state["settled_step"] = self._settled_step
         if self.outer is not None:
             state["outer"] = _server.state_dict(self.outer, self.global_params)
         own = _machine_state.local_state(self.optimizer, self._averaged_keys())
@@ -359,6 +439,7 @@ class PeriodicAverager:
         number of processes with state that differs between them; see ``lit_slowcal._machine_state``)
         and for an outer optimizer's state given to an averager without one.
         """
+        self._refuse_in_flight("load_state_dict()")
         if "outer" in state and self.outer is None:
             raise ValueError(
                 "Cannot load the averager's state: it holds an outer optimizer's state (the round's start and its "
@@ -371,6 +452,7 @@ class PeriodicAverager:
         self.num_syncs = int(state["num_syncs"])
         # States saved before the key existed come from schedules that synchronised every K only.
         self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
+        self._settled_step = int(state.get("settled_step", self.last_sync_step))
         floats = state["floats_communicated"]
         self.floats_communicated = floats if isinstance(floats, float) else int(floats)
         if "link_counts" in state:
@@ -378,7 +460,7 @@ class PeriodicAverager:
             self.bytes_communicated = sent if isinstance(sent, float) else int(sent)
             self.link_counts = link.LinkCounts.from_state_dict(state["link_counts"])
         else:  # saved before the byte counts existed: num_syncs synchronisations of what is averaged now
-            self._count_bytes_from_syncs(self._tensors())
+            self._count_from_syncs(floats=False)
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
         if self.compressed is not None:
@@ -410,6 +492,13 @@ class PeriodicAverager:
                 f"{self.world_size}: it is kept per process; resume on {saved['world_size']} processes"
             )
         return saved["ranks"][self.rank]
+
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"PeriodicAverager.{what}: a round is in flight (it lands at step {self._in_flight.land_step}); "
+                "call close_round() first"
+            )
 
     def _drop_reload_hook(self) -> None:
         if self._reload_hook is not None:
@@ -529,7 +618,7 @@ class PeriodicAverager:
     # -- the synchronisation -----------------------------------------------------------------
 
     def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
-        """Call ``hook(self)`` at the start of every ``sync()``, before ``optimizer.pre_sync()`` and the average.
+        """Call ``hook(self)`` at the start of every ``sync()`` (and overlapped round), before ``optimizer.pre_sync()``.
 
         The machines then hold their parameters after the round's last local step. Returns a handle
         whose ``remove()`` unregisters the hook.
@@ -540,11 +629,30 @@ class PeriodicAverager:
 
     def sync(self) -> None:
         """Synchronise now: the sync pre-hooks, ``optimizer.pre_sync()``, the average over all machines,
-        ``optimizer.post_sync()``.
+        ``optimizer.post_sync()``. A round in flight lands first.
 
         With several processes it first checks that every rank is at the same point of the schedule
         (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
         """
+        if self._in_flight is not None:
+            self._land()
+        tensors = self._begin_round(None)
+        with torch.no_grad():
+            stages = self._average(tensors, self.participant_weights())
+            if self.outer is not None:
+                _server.outer_step(self.outer, self.global_params, self._outer_pairs(tensors))
+        if self.compressed is not None:  # counted now: what went exactly (no anchor yet) and what compressed
+            first, second = stages or (link.payload_bytes(tensors), None)
+            self.bytes_communicated += self._bytes(first)
+            self.link_counts += self._link_counts(first, second)
+        self._end_round()
+        if self.compressed is not None:  # what every machine holds now: the next round's anchor
+            self.compressed.anchor(tensors)
+        self._settled_step = self.steps
+
+    def _begin_round(self, fragment: Optional[int]) -> Tensors:
+        """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``,
+        and the counts of what it sends. Returns the tensors it averages (``fragment``'s, or all)."""
         if self.world_size > 1 and (self.check_schedule or not self._setup_checked):
             # Every rank at the same step (and, the first time, set up alike), or one error on all.
             self.check_setup(counts=self.check_schedule)
@@ -553,25 +661,62 @@ class PeriodicAverager:
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
-        tensors = self._tensors()
+        tensors = self._tensors() if fragment is None else self._fragments()[fragment]
         self.floats_communicated += self._floats(tensors)
-        with torch.no_grad():
-            stages = self._average(tensors, self.participant_weights())
-            if self.outer is not None:
-                _server.outer_step(self.outer, self.global_params, self._outer_pairs(tensors))
-        if stages is None:
+        if self.compressed is None:  # a compressed round counts its bytes once they are known (sync)
             payload = link.payload_bytes(tensors)
             self.bytes_communicated += self._bytes(payload)
             self.link_counts += self._link_counts(payload)
-        else:
-            self.bytes_communicated += self._bytes(stages[0])
-            self.link_counts += self._link_counts(*stages)
+        return tensors
+
+    def _end_round(self, count: bool = True) -> None:
+        """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
+        round (an overlapped round is counted when it starts)."""
+        protocol = declared(self.optimizer)
         if protocol.post_sync is not None:
             protocol.post_sync()
-        if self.compressed is not None:  # what every machine holds now: the next round's anchor
-            self.compressed.anchor(tensors)
+        if count:
+            self.num_syncs += 1
+            self.last_sync_step = self.steps
+
+    def _start_round(self, fragment: int) -> None:
+        """Fragment ``fragment``'s scheduled round: blocking with tau = 0, else started to land tau steps later."""
+        if self._in_flight is not None:  # K made smaller mid-run: the last round lands before the next starts
+            self._land()
+        tensors = self._begin_round(fragment if self.fragments > 1 else None)
+        weights = self.participant_weights()
+        with torch.no_grad():
+            if self.overlap_delay == 0:
+                self._average(tensors, weights)
+                self._outer_step(tensors, tensors)
+                self._end_round()
+                return
+            land = self.steps + self.overlap_delay
+            self._in_flight = _overlap.Round(tensors, land, lambda result: self._start_average(result, weights))
         self.num_syncs += 1
         self.last_sync_step = self.steps
+
+    def _land(self) -> None:
+        """The round in flight lands: wait for its average, the outer optimizer's step on it, the merge
+        live <- avg + (live - snapshot), ``optimizer.post_sync()``."""
+        landing, self._in_flight = self._in_flight, None
+        assert landing is not None
+        landing.wait()
+        with torch.no_grad():
+            self._outer_step(landing.tensors, landing.result)
+            landing.merge()
+        self._end_round(count=False)
+
+    def _outer_step(self, live: Tensors, averaged: Tensors) -> None:
+        """With an outer optimizer, its step on the parameters among ``live`` (a fragment's, or all), whose
+        averages ``averaged`` holds in the same order: the new global parameters are written there."""
+        if self.outer is None:
+            return
+        where = {id(t): i for i, (t, _) in enumerate(live)}
+        chosen = [
+            (g, averaged[where[id(p)]]) for g, (p, _) in zip(self.global_params, self._outer_pairs()) if id(p) in where
+        ]
+        _server.outer_step(self.outer, [g for g, _ in chosen], [pair for _, pair in chosen])
 
     def setup_fingerprint(self) -> dict[str, int]:
         """What every rank must agree on before anything is averaged, as integers (names as the options)."""
@@ -587,6 +732,8 @@ class PeriodicAverager:
             "their shapes and dtypes (crc32)": zlib.crc32(shapes.encode()),
             "averaged state keys (crc32)": zlib.crc32(",".join(self._averaged_keys()).encode()),
             "optimizer (crc32 of its class)": zlib.crc32(type(self.optimizer).__qualname__.encode()),
+            "overlap_delay": self.overlap_delay,
+            "fragments": self.fragments,
         }
 
     def check_setup(self, counts: bool = False) -> None:
@@ -661,6 +808,25 @@ class PeriodicAverager:
         first, second = self.compressed.average(coded, participants, machines_per_process=m, process_group=group)
         payload = link.payload_bytes(exact)
         return payload + first, payload + second
+
+    def _start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
+        """Start ``_average``'s all-reduces without waiting for them (``_communication.start_average``)."""
+        m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
+        return _communication.start_average(
+            tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap
+        )
+
+    def _units(self) -> list[Tensors]:
+        """``_tensors()`` in units: a parameter with its averaged state, or a buffer (``_communication.averaged_units``)."""
+        return _communication.averaged_units(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+
+    def _fragments(self) -> list[Tensors]:
+        """The F fragments of ``_tensors()``: runs of units balanced by the bytes of the units' parameters
+        and buffers, which do not change as optimizer state appears (``_overlap.partition``)."""
+        units = self._units()
+        starts = _overlap.partition([link.payload_bytes(unit[:1]) for unit in units], self.fragments)
+        ends = [*starts[1:], len(units)]
+        return [[pair for unit in units[a:b] for pair in unit] for a, b in zip(starts, ends)]
 
     def _buckets(self, tensors: Tensors) -> list[Tensors]:
         """The buckets of one synchronisation: one all-reduce each (``_communication.buckets``)."""

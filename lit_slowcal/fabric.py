@@ -46,6 +46,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         outer_optimizer, participation, participation_seed: the server's side of a round
             (``PeriodicAverager``).
         compression, error_feedback: how a machine's round change travels (``lit_slowcal.compression``).
+        overlap_delay, fragments: overlapped rounds (``PeriodicAverager``).
         **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
     """
 
@@ -59,12 +60,15 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         participation_seed: int = 0,
         compression: Union[None, str, Compressor] = None,
         error_feedback: Optional[bool] = None,
+        overlap_delay: int = 0,
+        fragments: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_averagers(
             sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
             compression, error_feedback,
+            overlap_delay, fragments,
         )  # fmt: skip
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order

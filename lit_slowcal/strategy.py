@@ -84,6 +84,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         participation_seed: the seed of the per-round sample of participants.
         compression, error_feedback: how a machine's round change travels (``None``, ``"bf16"``,
             ``"int8"``; ``lit_slowcal.compression``), and its error feedback (``PeriodicAverager``).
+        overlap_delay, fragments: overlapped rounds, tau steps for a round to land and F fragments
+            taking turns (``PeriodicAverager``); a closed round lands what is in flight first.
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -107,6 +109,8 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         participation_seed: int = 0,
         compression: Union[None, str, Compressor] = None,
         error_feedback: Optional[bool] = None,
+        overlap_delay: int = 0,
+        fragments: int = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
@@ -119,6 +123,7 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         self._init_averagers(
             sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
             compression, error_feedback,
+            overlap_delay, fragments,
         )  # fmt: skip
         self._direct = False  # see _direct_steps
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()

@@ -347,6 +347,10 @@ def test_a_compressor_of_ones_own_plugs_in():
     [
         ({"compression": "fp4"}, r"^Invalid compression: 'fp4' \(None, one of 'bf16', 'int8', or a lit_slowcal"),
         ({"compression": "int8", "error_feedback": "yes"}, r"^Invalid error_feedback: 'yes' \(True, False, or None"),
+        (
+            {"compression": "int8", "overlap_delay": 1},
+            r"^Invalid compression: 'int8' with overlap_delay=1, fragments=1 \(compressed rounds are blocking",
+        ),
     ],
 )
 def test_bad_options_are_one_line(kwargs, message):

@@ -23,14 +23,16 @@ from torch import nn
 
 from lit_slowcal import PeriodicAveragingFabricStrategy
 
-folder = sys.argv[1]
-STEPS, SAVE_AT = 12, 6  # K = 4: the checkpoint is mid-round
+folder, overlap_delay = sys.argv[1], int(sys.argv[2])
+STEPS, SAVE_AT = 12, 6  # K = 4: the checkpoint is mid-round (with overlap_delay=3, the round of step 4 in flight)
 torch.set_num_threads(1)
 
 
 def run(mode):
     diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-    strategy = PeriodicAveragingFabricStrategy(sync_every=4, outer_optimizer=diloco, process_group_backend="gloo")
+    strategy = PeriodicAveragingFabricStrategy(
+        sync_every=4, outer_optimizer=diloco, overlap_delay=overlap_delay, process_group_backend="gloo"
+    )
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     rank = fabric.global_rank
@@ -63,11 +65,13 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.parametrize("overlap_delay", [0, 3])
 @pytest.mark.slow
-def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path):
+def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path, overlap_delay):
     """DiLoCo (AdamW inner, Nesterov SGD outer) on 2 Fabric processes, fabric.save mid-round (step 6 of 12,
     K = 4), then fabric.load in a fresh Fabric (strategy, model, optimizer): each rank resumes its own AdamW moments, and the resumed
-    run ends bit-identical to the uninterrupted one (model and optimizer state, on each rank)."""
+    run ends bit-identical to the uninterrupted one (model and optimizer state, on each rank); with overlapped
+    rounds too (tau = 3: fabric.save lands the round in flight first)."""
     import subprocess
     import sys
 
@@ -76,7 +80,7 @@ def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_
     script = tmp_path / "fabric_resume.py"
     script.write_text(_FABRIC_RESUME)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"),
+        [sys.executable, str(script), str(tmp_path), str(overlap_delay)], cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"),
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

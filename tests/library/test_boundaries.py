@@ -170,6 +170,16 @@ def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tm
     assert other.close_rounds() and other.num_syncs == 4
 
 
+def test_fabric_save_lands_a_round_in_flight_first(tmp_path, one_process_group):
+    strategy = PeriodicAveragingFabricStrategy(sync_every=4, overlap_delay=2, process_group_backend="gloo")
+    fabric, model, optimizer = _fabric(strategy)
+    _fabric_steps(fabric, model, optimizer, 5)  # the round started at step 4 lands at 6
+    assert strategy.num_syncs == 1
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})  # lands it, then closes at 5
+    (saved,) = torch.load(tmp_path / "state.ckpt", weights_only=True)["periodic_averaging"]
+    assert (saved["steps"], saved["num_syncs"], saved["last_sync_step"], saved["settled_step"]) == (5, 2, 5, 5)
+
+
 def test_lightning_cli_sets_k_by_the_registered_name_and_by_class_path(tmp_path, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel

@@ -1,0 +1,299 @@
+"""Overlapped rounds (``PeriodicAverager(overlap_delay=tau, fragments=F)``) against references written
+here in float64: a round's snapshot is averaged while training goes on, and lands tau steps later as
+live <- avg + (live - snapshot); with F fragments, fragment f's round starts where steps % K == f K / F.
+tau = 0 and F = 1 is the blocking schedule, bit for bit; two gloo processes equal the same machines
+simulated in one; a round closed while one is in flight resumes exactly."""
+
+import copy
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import Quadratics
+from test_strategy import Regression, fit, machine_data
+from torch import nn
+
+from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, Scaffold, SimulatedMachines, SlowcalSGD
+from lit_slowcal._overlap import partition
+
+M, DIM, LR = 4, 3, 0.05
+PROBLEMS = (Quadratics(M, DIM, steps=64, seed=0), Quadratics(M, DIM, steps=64, seed=1))  # one for a, one for b
+
+
+class Pair(nn.Module):
+    """Two parameters of the same size: with F = 2, fragment 0 is ``a`` (and its state), fragment 1 ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(PROBLEMS[0].x0.clone())
+        self.b = nn.Parameter(PROBLEMS[1].x0.clone())
+
+
+def make(optimizer: str, **options):
+    """M simulated machines of a Pair (float64), their optimizer and an averager with ``options``."""
+    machines = SimulatedMachines(Pair(), M)
+    params = list(machines.parameters())
+    opt = SlowcalSGD(params, lr=LR) if optimizer == "slowcal" else torch.optim.SGD(params, lr=LR)
+    return machines, opt, PeriodicAverager(machines, opt, sync_every=options.pop("K", 4), **options)
+
+
+def train(machines, opt, averager, steps: range, machine_ids=range(M)) -> None:
+    """The optimizer steps ``steps`` (their gradients' noise index), each machine on its own quadratic."""
+    for t in steps:
+        for p, problem in zip((machines.a, machines.b), PROBLEMS):
+            p.grad = torch.stack([problem.grad(i, p[k].detach(), t) for k, i in enumerate(machine_ids)])
+        opt.step()
+        averager.step()
+
+
+def reference(optimizer: str, steps: int, K: int, tau: int, F: int = 1, outer_lr=None, S: int = M):
+    """The machines' a and b (and w) after ``steps`` steps, by hand in float64. ``outer_lr``: an outer SGD
+    on the rounds' averages; ``S``: participants of each round, drawn as ``participation_seed=0`` draws."""
+    names = ("a", "b")
+    x = {n: [PROBLEMS[j].x0.clone() for _ in range(M)] for j, n in enumerate(names)}
+    w = {n: [v.clone() for v in x[n]] for n in names}  # SlowcalSGD's iterate, averaged with x
+    start = {n: x[n][0].clone() for n in names}  # the outer optimizer's global parameters
+    fragment_of = {"a": 0, "b": 1} if F == 2 else {"a": 0, "b": 0}
+    flight = None  # (landing step, names, snapshot of x and w, their averages)
+    rounds = 0
+    for t in range(steps):
+        for j, n in enumerate(names):
+            for i in range(M):
+                g = PROBLEMS[j].grad(i, x[n][i], t)
+                if optimizer == "slowcal":
+                    w[n][i] = w[n][i] - LR * g
+                    c = 2.0 / (t + 3)  # alpha_{t+1} / alpha_{0:t+1} with alpha_t = t + 1
+                    x[n][i] = x[n][i] + c * (w[n][i] - x[n][i])
+                else:
+                    x[n][i] = x[n][i] - LR * g
+        step = t + 1
+        if step % (K // F) == 0:  # with tau >= 1 the last round landed before (tau < K / F)
+            which = [n for n in names if fragment_of[n] == (step // (K // F)) % F]
+            snap = {key: {n: [v.clone() for v in state[n]] for n in which} for key, state in (("x", x), ("w", w))}
+            draw = torch.randperm(M, generator=torch.Generator().manual_seed(rounds))  # seed 0: 0 * 1_000_003 + r
+            chosen = draw[:S].tolist() if S < M else range(M)
+            avg = {key: {n: sum(snap[key][n][i] for i in chosen) / S for n in which} for key in snap}
+            flight = (step + tau, which, snap, avg)
+            rounds += 1
+        if flight is not None and step == flight[0]:
+            _, which, snap, avg = flight
+            for n in which if outer_lr is not None else ():
+                start[n] = start[n] - outer_lr * (start[n] - avg["x"][n])  # the pseudo-gradient start - avg
+                avg["x"][n] = start[n]
+            for key, state in (("x", x), ("w", w)):
+                for n in which:
+                    for i in range(M):
+                        state[n][i] = avg[key][n] + (state[n][i] - snap[key][n][i])
+            flight = None
+    return [torch.stack(x[n]) for n in names] + ([torch.stack(w[n]) for n in names] if optimizer == "slowcal" else [])
+
+
+def tensors(machines, opt) -> list[torch.Tensor]:
+    out = [machines.a.detach().clone(), machines.b.detach().clone()]
+    return out + [opt.state[p]["w"].clone() for p in (machines.a, machines.b) if "w" in opt.state[p]]
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "slowcal"])
+def test_no_overlap_is_the_blocking_schedule_bit_for_bit(optimizer):
+    runs = []
+    for options in ({}, {"overlap_delay": 0, "fragments": 1}):
+        machines, opt, averager = make(optimizer, **options)
+        train(machines, opt, averager, range(11))
+        averager.close_round()
+        runs.append((tensors(machines, opt), averager.state_dict()))
+    (plain, plain_state), (zero, zero_state) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero)) and zero_state == plain_state
+    assert "settled_step" not in zero_state  # the state of the blocking schedule, as it was
+
+
+@pytest.mark.parametrize("tau", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "slowcal"])
+def test_overlapped_rounds_equal_a_delayed_reference(optimizer, tau):
+    K, steps = 4, 22  # five rounds; the last, started at step 20, lands at 20 + tau
+    machines, opt, averager = make(optimizer, K=K, overlap_delay=tau)
+    for step in range(steps):
+        train(machines, opt, averager, range(step, step + 1))
+        in_flight = step + 1 >= K and (step + 1) % K < tau
+        assert averager.in_round and (averager._in_flight is not None) == in_flight, step
+    assert_close(tensors(machines, opt), reference(optimizer, steps, K, tau))
+    # Each round is counted as a blocking one, when it starts: x (and w) of 6 floats a machine.
+    floats = 6 * (2 if optimizer == "slowcal" else 1)
+    assert averager.num_syncs == 5 and averager.last_sync_step == 20
+    assert averager.floats_communicated == 5 * floats and averager.bytes_communicated == 5 * floats * 8
+    assert averager.link_counts.syncs == 5
+    assert not torch.equal(machines.a[0], machines.a[1])  # no round closed: the machines differ
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("optimizer", ["sgd", "slowcal"])
+def test_fragments_take_turns_as_in_a_reference(optimizer, tau):
+    K, F, steps = 4, 2, 13
+    machines, opt, averager = make(optimizer, K=K, overlap_delay=tau, fragments=F)
+    train(machines, opt, averager, range(steps))
+    assert_close(tensors(machines, opt), reference(optimizer, steps, K, tau, F))
+    # A fragment's round sends that fragment: rounds at steps 2, 4, ..., 12, each of 3 floats of x (and w).
+    floats = 3 * (2 if optimizer == "slowcal" else 1)
+    assert averager.num_syncs == 6 and averager.floats_communicated == 6 * floats
+    assert averager.link_counts.payload_bytes == 6 * floats * 8
+    # A schedule resumed at step 12 counts the same rounds (its fragments: the same tensors, w included).
+    resumed = PeriodicAverager(machines, opt, sync_every=K, overlap_delay=tau, fragments=F, start_step=12)
+    assert resumed.num_syncs == 6 and resumed.floats_communicated == averager.floats_communicated
+    assert resumed.link_counts == averager.link_counts
+
+
+@pytest.mark.parametrize("F", [1, 2])
+def test_an_outer_optimizer_steps_on_the_average_when_it_lands_and_participants_are_drawn_when_it_starts(F):
+    K, tau, steps = 4, 1, 15
+    outer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    machines, opt, averager = make("sgd", K=K, overlap_delay=tau, fragments=F, outer_optimizer=outer, participation=2)
+    train(machines, opt, averager, range(steps))
+    assert_close(tensors(machines, opt), reference("sgd", steps, K, tau, F, outer_lr=0.5, S=2))
+    assert averager.floats_communicated == averager.num_syncs * 6 / F * 2 / M  # S/M of each round's floats
+
+
+def test_partition_balances_contiguous_fragments():
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [0, 1]  # 5 | 5
+    assert partition([1, 1, 1, 1], 3) == [0, 2, 3]  # every fragment gets one
+    assert partition([2, 2, 2, 2, 2, 2], 3) == [0, 2, 4]
+    assert partition([1, 2, 3, 4, 5], 2) == [0, 3]  # 6 | 9: the largest as small as can be
+    with pytest.raises(
+        ValueError, match=r"^Invalid fragments: 3 \(must be <= 2, the parameters and buffers averaged\)$"
+    ):
+        partition([1, 1], 3)
+
+
+def test_closing_a_round_in_flight_leaves_identical_machines_and_resumes_exactly():
+    K, tau, stop, end = 4, 2, 5, 16  # the round started at step 4 is in flight at step 5
+    machines, opt, averager = make("slowcal", K=K, overlap_delay=tau)
+    train(machines, opt, averager, range(stop))
+    with pytest.raises(RuntimeError, match=r"^PeriodicAverager.state_dict\(\): a round is in flight \(it lands at step 6\); call close_round\(\) first$"):  # fmt: skip
+        averager.state_dict()
+    assert averager.close_round() and not averager.in_round and averager.num_syncs == 2
+    for t in (machines.a, machines.b, opt.state[machines.a]["w"], opt.state[machines.b]["w"]):
+        assert torch.equal(t, t[:1].expand_as(t))
+    saved = copy.deepcopy((machines.state_dict(), opt.state_dict(), averager.state_dict()))
+    assert saved[2]["settled_step"] == stop
+    train(machines, opt, averager, range(stop, end))
+    assert averager.num_syncs == 5  # rounds at 8, 12 and 16: the schedule is unchanged
+
+    machines2, opt2, averager2 = make("slowcal", K=K, overlap_delay=tau)
+    machines2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    averager2.load_state_dict(saved[2])
+    train(machines2, opt2, averager2, range(stop, end))
+    assert all(torch.equal(a, b) for a, b in zip(tensors(machines, opt), tensors(machines2, opt2)))
+    assert averager.close_round() and averager2.close_round()  # the round started at 16 was in flight
+    assert all(torch.equal(a, b) for a, b in zip(tensors(machines, opt), tensors(machines2, opt2)))
+    assert averager2.state_dict() == averager.state_dict()
+
+
+def test_the_trainer_strategy_overlaps_rounds_as_a_plain_loop_does():
+    K, tau, steps = 4, 1, 10  # rounds at 4 and 8 land at 5 and 9; fit's end closes the round at 10
+    strategy = PeriodicAveragingStrategy(sync_every=K, overlap_delay=tau)
+    trainer = fit(Regression("slowcal"), strategy, steps)
+    (averager,) = strategy.averagers.values()
+    assert (averager.overlap_delay, averager.num_syncs, averager.in_round) == (tau, 3, False)
+
+    plain = Regression("slowcal")
+    opt = plain.configure_optimizers()
+    loop = PeriodicAverager(plain, opt, sync_every=K, overlap_delay=tau)
+    for i, batch in enumerate(machine_data(steps)):
+        opt.zero_grad()
+        plain.training_step(batch, i).backward()
+        opt.step()
+        loop.step()
+    loop.close_round()
+    for p, q in zip(trainer.lightning_module.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_bad_values_are_one_line_each():
+    machines = SimulatedMachines(Pair(), 2)
+    sgd = torch.optim.SGD(machines.parameters(), lr=0.1)
+    cases = [
+        ({"overlap_delay": -1}, r"Invalid overlap_delay: -1 \(must be an integer >= 0\)"),
+        ({"overlap_delay": 1.0}, r"Invalid overlap_delay: 1.0 \(must be an integer >= 0\)"),
+        ({"fragments": 0}, r"Invalid fragments: 0 \(must be an integer >= 1\)"),
+        ({"fragments": 3}, r"Invalid fragments: 3 \(must divide sync_every = 4\)"),
+        ({"overlap_delay": 4}, r"Invalid overlap_delay: 4 \(must be < sync_every // fragments = 4: a round lands"),
+        ({"overlap_delay": 2, "fragments": 2}, r"Invalid overlap_delay: 2 \(must be < sync_every // fragments = 2"),
+        ({"fragments": 4}, r"Invalid fragments: 4 \(must be <= 2, the parameters and buffers averaged\)"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            PeriodicAverager(machines, sgd, sync_every=4, **options)
+        one_line(error)
+        if "must be <= 2" not in message:  # the strategies refuse the same at construction
+            with pytest.raises(ValueError, match=message):
+                PeriodicAveragingStrategy(sync_every=4, **options)
+    with pytest.raises(
+        ValueError, match=r"Invalid fragments: 2 \(Scaffold's pre_sync/post_sync act on the whole"
+    ) as error:
+        PeriodicAverager(machines, Scaffold(machines.parameters(), lr=0.1), sync_every=4, fragments=2)
+    one_line(error)
+    averager = PeriodicAverager(machines, sgd, sync_every=4, overlap_delay=1, fragments=2)
+    with pytest.raises(ValueError, match=r"Invalid sync_every: 2 \(must be a multiple of fragments = 2 and >= \(overlap_delay \+ 1\) x fragments = 4\)") as error:  # fmt: skip
+        averager.sync_every = 2
+    one_line(error)
+    assert averager.sync_every == 4
+    strategy = PeriodicAveragingStrategy(sync_every=4, overlap_delay=1, fragments=2)
+    with pytest.raises(ValueError, match=r"Invalid sync_every: 3 \(must be a multiple of fragments = 2"):
+        strategy.sync_every = 3
+    assert strategy.overlap_options == {"overlap_delay": 1, "fragments": 2}
+
+
+# -- two gloo processes --------------------------------------------------------------------------
+
+RUNS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "zero": {"overlap_delay": 0, "fragments": 1},
+    "tau": {"overlap_delay": 1},
+    "fragments": {"overlap_delay": 1, "fragments": 2},
+}
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = {}
+    for name, options in RUNS.items():
+        machines = SimulatedMachines(Pair(), M // 2)  # this process hosts machines 2 rank, 2 rank + 1
+        opt = SlowcalSGD(machines.parameters(), lr=LR)
+        averager = PeriodicAverager(machines, opt, sync_every=4, **options)
+        train(machines, opt, averager, range(14), machine_ids=range(2 * rank, 2 * rank + 2))
+        results[name] = tensors(machines, opt)
+        averager.close_round()
+        results[name + " closed"] = tensors(machines, opt)
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_the_same_machines_simulated_in_one(tmp_path):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    both = {name: [torch.cat(pair) for pair in zip(ranks[0][name], ranks[1][name])] for name in ranks[0]}
+    for suffix in ("", " closed"):
+        assert all(torch.equal(a, b) for a, b in zip(both["default" + suffix], both["zero" + suffix]))
+    for name in ("tau", "fragments"):
+        machines, opt, averager = make("slowcal", **RUNS[name])
+        train(machines, opt, averager, range(14))
+        assert_close(both[name], tensors(machines, opt))  # the sums grouped otherwise: not bitwise
+        averager.close_round()
+        assert_close(both[name + " closed"], tensors(machines, opt))
