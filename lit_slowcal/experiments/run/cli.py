@@ -60,6 +60,7 @@ from lit_slowcal.experiments.run.options import (
     add_options,
     compression_options,
     links_of,
+    overlap_options,
     step_seconds_of,
 )
 from lit_slowcal.experiments.run.resume import check_checkpoint, check_trains_more, last_checkpoint
@@ -165,6 +166,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             links_of(get("link"))
             step_seconds_of(get("step_seconds"))
             compression_options(get)
+            overlap_options(get)
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
@@ -357,6 +359,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0
         )
         strategy.compression_options.update(compression_options(self.setting))
+        strategy.overlap_options.update(overlap_options(self.setting))
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()

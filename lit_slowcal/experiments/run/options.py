@@ -24,11 +24,12 @@ from typing import Any, Optional, Union
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lit_slowcal._overlap import check_options as check_overlap
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
-from lit_slowcal.experiments.train.shape import check_settings
+from lit_slowcal.experiments.train.shape import check_settings, sync_period
 from lit_slowcal.link import Link
 
 __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
@@ -195,6 +196,22 @@ def compression_options(get: Callable[[str], Any]) -> dict[str, Any]:
     return {"compression": name, "error_feedback": feedback}
 
 
+def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
+    """The strategy's ``overlap_delay`` and ``fragments`` from ``--overlap_delay`` and ``--fragments``, checked
+    against the run's synchronisation period (tau < K / F, F divides K) and ``--compression``; one line for
+    anything else."""
+    tau, parts = get("overlap_delay"), get("fragments")
+    if tau != 0 or parts != 1:
+        period = sync_period(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
+        tau, parts = check_overlap(period, tau, parts)
+        if get("compression") is not None:
+            raise ValueError(
+                f"Invalid compression: {get('compression')!r} with --overlap_delay={tau} --fragments={parts} "
+                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
+            )
+    return {"overlap_delay": tau, "fragments": parts}
+
+
 def add_options(parser: LightningArgumentParser) -> None:
     """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
     parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
@@ -257,6 +274,19 @@ def add_options(parser: LightningArgumentParser) -> None:
         type=Optional[bool],
         default=None,
         help="with --compression, carry what each message lost into the next round; unset: on",
+    )
+    parser.add_argument(
+        "--overlap_delay",
+        type=int,
+        default=0,
+        help="tau: optimizer steps a round's average takes to land while training goes on (0: rounds block; "
+        "< K / fragments; docs/communication.md)",
+    )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="F: the model's parts that take turns, one round every K / F steps (F divides K)",
     )
     parser.add_argument(
         "--threads",

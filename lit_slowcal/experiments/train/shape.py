@@ -44,13 +44,19 @@ from typing import Any, Optional, Union
 from lit_slowcal._validation import check_int, is_int, is_number
 from lit_slowcal.experiments.train.methods import get_method
 
-__all__ = ["RunShape", "check_settings", "hosted_machines", "limited_rounds"]
+__all__ = ["RunShape", "check_settings", "hosted_machines", "limited_rounds", "sync_period"]
 
 
 def check_settings(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> None:
     """Refuse, in one line, a method, M, K or b no run can have: the checks that need no problem (made while
     the command line is parsed, before the problem's N is known)."""
     _per_round(method, num_machines, local_steps, batch_size)
+
+
+def sync_period(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> int:
+    """The optimizer steps between two synchronisations of ``method`` with M, K and b (``RunShape.sync_every``),
+    known before the problem is."""
+    return _per_round(method, num_machines, local_steps, batch_size)[2]
 
 
 def _per_round(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> tuple[int, int, int]:
