@@ -1,5 +1,5 @@
-"""``--compression`` and ``--error_feedback``: what a compressed fit logs, against hand counts, and one line for
-a bad value before anything is built."""
+"""``--compression``, ``--error_feedback``, ``--overlap_delay`` and ``--fragments``: what a compressed or overlapped
+fit logs, against hand counts, and one line for a bad value before anything is built."""
 
 import csv
 
@@ -35,9 +35,32 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
     [
         (["--compression=fp4"], "Invalid compression: 'fp4' (bf16, int8, or unset: the exact average)"),
         (["--error_feedback=false"], "Invalid error_feedback: False (it applies with --compression only"),
+        (["--overlap_delay=64"], "Invalid overlap_delay: 64 (must be < sync_every // fragments = 64"),
+        (["--overlap_delay=-1"], "Invalid overlap_delay: -1"),
+        (["--fragments=3"], "Invalid fragments: 3 (must divide sync_every = 64)"),
+        (
+            ["--method=minibatch_sgd", "--overlap_delay=1"],
+            "Invalid overlap_delay: 1 (must be < sync_every // fragments = 1",
+        ),
+        (
+            ["--compression=int8", "--overlap_delay=1"],
+            "Invalid compression: 'int8' with --overlap_delay=1 --fragments=1 (compressed rounds are blocking",
+        ),
     ],
 )
-def test_a_bad_compression_option_is_one_line_before_training(tmp_path, capsys, args, message):
+def test_a_bad_communication_option_is_one_line_before_training(tmp_path, capsys, args, message):
     code, err = command(capsys, *args, run_dir=tmp_path)
     assert code != 0 and message in error_line(err)
     assert not (tmp_path / RUN).exists()  # refused before anything is built
+
+
+def test_an_overlapped_fit_lands_every_round_and_counts_what_it_sent(tmp_path, capsys):
+    """tau = 1: the rounds started at steps 64, 128 and 192 land a step later (merged with that step's
+    progress); the fourth, started at the last step, is landed by the end of fit, which then synchronises
+    the whole model once more. The last train row is logged at the last round's end: four rounds."""
+    code, err = command(capsys, "--overlap_delay=1", run_dir=tmp_path / "overlap")
+    assert code == 0, err
+    row = last_train_row(tmp_path / "overlap")
+    assert float(row["ring_bytes_per_machine"]) == 4 * EXACT * 2 * (M - 1) / M
+    code, err = command(capsys, run_dir=tmp_path / "exact")
+    assert row["train_loss"] != last_train_row(tmp_path / "exact")["train_loss"]
