@@ -145,7 +145,13 @@ def main() -> None:
     ):
         print(f"{title}, M = {where[0]}, K = {where[1]}\n")
         print("\n".join(table(found, where)) + "\n")
-    figure(mnist, (64, 64), [("test_acc", "test accuracy"), ("excess_loss", "excess loss")], [mb], out / "mnist_m64_k64.png")
+    figure(
+        mnist,
+        (64, 64),
+        [("test_acc", "test accuracy"), ("excess_loss", "excess loss")],
+        [mb],
+        out / "mnist_m64_k64.png",
+    )
     if cnn:
         seconds = ("seconds", "modelled seconds at 1 Gbit/s, 10 ms")
         figure(cnn, (16, 16), [("test_acc", "test accuracy")], [mb, seconds], out / "cnn.png")

@@ -212,6 +212,18 @@ def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
     return {"overlap_delay": tau, "fragments": parts}
 
 
+#: How a round travels (docs/communication.md): (option, type, default, help).
+COMMUNICATION_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("--compression", Optional[str], None,
+     "how a machine's round change travels: bf16 or int8 (docs/communication.md); unset: the exact average"),
+    ("--error_feedback", Optional[bool], None,
+     "with --compression, carry what each message lost into the next round; unset: on"),
+    ("--overlap_delay", int, 0,
+     "tau: optimizer steps a round's average takes to land while training goes on (0: rounds block; < K / fragments)"),
+    ("--fragments", int, 1, "F: the model's parts that take turns, one round every K / F steps (F divides K)"),
+)  # fmt: skip
+
+
 def add_options(parser: LightningArgumentParser) -> None:
     """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
     parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
@@ -263,31 +275,8 @@ def add_options(parser: LightningArgumentParser) -> None:
         help="machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every "
         "round from the seed; unset: all of them",
     )
-    parser.add_argument(
-        "--compression",
-        type=Optional[str],
-        default=None,
-        help="how a machine's round change travels: bf16 or int8 (docs/communication.md); unset: the exact average",
-    )
-    parser.add_argument(
-        "--error_feedback",
-        type=Optional[bool],
-        default=None,
-        help="with --compression, carry what each message lost into the next round; unset: on",
-    )
-    parser.add_argument(
-        "--overlap_delay",
-        type=int,
-        default=0,
-        help="tau: optimizer steps a round's average takes to land while training goes on (0: rounds block; "
-        "< K / fragments; docs/communication.md)",
-    )
-    parser.add_argument(
-        "--fragments",
-        type=int,
-        default=1,
-        help="F: the model's parts that take turns, one round every K / F steps (F divides K)",
-    )
+    for name, kind, default, text in COMMUNICATION_OPTIONS:
+        parser.add_argument(name, type=kind, default=default, help=text)
     parser.add_argument(
         "--threads",
         type=THREADS_TYPE,
