@@ -1,10 +1,12 @@
 """The compressed average of ``PeriodicAverager`` (the semantics are ``lit_slowcal.compression``'s).
 
-``CompressedAverage`` keeps, per averaged tensor, the anchor (the value every machine held after the
-last synchronisation, one machine's shape) and the error-feedback buffers: ``error`` per machine of
-this process (the tensor's own shape, stacked or not), ``owner_error`` for the blocks of the chunks
-this process reduces (one machine's shape, zero elsewhere). ``average`` runs one synchronisation of
-the tensors that have an anchor; the caller averages the others exactly and then calls ``anchor``.
+``CompressedAverage`` keeps, per averaged tensor (by its place in the averager's tensors, while their
+shapes, dtypes and stacking stay those of ``signature``), the anchor (the value every machine held after
+the last synchronisation, one machine's shape) and the error-feedback buffers: ``errors`` per machine of
+this process (the tensor's own shape, stacked or not), ``owner_errors`` for the blocks of the chunk this
+process reduces (one machine's shape, zero elsewhere). ``average`` runs one synchronisation of tensors
+that are ``ready``; the caller averages them exactly otherwise, and then calls ``anchor``. Kept by
+place, not by tensor object: an optimizer state loaded afresh (new tensors, the same places) keeps them.
 """
 
 from __future__ import annotations
@@ -86,45 +88,65 @@ class CompressedAverage:
     def __init__(self, code: Compressor, error_feedback: bool) -> None:
         self.code = code
         self.error_feedback = error_feedback
-        self.anchors: dict[int, Tensor] = {}  # id(tensor) -> its anchor
-        self.errors: dict[int, Tensor] = {}  # id(tensor) -> this process's machines' error feedback
-        self.owner_errors: dict[int, Tensor] = {}  # id(tensor) -> the second stage's, on the blocks owned here
+        # By a tensor's place in the averager's tensors, valid while their shapes, dtypes and stacking are
+        # ``signature``'s (state that appears, or a model of another shape, starts afresh: an exact round).
+        self.signature: Optional[list[Any]] = None
+        self.anchors: dict[int, Tensor] = {}  # the value every machine held after the last synchronisation
+        self.errors: dict[int, Tensor] = {}  # this process's machines' error feedback
+        self.owner_errors: dict[int, Tensor] = {}  # the second stage's, on the blocks this process reduces
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
 
     # -- state ------------------------------------------------------------------------------------
 
-    def has_anchor(self, t: Tensor) -> bool:
-        return id(t) in self.anchors
+    @staticmethod
+    def signature_of(tensors: Tensors) -> list[Any]:
+        """The shapes, dtypes and stacking of ``tensors``, as plain data."""
+        return [[list(t.shape), str(t.dtype), bool(s)] for t, s in tensors]
+
+    def ready(self, tensors: Tensors) -> bool:
+        """Whether ``tensors`` have anchors: those of the last synchronisation (or ``broadcast()``, or a loaded
+        state) of tensors of the same shapes, dtypes and stacking."""
+        return self.signature is not None and self.signature == self.signature_of(tensors)
 
     def anchor(self, tensors: Tensors) -> None:
-        """Every tensor's current value (machine 0's slice for a stacked one) is its anchor."""
-        for t, s in tensors:
+        """Every tensor's current value (machine 0's slice for a stacked one) is its anchor; the error
+        feedback starts afresh where the tensors changed."""
+        signature = self.signature_of(tensors)
+        if signature != self.signature:
+            self.signature = signature
+            self.anchors.clear()
+            self.errors.clear()
+            self.owner_errors.clear()
+        for k, (t, s) in enumerate(tensors):
             value = (t[0] if s else t).detach()
-            a = self.anchors.get(id(t))
-            if a is None or a.shape != value.shape or a.dtype != value.dtype:
-                self.anchors[id(t)] = value.clone()
+            if k in self.anchors:
+                self.anchors[k].copy_(value)
             else:
-                a.copy_(value)
+                self.anchors[k] = value.clone()
 
-    def state_dict(self, tensors: Tensors) -> dict[str, list[Optional[Tensor]]]:
-        """The anchors and buffers, one entry per tensor of ``tensors`` (``None`` where it has none)."""
-        return {
-            name: [store.get(id(t)) for t, _ in tensors]
-            for name, store in (("anchors", self.anchors), ("errors", self.errors), ("owner_errors", self.owner_errors))
-        }
-
-    def load_state_dict(self, state: dict[str, list[Optional[Tensor]]], tensors: Tensors) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """The signature, the anchors and the buffers, one entry per tensor (``None`` where it has none)."""
+        n = len(self.signature or [])
+        state: dict[str, Any] = {"signature": self.signature}
         for name, store in (("anchors", self.anchors), ("errors", self.errors), ("owner_errors", self.owner_errors)):
-            saved = state.get(name, [None] * len(tensors))
-            if len(saved) != len(tensors):
-                raise ValueError(
-                    f"Cannot load the averager's compression state: it holds {name} for {len(saved)} tensors and "
-                    f"this averager averages {len(tensors)}; build it on the same model and optimizer"
-                )
+            state[name] = [store.get(k) for k in range(n)]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take ``state_dict()``'s (the next synchronisation is exact if the tensors then differ from its signature)."""
+        self.signature = state.get("signature")
+        for name, store in (("anchors", self.anchors), ("errors", self.errors), ("owner_errors", self.owner_errors)):
             store.clear()
-            for (t, _), value in zip(tensors, saved):
+            for k, value in enumerate(state.get(name, [])):
                 if value is not None:
-                    store[id(t)] = value.detach().clone().to(t.device)
+                    store[k] = value.detach().clone()
+
+    def to(self, tensors: Tensors) -> None:
+        """The loaded anchors and buffers on the devices of ``tensors`` (when they match the signature)."""
+        if self.ready(tensors):
+            for store in (self.anchors, self.errors, self.owner_errors):
+                for k, value in store.items():
+                    store[k] = value.to(tensors[k][0].device)
 
     # -- one synchronisation ----------------------------------------------------------------------
 
@@ -140,14 +162,15 @@ class CompressedAverage:
         there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
         machine's message has in the first stage and the mean's in the second (codes and per-block
         values, no padding)."""
+        self.to(tensors)  # a loaded state's tensors, from the CPU
         world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank(process_group) if world > 1 else 0
-        groups: dict[tuple[torch.device, torch.dtype], Tensors] = {}
-        for t, s in tensors:
-            groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((t, s))
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor, bool]]] = {}
+        for k, (t, s) in enumerate(tensors):
+            groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((k, t, s))
         first = second = 0
         for (_, acc), items in groups.items():
-            layout = self._layout(items, world)
+            layout = self._layout([(t, s) for _, t, s in items], world)
             a, b = self._average_group(
                 items, layout, acc, participants, machines_per_process, world, rank, process_group
             )
@@ -181,7 +204,7 @@ class CompressedAverage:
 
     def _average_group(
         self,
-        items: Tensors,
+        items: list[tuple[int, Tensor, bool]],
         layout: _Layout,
         acc: torch.dtype,
         participants: Optional[Tensor],
@@ -192,25 +215,25 @@ class CompressedAverage:
     ) -> tuple[int, int]:
         B, NB, code = self.code.block_size, layout.NB, self.code
         W = NB * B
-        device = items[0][0].device
+        device = items[0][1].device
         mine = None if participants is None else participants[rank * m : (rank + 1) * m]
         # 1. Every machine's change (with its error feedback) in the padded buffer [m, NB * B], zeros between tensors.
         changes = torch.zeros(m, W, dtype=acc, device=device)
-        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
             value = t.detach().reshape(m if s else 1, n)
             delta = changes[:, st : st + n]
-            delta.copy_(value.to(acc) - self.anchors[id(t)].reshape(1, n).to(acc))
-            e = self.errors.get(id(t))
+            delta.copy_(value.to(acc) - self.anchors[k].reshape(1, n).to(acc))
+            e = self.errors.get(k)
             if e is not None:
                 delta.add_(e.reshape(m, n))
         codes, per_block = code.encode(changes.view(m, NB, B))
         decoded = code.decode(codes, per_block, acc).view(m, W)
         if self.error_feedback:
-            for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+            for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
                 lost = changes[:, st : st + n] - decoded[:, st : st + n]
-                e = self.errors.get(id(t))
+                e = self.errors.get(k)
                 if e is None:
-                    e = self.errors[id(t)] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=device)
+                    e = self.errors[k] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=device)
                 if mine is None:
                     e.view(m, n).copy_(lost)
                 else:
@@ -263,31 +286,35 @@ class CompressedAverage:
             result = mean
 
         # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
-        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
-            a = self.anchors[id(t)]
+        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
+            a = self.anchors[k]
             new = (a.to(acc).reshape(-1) + result[st : st + n]).to(t.dtype).view(a.shape)
             a.copy_(new)
             t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
         return first, second
 
-    def _owner_chunk(self, items: Tensors, layout: _Layout, acc: torch.dtype, lo: int, hi: int) -> Tensor:
+    def _owner_chunk(
+        self, items: list[tuple[int, Tensor, bool]], layout: _Layout, acc: torch.dtype, lo: int, hi: int
+    ) -> Tensor:
         """The second stage's error feedback on the padded range ``lo:hi`` (this process's chunk)."""
-        out = torch.zeros(hi - lo, dtype=acc, device=items[0][0].device)
-        for (t, _), st, n in zip(items, layout.starts, layout.sizes):
-            e = self.owner_errors.get(id(t))
+        out = torch.zeros(hi - lo, dtype=acc, device=items[0][1].device)
+        for (k, t, _), st, n in zip(items, layout.starts, layout.sizes):
+            e = self.owner_errors.get(k)
             a, b = max(st, lo), min(st + n, hi)
             if e is not None and a < b:
                 out[a - lo : b - lo] = e.reshape(-1)[a - st : b - st]
         return out
 
-    def _keep_owner_chunk(self, items: Tensors, layout: _Layout, lost: Tensor, lo: int, hi: int) -> None:
-        for (t, s), st, n in zip(items, layout.starts, layout.sizes):
+    def _keep_owner_chunk(
+        self, items: list[tuple[int, Tensor, bool]], layout: _Layout, lost: Tensor, lo: int, hi: int
+    ) -> None:
+        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
             a, b = max(st, lo), min(st + n, hi)
             if a >= b:
                 continue
-            e = self.owner_errors.get(id(t))
+            e = self.owner_errors.get(k)
             if e is None:
-                e = self.owner_errors[id(t)] = torch.zeros(
+                e = self.owner_errors[k] = torch.zeros(
                     t.shape[1:] if s else t.shape, dtype=lost.dtype, device=lost.device
                 )
             e.reshape(-1)[a - st : b - st] = lost[a - lo : b - lo]

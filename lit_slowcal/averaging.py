@@ -390,7 +390,7 @@ class PeriodicAverager:
         if own:  # absent where the optimizer keeps no tensor per machine (SGD without momentum, SlowcalSGD)
             state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {self.rank: own}}
         if self.compressed is not None:  # the anchors and this process's error feedback, per averaged tensor
-            coded = self.compressed.state_dict(self._tensors())
+            coded = self.compressed.state_dict()
             state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {self.rank: coded}}
         return state
 
@@ -464,7 +464,7 @@ class PeriodicAverager:
         if self.outer is not None and "outer" in state:
             _server.load_state(self.outer, self.global_params, state["outer"])
         if self.compressed is not None:
-            self.compressed.load_state_dict(coded, self._tensors())
+            self.compressed.load_state_dict(coded)
         if own is not None:
             keys = self._averaged_keys()
             _machine_state.load(self.optimizer, own, keys)
@@ -794,20 +794,12 @@ class PeriodicAverager:
         with ``compression`` the tensors that have an anchor compressed (``lit_slowcal._compressed``).
         Returns ``None`` when all went exactly, else one participant's bytes in the two stages."""
         m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
-        coded: Tensors = []
-        if self.compressed is not None and self.num_machines > 1:
-            coded = [(t, s) for t, s in tensors if self.compressed.has_anchor(t)]
-        ids = {id(t) for t, _ in coded}
-        exact = [(t, s) for t, s in tensors if id(t) not in ids]
-        if exact:
-            _communication.average(exact, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap)
-        if not coded:
+        coded = self.compressed
+        if coded is None or self.num_machines == 1 or not coded.ready(tensors):
+            _communication.average(tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap)
             return None
-        assert self.compressed is not None
         participants = None if weights is None else weights > 0
-        first, second = self.compressed.average(coded, participants, machines_per_process=m, process_group=group)
-        payload = link.payload_bytes(exact)
-        return payload + first, payload + second
+        return coded.average(tensors, participants, machines_per_process=m, process_group=group)
 
     def _start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
         """Start ``_average``'s all-reduces without waiting for them (``_communication.start_average``)."""

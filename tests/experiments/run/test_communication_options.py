@@ -64,3 +64,23 @@ def test_an_overlapped_fit_lands_every_round_and_counts_what_it_sent(tmp_path, c
     assert float(row["ring_bytes_per_machine"]) == 4 * EXACT * 2 * (M - 1) / M
     code, err = command(capsys, run_dir=tmp_path / "exact")
     assert row["train_loss"] != last_train_row(tmp_path / "exact")["train_loss"]
+
+
+@pytest.mark.parametrize("args", [("--compression=int8",), ("--overlap_delay=1", "--fragments=2")])
+def test_a_compressed_or_overlapped_run_stopped_mid_epoch_resumes_exactly(tmp_path, capsys, args):
+    """Stopped after 2 of 4 rounds (its checkpoint closes the round: the anchors and error feedback saved, nothing
+    in flight), then resumed: it ends with the bits of the uninterrupted run, which checkpoints (and so closes the
+    round in flight, with overlap) at the same step."""
+    import torch
+
+    full, runs = tmp_path / "full", tmp_path / "runs"
+    args = (*args, "--checkpoint_every=2")
+    assert command(capsys, *args, run_dir=full)[0] == 0
+    assert command(capsys, *args, "--trainer.max_steps=128", run_dir=runs)[0] == 0
+    code, err = command(capsys, *args, "--ckpt_path=last", run_dir=runs)
+    assert code == 0, err[-3000:]
+    resumed = torch.load(runs / RUN / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    reference = torch.load(full / RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == reference["global_step"] == 256
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
