@@ -183,6 +183,11 @@ class PeriodicAverager:
                 f"Invalid fragments: {self.fragments} ({type(optimizer).__name__}'s pre_sync/post_sync act on the "
                 "whole model at once; use fragments=1)"
             )
+        if self.overlap_delay and (protocol.pre_sync is not None or protocol.post_sync is not None):
+            raise ValueError(
+                f"Invalid overlap_delay: {self.overlap_delay} ({type(optimizer).__name__}'s post_sync takes the "
+                "round's average in the step its pre_sync starts it; use overlap_delay=0)"
+            )
         _communication.check_unsharded(self.modules, optimizer)
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):

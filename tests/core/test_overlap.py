@@ -246,6 +246,11 @@ def test_bad_values_are_one_line_each():
     ) as error:
         PeriodicAverager(machines, Scaffold(machines.parameters(), lr=0.1), sync_every=4, fragments=2)
     one_line(error)
+    with pytest.raises(
+        ValueError, match=r"Invalid overlap_delay: 1 \(Scaffold's post_sync takes the round's average in the step"
+    ) as error:
+        PeriodicAverager(machines, Scaffold(machines.parameters(), lr=0.1), sync_every=4, overlap_delay=1)
+    one_line(error)
     averager = PeriodicAverager(machines, sgd, sync_every=4, overlap_delay=1, fragments=2)
     with pytest.raises(ValueError, match=r"Invalid sync_every: 2 \(must be a multiple of fragments = 2 and >= \(overlap_delay \+ 1\) x fragments = 4\)") as error:  # fmt: skip
         averager.sync_every = 2
