@@ -104,7 +104,8 @@ def table(found: dict[tuple, dict[str, float]], where: tuple) -> list[str]:
 
 def figure(found: dict, where: tuple, metrics: list[tuple[str, str]], xs: list[tuple[str, str]], path: Path) -> None:
     fig, axes = plt.subplots(len(metrics), len(xs), figsize=(5.5 * len(xs), 3.8 * len(metrics)), squeeze=False)
-    markers = {"float32": "o", "bf16": "s", "bf16 no EF": "D", "int8": "^", "int8 no EF": "v"}
+    markers = {"float32": "o", "bf16": "s", "bf16 no EF": "D", "int8": "^", "int8 no EF": "v",
+               "overlap tau=1 F=1": "P", "overlap tau=1 F=4": "*"}  # fmt: skip
     for (method, M, K, var), c in sorted(found.items()):
         if (M, K) != where:
             continue
@@ -122,7 +123,7 @@ def figure(found: dict, where: tuple, metrics: list[tuple[str, str]], xs: list[t
                 ax.grid(True, alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"M = {where[0]}, K = {where[1]}: final metrics against what a machine sent (mean of the seeds)")
+    fig.suptitle(f"M = {where[0]}, K = {where[1]}: final metrics against\nwhat a machine sent (mean of the seeds)", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
