@@ -123,7 +123,9 @@ def figure(found: dict, where: tuple, metrics: list[tuple[str, str]], xs: list[t
                 ax.grid(True, alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"M = {where[0]}, K = {where[1]}: final metrics against\nwhat a machine sent (mean of the seeds)", fontsize=10)
+    fig.suptitle(
+        f"M = {where[0]}, K = {where[1]}: final metrics against\nwhat a machine sent (mean of the seeds)", fontsize=10
+    )
     fig.tight_layout(rect=(0, 0.12, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

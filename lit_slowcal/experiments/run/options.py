@@ -29,7 +29,7 @@ from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
-from lit_slowcal.experiments.train.shape import check_settings, sync_period
+from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
 from lit_slowcal.link import Link
 
 __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
@@ -202,7 +202,7 @@ def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
     anything else."""
     tau, parts = get("overlap_delay"), get("fragments")
     if tau != 0 or parts != 1:
-        period = sync_period(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
+        period = steps_between_syncs(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
         tau, parts = check_overlap(period, tau, parts)
         if get("compression") is not None:
             raise ValueError(

@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 from lit_slowcal._validation import check_int, is_int, is_number
 from lit_slowcal.experiments.train.methods import get_method
 
-__all__ = ["RunShape", "check_settings", "hosted_machines", "limited_rounds", "sync_period"]
+__all__ = ["RunShape", "check_settings", "hosted_machines", "limited_rounds", "steps_between_syncs"]
 
 
 def check_settings(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> None:
@@ -53,7 +53,7 @@ def check_settings(method: Any, num_machines: Any, local_steps: Any, batch_size:
     _per_round(method, num_machines, local_steps, batch_size)
 
 
-def sync_period(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> int:
+def steps_between_syncs(method: Any, num_machines: Any, local_steps: Any, batch_size: Any) -> int:
     """The optimizer steps between two synchronisations of ``method`` with M, K and b (``RunShape.sync_every``),
     known before the problem is."""
     return _per_round(method, num_machines, local_steps, batch_size)[2]
