@@ -298,6 +298,10 @@ def test_trials_of_another_problem_run_one_at_a_time_and_say_why(command_line):
     assert stacked.stackable(config) == (
         "data.problem is set (stacking trains the default problem, MNIST, only; use data.problem=null)"
     )
+    for extra in (["--overlap_delay=1"], ["--fragments=2"]):  # overlapped rounds: one at a time
+        config = command_line.parse(base + extra).fit.as_dict()
+        assert stacked.stackable(config) == "overlap_delay or fragments is set (stacking runs blocking rounds)"
+    assert stacked.stackable(command_line.parse(base + ["--compression=int8"]).fit.as_dict()) is None  # stacked
 
 
 def test_stack_memory_must_be_positive(tmp_path, capsys):
