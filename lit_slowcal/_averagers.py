@@ -98,6 +98,11 @@ class AveragerSet:
         """What one participating machine has sent so far, for the ring model (all optimizers' averagers)."""
         return sum((a.link_counts for a in self.averagers.values()), LinkCounts())
 
+    @property
+    def overlapped_counts(self) -> LinkCounts:
+        """The part of ``link_counts`` sent by overlapped rounds (``PeriodicAverager.overlapped_counts``)."""
+        return sum((a.overlapped_counts for a in self.averagers.values()), LinkCounts())
+
     def ddp_counts(self) -> LinkCounts:
         """What DDP would have sent over the same optimizer steps (all optimizers' averagers)."""
         return sum((a.ddp_counts() for a in self.averagers.values()), LinkCounts())

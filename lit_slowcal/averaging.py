@@ -206,6 +206,9 @@ class PeriodicAverager:
         self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
         self.bytes_communicated: Union[int, float] = 0  # the same in bytes, in the dtypes sent
         self.link_counts = link.LinkCounts()  # one participant's, for the ring model (lit_slowcal.link)
+        #: The part of ``link_counts`` sent by overlapped rounds (tau >= 1), whose seconds training hides up to
+        #: tau steps of compute a round (``lit_slowcal.link.hidden_seconds``).
+        self.overlapped_counts = link.LinkCounts()
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -353,6 +356,7 @@ class PeriodicAverager:
         self.link_counts = sum(
             (self._link_counts(first, second, syncs=count) for (first, second), count in sizes), link.LinkCounts()
         )
+        self.overlapped_counts = self.link_counts if self.overlap_delay else link.LinkCounts()
 
     def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
         """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
@@ -389,6 +393,7 @@ class PeriodicAverager:
         }
         if self._overlapped:
             state["settled_step"] = self._settled_step
+            state["overlapped_counts"] = self.overlapped_counts.state_dict()
         if self.outer is not None:
             state["outer"] = _server.state_dict(self.outer, self.global_params)
         own = _machine_state.local_state(self.optimizer, self._averaged_keys())
@@ -458,6 +463,7 @@ class PeriodicAverager:
         # States saved before the key existed come from schedules that synchronised every K only.
         self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
         self._settled_step = int(state.get("settled_step", self.last_sync_step))
+        self.overlapped_counts = link.LinkCounts.from_state_dict(state.get("overlapped_counts", {}))
         floats = state["floats_communicated"]
         self.floats_communicated = floats if isinstance(floats, float) else int(floats)
         if "link_counts" in state:
@@ -698,6 +704,7 @@ class PeriodicAverager:
                 return
             land = self.steps + self.overlap_delay
             self._in_flight = _overlap.Round(tensors, land, lambda result: self._start_average(result, weights))
+            self.overlapped_counts += self._link_counts(link.payload_bytes(tensors))
         self.num_syncs += 1
         self.last_sync_step = self.steps
 

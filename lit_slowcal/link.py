@@ -35,7 +35,9 @@ from torch import Tensor
 
 from lit_slowcal._validation import check_int, check_number
 
-__all__ = ["Link", "LinkCounts", "compare", "ddp_counts", "payload_bytes", "ring_bytes_sent", "ring_hops"]
+__all__ = [
+    "Link", "LinkCounts", "compare", "ddp_counts", "hidden_seconds", "payload_bytes", "ring_bytes_sent", "ring_hops",
+]  # fmt: skip
 
 #: Bandwidth units: bytes per second of one unit. Bits are decimal (1 Gbit/s = 10^9 bits/s = 1.25e8 B/s).
 BANDWIDTH_UNITS: dict[str, Decimal] = {
@@ -221,6 +223,15 @@ class LinkCounts:
             ring_hops=int(state.get("ring_hops", 0)),
             check_bytes=int(state.get("check_bytes", 0)),
         )
+
+
+def hidden_seconds(overlapped: LinkCounts, link: Link, delay_seconds: float) -> float:
+    """The communication seconds at ``link`` that training hides in the overlapped rounds counted by
+    ``overlapped`` (``PeriodicAverager.overlapped_counts``): each round's, up to ``delay_seconds`` (tau steps
+    of compute) a round, the rounds taken as equal (a round's seconds: their mean)."""
+    if overlapped.syncs == 0:
+        return 0.0
+    return overlapped.syncs * min(overlapped.seconds(link) / overlapped.syncs, delay_seconds)
 
 
 def ddp_counts(parameter_bytes: int, steps: int, machines: int) -> LinkCounts:

@@ -321,3 +321,14 @@ def test_two_processes_count_the_hand_value_and_the_checks_apart(tmp_path):
     assert counts.seconds(link) == pytest.approx(3 * link.all_reduce_seconds(144, 4), rel=1e-12)  # checks apart
     # DDP: 12 steps of one machine's 18 float32 gradients (72 bytes) among 4: 108 bytes and 6 hops a step.
     assert out["ddp"] == {"syncs": 12, "payload_bytes": 864, "ring_bytes": 1296.0, "ring_hops": 72, "check_bytes": 0}
+
+
+def test_hidden_seconds_are_each_overlapped_rounds_up_to_the_delay():
+    from lit_slowcal.link import hidden_seconds
+
+    link = Link.parse("1Gbit/s,10ms")
+    rounds = LinkCounts.of_syncs(1_000_000, 4, syncs=5)  # each round: 6 latencies and 1.5 MB on the ring
+    one = 6 * 0.01 + 1_500_000 / 1.25e8
+    assert hidden_seconds(rounds, link, 1.0) == pytest.approx(5 * one, rel=1e-15)  # all of it hidden
+    assert hidden_seconds(rounds, link, 0.02) == pytest.approx(5 * 0.02, rel=1e-15)  # up to the delay a round
+    assert hidden_seconds(LinkCounts(), link, 1.0) == 0.0

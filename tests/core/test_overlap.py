@@ -302,3 +302,18 @@ def test_two_gloo_processes_equal_the_same_machines_simulated_in_one(tmp_path):
         assert_close(both[name], tensors(machines, opt))  # the sums grouped otherwise: not bitwise
         averager.close_round()
         assert_close(both[name + " closed"], tensors(machines, opt))
+
+
+def test_overlapped_rounds_are_counted_apart_for_the_time_they_hide():
+    """``overlapped_counts``: the rounds started overlapped (each a whole round's counts here, F = 1), not the
+    blocking synchronisation that closes a round; saved and restored with the schedule."""
+    machines, opt, averager = make("sgd", overlap_delay=1)
+    train(machines, opt, averager, range(13))  # rounds start at 4, 8 and 12, each landing a step later
+    one = 2 * DIM * 8 * 2 * (M - 1) / M  # a and b, float64, on the ring among M
+    assert averager.overlapped_counts.syncs == 3 and averager.overlapped_counts.ring_bytes == 3 * one
+    averager.close_round()  # lands, then one blocking synchronisation of the whole model
+    assert averager.link_counts.syncs == 4 and averager.overlapped_counts.syncs == 3
+    state = averager.state_dict()
+    _, _, restored = make("sgd", overlap_delay=1)
+    restored.load_state_dict(state)
+    assert restored.overlapped_counts == averager.overlapped_counts

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lit_slowcal.experiments.measure.diagnostics import Diagnostics
 from lit_slowcal.experiments.print_once import Note
+from lit_slowcal.experiments.train.rounds import modelled_wall
 
 __all__ = ["diagnostics_lines", "link_lines", "summary_lines"]
 
@@ -75,7 +76,7 @@ def link_lines(trainer: Trainer, get: Callable[..., Any]) -> list[str]:
     ]
     for link in model.links:
         comm, ddp = counts.sent.seconds(link), counts.ddp.seconds(link)
-        wall, ddp_wall = compute + comm, compute + ddp
+        wall, ddp_wall = modelled_wall(counts, link, step_seconds) if math.isfinite(step_seconds) else (math.nan,) * 2
         lines.append(
             f"  {link}: sent {_size(counts.sent.ring_bytes)}, {comm:.3g} s; wall {wall:.3g} s | DDP: "
             f"{_size(counts.ddp.ring_bytes)}, {ddp:.3g} s; wall {ddp_wall:.3g} s | {_times(counts.ddp.ring_bytes, counts.sent.ring_bytes)} "

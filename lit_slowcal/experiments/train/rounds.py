@@ -35,13 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_slowcal.experiments.train.shape import RunShape
-from lit_slowcal.link import Link, LinkCounts
+from lit_slowcal.link import Link, LinkCounts, hidden_seconds
 from lit_slowcal.protocol import declared
 
 __all__ = [
     "RoundCounts", "RoundDriver", "RoundEnd", "RoundSchedule", "TrainingDiverged", "add_round_loss", "count_columns",
     "cross_entropy", "divergence", "diverged_trials", "epoch_mean", "epoch_value", "epoch_values", "evaluation_row",
-    "link_columns", "link_tag", "mean_train_loss", "round_losses", "swap_outputs", "test_loss", "train_row", "trial_status",
+    "link_columns", "link_tag", "mean_train_loss", "modelled_wall", "round_losses", "swap_outputs", "test_loss", "train_row", "trial_status",
 ]  # fmt: skip
 
 
@@ -119,6 +119,8 @@ class RoundCounts:
     floats: Union[int, float]
     sent: LinkCounts = LinkCounts()
     ddp: LinkCounts = LinkCounts()
+    overlapped: LinkCounts = LinkCounts()  # the part of ``sent`` in overlapped rounds
+    overlap_delay: int = 0  # tau: the optimizer steps an overlapped round's communication hides behind
 
 
 def count_columns(counts: RoundCounts) -> dict[str, float]:
@@ -139,18 +141,25 @@ def link_tag(link: Link) -> str:
     return str(link).replace("/s", "ps").replace(",", "_")
 
 
+def modelled_wall(counts: RoundCounts, link: Link, step_seconds: float) -> tuple[float, float]:
+    """The modelled wall time at ``link`` with ``step_seconds`` of compute an optimizer step, and DDP's: compute
+    plus communication (blocking rounds: the two add), less what overlapped rounds hide behind the tau steps
+    after each (``lit_slowcal.link.hidden_seconds``)."""
+    compute = counts.steps * step_seconds
+    hidden = hidden_seconds(counts.overlapped, link, counts.overlap_delay * step_seconds)
+    return compute + counts.sent.seconds(link) - hidden, compute + counts.ddp.seconds(link)
+
+
 def link_columns(counts: RoundCounts, links: Sequence[Link], step_seconds: Optional[float] = None) -> dict[str, float]:
-    """Per link, the modelled communication seconds so far (``comm_s_<tag>``) and DDP's over the same steps
-    (``ddp_comm_s_<tag>``); with a compute time per optimizer step, the modelled wall time, compute plus
-    communication (``wall_s_<tag>``, ``ddp_wall_s_<tag>``: blocking rounds, the two add)."""
+    """Per link, the modelled communication seconds so far (``comm_s_<tag>``: the link busy, overlapped or not)
+    and DDP's over the same steps (``ddp_comm_s_<tag>``); with a compute time per optimizer step, the modelled
+    wall time (``wall_s_<tag>``, ``ddp_wall_s_<tag>``: ``modelled_wall``)."""
     out: dict[str, float] = {}
     for link in links:
         tag = link_tag(link)
-        comm, ddp = counts.sent.seconds(link), counts.ddp.seconds(link)
-        out[f"comm_s_{tag}"], out[f"ddp_comm_s_{tag}"] = comm, ddp
+        out[f"comm_s_{tag}"], out[f"ddp_comm_s_{tag}"] = counts.sent.seconds(link), counts.ddp.seconds(link)
         if step_seconds is not None:
-            compute = counts.steps * step_seconds
-            out[f"wall_s_{tag}"], out[f"ddp_wall_s_{tag}"] = compute + comm, compute + ddp
+            out[f"wall_s_{tag}"], out[f"ddp_wall_s_{tag}"] = modelled_wall(counts, link, step_seconds)
     return out
 
 

@@ -84,3 +84,16 @@ def test_a_compressed_or_overlapped_run_stopped_mid_epoch_resumes_exactly(tmp_pa
     assert resumed["global_step"] == reference["global_step"] == 256
     for key, value in reference["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), key
+
+
+def test_an_overlapped_rounds_wall_time_hides_up_to_tau_steps_of_each_round(tmp_path, capsys):
+    """The link is busy as long (comm_s), but each of the four overlapped rounds hides up to tau = 1 step of
+    compute (1 ms) of its 60.75 ms: the modelled wall time is compute + communication - 4 x 1 ms."""
+    code, err = command(
+        capsys, "--overlap_delay=1", "--link=1Gbit/s,10ms", "--step_seconds=1e-3", run_dir=tmp_path / "overlap"
+    )
+    assert code == 0, err
+    row = last_train_row(tmp_path / "overlap")
+    one_round = 2 * (M - 1) * 10e-3 + EXACT * 2 * (M - 1) / M / 1.25e8
+    assert float(row["comm_s_1Gbitps_10ms"]) == pytest.approx(4 * one_round, rel=1e-15)
+    assert float(row["wall_s_1Gbitps_10ms"]) == pytest.approx(256 * 1e-3 + 4 * one_round - 4 * 1e-3, rel=1e-15)
