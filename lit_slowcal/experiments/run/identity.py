@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 __all__ = [
-    "CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RESULT_SETTINGS", "SEED_KEYS", "SHAPE_KEYS", "RunIdentity", "allowed_on_resume",
+    "ADDED_AT_DEFAULT", "CHECKPOINT_KEY", "MAY_CHANGE_ON_RESUME", "RESULT_SETTINGS", "SEED_KEYS", "SHAPE_KEYS", "RunIdentity", "allowed_on_resume",
     "check_same_run", "may_change_on_resume", "run_identity", "trial_identity",
 ]  # fmt: skip
 
@@ -131,6 +131,9 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
         flat["data.problem"] = {**problem, "class_path": _PROBLEMS_MODULE_STORED + name}
     for key in SHAPE_KEYS:
         flat.pop(key, None)
+    for key, default in ADDED_AT_DEFAULT.items():
+        if key in flat and flat[key] == default:
+            flat.pop(key)
     if flat.get("data.problem") in _DEFAULT_PROBLEM:  # the default problem named: the same run as left unset
         flat["data.problem"] = None
     return flat
@@ -140,6 +143,11 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
 #: config file of an earlier version and then checked against the shape): left out of every identity, as they
 #: were when they were computed while parsing, so that the digests stay the same.
 SHAPE_KEYS = ("data.steps_per_round", "data.batch_size")
+
+#: Settings added after identities were first stored, left out of an identity at their default (the run they
+#: describe is the one from before the setting existed), so that the digests of results files and checkpoints
+#: written before stay the same; any other value is part of it.
+ADDED_AT_DEFAULT: dict[str, Any] = {"compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1}
 
 # A problem's class path in an identity: as it was when the stored identities were written (results files,
 # checkpoints), before the problems moved to ``lit_slowcal.experiments.data.problems``; the digests stay the same.
@@ -154,8 +162,9 @@ _DEFAULT_PROBLEM = (
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    # Keys present on one side only (an option added or removed since) are not compared. Values
-    # are shown as JSON: null, true, "zeros", as in a config file.
+    # Keys present on one side only (an option added or removed since) are not compared, but for those
+    # ADDED_AT_DEFAULT, absent at their default. Values are shown as JSON: null, true, "zeros", as in a config file.
+    saved, now = ({**ADDED_AT_DEFAULT, **side} for side in (saved, now))
     return [
         f"{key} {json.dumps(saved[key])} in the checkpoint, {json.dumps(now[key])} now"
         for key in sorted(saved.keys() & now.keys())

@@ -97,3 +97,19 @@ def test_an_overlapped_rounds_wall_time_hides_up_to_tau_steps_of_each_round(tmp_
     one_round = 2 * (M - 1) * 10e-3 + EXACT * 2 * (M - 1) / M / 1.25e8
     assert float(row["comm_s_1Gbitps_10ms"]) == pytest.approx(4 * one_round, rel=1e-15)
     assert float(row["wall_s_1Gbitps_10ms"]) == pytest.approx(256 * 1e-3 + 4 * one_round - 4 * 1e-3, rel=1e-15)
+
+
+def test_a_resume_with_another_compression_or_overlap_is_another_run(tmp_path, capsys):
+    """The options define the run: left out of its identity at their defaults only (the digests of runs from
+    before they existed stay the same), so a resume that drops or changes one is refused, naming it."""
+    from lit_slowcal.experiments.run.identity import run_identity
+
+    assert not {"compression", "error_feedback", "overlap_delay", "fragments"} & set(
+        run_identity({"method": "slowcal", "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1})
+    )
+    runs = tmp_path / "runs"
+    assert command(capsys, "--compression=int8", "--trainer.max_steps=128", run_dir=runs)[0] == 0
+    code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
+    assert code != 0 and 'compression "int8" in the checkpoint, null now' in error_line(err)
+    code, err = command(capsys, "--compression=int8", "--overlap_delay=1", "--ckpt_path=last", run_dir=runs)
+    assert code != 0 and "Invalid compression: 'int8' with --overlap_delay=1" in error_line(err)
