@@ -188,7 +188,13 @@ class PeriodicAverager:
                 f"Invalid overlap_delay: {self.overlap_delay} ({type(optimizer).__name__}'s post_sync takes the "
                 "round's average in the step its pre_sync starts it; use overlap_delay=0)"
             )
-        _communication.check_unsharded(self.modules, optimizer)
+        #: Whether the model holds FSDP2 shards (DTensors), averaged by their local tensors (docs/sharded.md).
+        self.sharded = _communication.check_sharding(self.modules, optimizer, process_group)
+        if self.sharded and (self.fragments > 1 or machines_per_process(self.modules) > 1):
+            raise ValueError(
+                f"PeriodicAverager: a sharded model with fragments={self.fragments} or SimulatedMachines; supported "
+                "with FSDP2: one machine per process and fragments=1 (docs/sharded.md)"
+            )
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
             raise ValueError(f"Invalid average_state: {average_state!r} (a sequence of state key names)")
