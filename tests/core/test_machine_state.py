@@ -5,14 +5,12 @@ The Trainer's exact resume of AdamW, DiLoCo, momentum and SCAFFOLD on two proces
 tests/library/test_user_project.py; here the rules themselves, and two gloo processes of a plain loop.
 """
 
-import os
-import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import finish_rank, spawn_ranks
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines
@@ -167,17 +165,13 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         }
 
     attempt("rank0_state", rank0_state_on_rank1)
-    torch.save(outcomes, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(outcomes, out, rank)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_ranks"))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), out), nprocs=2, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, out)
 
 
 @pytest.mark.parametrize(

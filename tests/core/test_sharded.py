@@ -3,15 +3,13 @@ mesh, a model whose dimension 0 shards unevenly. After R rounds of K steps every
 equal a reference computed here without sharding (the two replicas' models stepped in one process and
 averaged by hand); ``broadcast()``, the byte counts and the refusals."""
 
-import os
-import tempfile
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import finish_rank, spawn_ranks
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SlowcalSGD
@@ -191,17 +189,13 @@ def _worker(rank: int, init_file: str, out: str) -> None:
 
     for name, fn in [("tensor_parallel", tensor_parallel), ("shard_dimension", shard_dimension), ("hsdp", hsdp), ("fragments", fragments)]:  # fmt: skip
         attempt(name, fn)
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(results, out, rank)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sharded"))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), out), nprocs=4, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    return spawn_ranks(_worker, 4, out)
 
 
 def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
