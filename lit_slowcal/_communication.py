@@ -117,12 +117,14 @@ def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Option
     names = {id(t): name for m in _as_list(modules) for name, t in (*m.named_parameters(), *m.named_buffers())}
     tensors = [p for g in optimizer.param_groups for p in g["params"]]
     tensors += [t for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())]
-    sharded = False
-    for t in (t for t in tensors if isinstance(t, dtensor)):
-        group = set(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    sharded = [t for t in tensors if isinstance(t, dtensor)]
+    if not sharded:
+        return False
+    group = set(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    for t in sharded:
         name = names.get(id(t), "a parameter of the optimizer")
         mesh = t.device_mesh
-        if mesh.ndim != 1 or [type(p).__name__ for p in t.placements] != ["Shard"] or t.placements[0].dim != 0:
+        if mesh.ndim != 1 or not t.placements[0].is_shard(0):
             raise ValueError(
                 f"PeriodicAverager: {name!r} is a DTensor with placements {tuple(t.placements)} over a {mesh.ndim}-D "
                 "mesh (tensor parallel or HSDP); supported: FSDP2's fully_shard over a 1-D shard mesh, placements "
@@ -135,8 +137,7 @@ def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Option
                 "would mix different shards; pass the replicate dimension's group (mesh['replicate'].get_group()) "
                 "as process_group (docs/sharded.md)"
             )
-        sharded = True
-    return sharded
+    return True
 
 
 def local(t: Tensor) -> Tensor:
