@@ -40,8 +40,8 @@ if dist.is_available():
 
 __all__ = [
     "Averaging", "all_modules", "average", "averaged_tensors", "averaged_units", "broadcast_module", "buckets",
-    "buffer_owners", "check_same_point", "check_unsharded", "floats_sent", "gather_ints", "gather_objects",
-    "is_averaged", "machines_per_process", "rank", "start_average", "world_size",
+    "buffer_owners", "check_same_point", "check_sharding", "floats_sent", "gather_ints", "gather_objects",
+    "is_averaged", "local", "machines_per_process", "rank", "start_average", "world_size",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -96,35 +96,61 @@ def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[li
     return out
 
 
-def check_unsharded(modules: Modules, optimizer: Optimizer) -> None:
-    """Refuse, in one line, a model sharded over processes (FSDP2 / tensor parallel DTensors, FSDP1), whose
-    local tensors are shards that an average over processes would mix with other shards."""
-    names = {
-        id(t): name
-        for module in ([modules] if isinstance(modules, nn.Module) else modules)
-        for name, t in (*module.named_parameters(), *module.named_buffers())
-    }
-    dtensor = _dtensor_type()
-    if dtensor is not None:
-        tensors = [p for g in optimizer.param_groups for p in g["params"]]
-        tensors += [
-            t
-            for module in ([modules] if isinstance(modules, nn.Module) else modules)
-            for t in (*module.parameters(), *module.buffers())
-        ]
-        for t in tensors:
-            if isinstance(t, dtensor):
-                raise ValueError(
-                    f"PeriodicAverager: {names.get(id(t), 'a parameter of the optimizer')!r} is a DTensor sharded over a "
-                    f"device mesh (placements {tuple(t.placements)}: FSDP2's fully_shard or tensor parallel); sharded "
-                    "models are not supported: average a model every process holds whole (one process per machine, as with DDP)"
-                )
+def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Optional[Any]) -> bool:
+    """Whether the model holds DTensors that ``average`` can average by their local shards; refuse, in one
+    line, what it cannot.
+
+    Supported: FSDP2's ``fully_shard`` over a one-dimensional mesh (placements ``(Shard(0),)``) whose
+    ranks other than this one lie outside ``process_group`` (the replicate dimension of a 2-D mesh):
+    every rank of the group then holds the same shard. Refused: other placements (tensor parallel,
+    HSDP's 2-D mesh), a mesh sharing ranks with the group (an average would mix shards), FSDP1.
+    """
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if fsdp is not None and any(isinstance(m, fsdp) for m in all_modules(modules)):
         raise ValueError(
-            "PeriodicAverager: the model is wrapped in FullyShardedDataParallel (FSDP1), whose parameters are shards; "
-            "sharded models are not supported: average a model every process holds whole (one process per machine, as with DDP)"
+            "PeriodicAverager: the model is wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flat "
+            "shards; supported: FSDP2's fully_shard over the shard dimension of a mesh (docs/sharded.md)"
         )
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return False
+    names = {id(t): name for m in _as_list(modules) for name, t in (*m.named_parameters(), *m.named_buffers())}
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [t for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())]
+    sharded = [t for t in tensors if isinstance(t, dtensor)]
+    if not sharded:
+        return False
+    group = set(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    for t in sharded:
+        name = names.get(id(t), "a parameter of the optimizer")
+        mesh = t.device_mesh
+        if mesh.ndim != 1 or not t.placements[0].is_shard(0):
+            raise ValueError(
+                f"PeriodicAverager: {name!r} is a DTensor with placements {tuple(t.placements)} over a {mesh.ndim}-D "
+                "mesh (tensor parallel or HSDP); supported: FSDP2's fully_shard over a 1-D shard mesh, placements "
+                "(Shard(dim=0),), averaged over the replicate group (docs/sharded.md)"
+            )
+        shared = sorted(set(mesh.mesh.flatten().tolist()) & group - {dist.get_rank()})
+        if shared:
+            raise ValueError(
+                f"PeriodicAverager: {name!r} is sharded with ranks {shared} of the process_group, whose average "
+                "would mix different shards; pass the replicate dimension's group (mesh['replicate'].get_group()) "
+                "as process_group (docs/sharded.md)"
+            )
+    return True
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the same tensor at every call: writing it writes the DTensor), else ``t``."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def _as_list(modules: Modules) -> list[nn.Module]:
+    return [modules] if isinstance(modules, nn.Module) else list(modules)
 
 
 def _dtensor_type() -> Optional[type]:
@@ -169,7 +195,8 @@ def gather_objects(obj: Any, dst: int, process_group: Optional[Any]) -> Optional
 def broadcast_module(
     modules: Modules, src: int = 0, *, process_group: Optional[Any] = None, extra: Sequence[Tensor] = ()
 ) -> None:
-    """Copy group rank ``src``'s parameters and buffers (and the ``extra`` tensors) to every process.
+    """Copy group rank ``src``'s parameters and buffers (and the ``extra`` tensors) to every process; of a
+    DTensor, its local shard.
 
     No-op without an initialised process group of more than one process.
     """
@@ -179,8 +206,8 @@ def broadcast_module(
     src_rank = dist.get_global_rank(group, src)
     seen: set[int] = set()
     with torch.no_grad():
-        for module in [modules] if isinstance(modules, nn.Module) else modules:
-            for t in (*module.parameters(), *module.buffers(), *extra):
+        for module in _as_list(modules):
+            for t in (*map(local, (*module.parameters(), *module.buffers())), *extra):
                 if id(t) not in seen:
                     seen.add(id(t))
                     dist.broadcast(t, src=src_rank, group=process_group)
@@ -254,7 +281,7 @@ def averaged_tensors(
 ) -> Tensors:
     """The floating tensors to average, each with whether it has a leading machine dimension: every
     parameter of ``optimizer``, its state under ``keys``, and ``buffers`` (``None``: every buffer of
-    ``modules``), each once.
+    ``modules``), each once; of a DTensor, its local shard (``local``).
 
     A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
     optimizer state of such a parameter with the parameter's shape.
@@ -277,7 +304,7 @@ def averaged_units(
     def add(unit: Tensors, t: Tensor, owner: Tensor) -> None:
         if id(t) not in seen and is_averaged(t):
             seen.add(id(t))
-            unit.append((t, id(owner) in stacked_ids and t.shape == owner.shape))
+            unit.append((local(t), id(owner) in stacked_ids and t.shape == owner.shape))
 
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -286,12 +313,23 @@ def averaged_units(
             state = optimizer.state.get(p, {})
             for key in keys:
                 if isinstance(state.get(key), Tensor):
+                    _check_like(state[key], p, key)
                     add(unit, state[key], p)
             out.append(unit)
     for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
         out.append([])
         add(out[-1], b, b)
     return [unit for unit in out if unit]
+
+
+def _check_like(state: Tensor, p: Tensor, key: str) -> None:
+    """Refuse, in one line, averaged state that is not laid out as its parameter (a DTensor of other placements)."""
+    layout = [getattr(t, "placements", None) for t in (state, p)]
+    if layout[0] != layout[1]:
+        raise ValueError(
+            f"PeriodicAverager: the optimizer state {key!r} has placements {layout[0]} and its parameter {layout[1]}; "
+            "averaged state must be sharded as its parameter (docs/sharded.md)"
+        )
 
 
 def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union[int, float]:

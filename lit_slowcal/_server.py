@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lit_slowcal._communication import local
 from lit_slowcal._validation import check_int
 from lit_slowcal.protocol import declared
 
@@ -111,9 +112,11 @@ def participant_weights(num_machines: int, participants: int, seed: int, round_i
 
 
 def parameters(optimizer: Optimizer, tensors: list[tuple[Tensor, bool]]) -> Pairs:
-    """The optimizer's parameters, each with whether it is stacked (so among ``tensors``, the averaged ones)."""
+    """The optimizer's parameters (of a DTensor, its local shard), each with whether it is stacked (so among
+    ``tensors``, the averaged ones)."""
     stacked = {id(t) for t, s in tensors if s}
-    return [(p, id(p) in stacked) for group in optimizer.param_groups for p in group["params"]]
+    params = [local(p) for group in optimizer.param_groups for p in group["params"]]
+    return [(p, id(p) in stacked) for p in params]
 
 
 def start_outer(factory: OuterFactory, pairs: Pairs) -> tuple[list[Tensor], Optimizer]:

@@ -94,7 +94,8 @@ class PeriodicAverager:
             module docstring) are averaged.
         sync_every: K, optimizer steps between synchronisations (>= 1).
         process_group: the processes to average over; ``None``: the default group when
-            ``torch.distributed`` is initialised, else this process alone.
+            ``torch.distributed`` is initialised, else this process alone. An FSDP2-sharded model's
+            local shards are averaged over it: the mesh's replicate group (docs/sharded.md).
         average_state: extra per-parameter optimizer state keys to average (``["momentum_buffer"]``: SGD's).
         bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
         start_step: optimizer steps already taken (a resumed run keeps its sync schedule).
@@ -188,7 +189,14 @@ class PeriodicAverager:
                 f"Invalid overlap_delay: {self.overlap_delay} ({type(optimizer).__name__}'s post_sync takes the "
                 "round's average in the step its pre_sync starts it; use overlap_delay=0)"
             )
-        _communication.check_unsharded(self.modules, optimizer)
+        #: Whether the model holds FSDP2 shards (DTensors), averaged by their local tensors (docs/sharded.md).
+        self.sharded = _communication.check_sharding(self.modules, optimizer, process_group)
+        if self.sharded and (self.fragments > 1 or machines_per_process(self.modules) > 1):
+            what = f"fragments={self.fragments}" if self.fragments > 1 else "SimulatedMachines"
+            raise ValueError(
+                f"PeriodicAverager: a sharded model with {what} (fragments cut by local bytes would differ by shard); "
+                "supported with FSDP2: one machine per process, fragments=1 (docs/sharded.md)"
+            )
         self.sync_every = sync_every
         if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
             raise ValueError(f"Invalid average_state: {average_state!r} (a sequence of state key names)")

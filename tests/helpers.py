@@ -1,8 +1,15 @@
-"""Shared by the tests that start the CLI in a subprocess."""
+"""Shared by the tests that start the CLI in a subprocess, and by those that spawn gloo ranks."""
 
 import os
+import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,3 +101,18 @@ BARRIER = textwrap.dedent(
         time.sleep(0.002)
     """
 )
+
+
+def spawn_ranks(worker: Callable[..., None], nprocs: int, out: str) -> list[Any]:
+    """Run ``worker(rank, rendezvous_file, out)`` on ``nprocs`` spawned processes; every rank's results, in
+    rank order, as each saved them with ``finish_rank``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(os.path.join(tmp, "rendezvous"), out), nprocs=nprocs, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+
+
+def finish_rank(results: Any, out: str, rank: int) -> None:
+    """Save a spawned rank's ``results`` for ``spawn_ranks``, then end the process group once every rank saved."""
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -5,14 +5,12 @@ The Trainer's exact resume of AdamW, DiLoCo, momentum and SCAFFOLD on two proces
 tests/library/test_user_project.py; here the rules themselves, and two gloo processes of a plain loop.
 """
 
-import os
-import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import finish_rank, spawn_ranks
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines
@@ -101,7 +99,7 @@ def test_an_outer_optimizers_state_is_not_dropped_by_an_averager_without_one():
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:
-    """Two ranks of a plain loop, each case's outcome recorded: the set-up checks, a sharded model, and
+    """Two ranks of a plain loop, each case's outcome recorded: the set-up checks, a model sharded over them, and
     one rank's per-machine state loaded on another."""
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
@@ -167,17 +165,13 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         }
 
     attempt("rank0_state", rank0_state_on_rank1)
-    torch.save(outcomes, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(outcomes, out, rank)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_ranks"))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), out), nprocs=2, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, out)
 
 
 @pytest.mark.parametrize(
@@ -198,14 +192,14 @@ def test_ranks_set_up_differently_raise_one_line_on_every_rank_naming_what_diffe
         assert __import__("re").search(field, message), message
 
 
-def test_a_sharded_model_is_refused_at_construction_in_one_line(two_ranks):
-    for outcomes in two_ranks:
+def test_a_model_sharded_over_the_averaged_ranks_is_refused_at_construction_in_one_line(two_ranks):
+    for rank, outcomes in enumerate(two_ranks):
         kind, message = outcomes["sharded"]
         assert kind == "ValueError" and "\n" not in message
         assert message.startswith(
-            "PeriodicAverager: '0.weight' is a DTensor sharded over a device mesh (placements (Shard(dim=0),)"
+            f"PeriodicAverager: '0.weight' is sharded with ranks [{1 - rank}] of the process_group"
         )
-        assert message.endswith("average a model every process holds whole (one process per machine, as with DDP)")
+        assert message.endswith("as process_group (docs/sharded.md)")
 
 
 def test_one_ranks_per_machine_state_is_refused_on_another_rank_and_the_gather_holds_both(two_ranks):
