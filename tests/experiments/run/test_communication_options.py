@@ -105,7 +105,9 @@ def test_a_resume_with_another_compression_or_overlap_is_another_run(tmp_path, c
     from lit_slowcal.experiments.run.identity import run_identity
 
     assert not {"compression", "error_feedback", "overlap_delay", "fragments"} & set(
-        run_identity({"method": "slowcal", "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1})
+        run_identity(
+            {"method": "slowcal", "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1}
+        )
     )
     runs = tmp_path / "runs"
     assert command(capsys, "--compression=int8", "--trainer.max_steps=128", run_dir=runs)[0] == 0
