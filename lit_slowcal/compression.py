@@ -116,14 +116,16 @@ class Int8(Compressor):
         self.block_size = check_int("block_size", block_size)
 
     def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        scale = (blocks.abs().amax(dim=-1) / 127).to(torch.float32)
+        # max |v| as the larger of |max| and |min|: the same value, without a pass writing |v|.
+        largest = torch.maximum(blocks.amax(dim=-1).abs_(), blocks.amin(dim=-1).abs_())
+        scale = (largest / 127).to(torch.float32)
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(blocks.dtype).unsqueeze(-1)
-        codes = torch.round(blocks / divisor).clamp_(-127, 127).to(torch.int8)
+        codes = torch.div(blocks, divisor).round_().clamp_(-127, 127).to(torch.int8)
         return codes, scale
 
     def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
         assert per_block is not None
-        return codes.to(dtype) * per_block.to(dtype).unsqueeze(-1)
+        return codes.to(dtype).mul_(per_block.to(dtype).unsqueeze(-1))
 
 
 #: The compressors the ``compression`` argument names.
