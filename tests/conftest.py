@@ -9,7 +9,9 @@ Every case of a test parametrized over ``method`` other than ``slowcal`` is mark
 the same code path again for another method. ``.ci/run`` runs the whole suite with the README's
 command, then once more with the oldest Lightning allowed, there with ``-m "not other_methods"``
 (said in its output): the Lightning integration is the same for every method, and the second pass
-stays short.
+stays short. It also leaves out the modules of ``TORCH_ONLY`` (marked ``torch_only``): they import no
+Lightning (``tests/test_markers.py`` checks it), so no Lightning version can change what they test.
+The list is ``helpers.TORCH_ONLY``.
 
 Tests marked ``slow`` (subprocess launches, multi-process runs, sweeps, whole fits; a module that is
 all such sets ``pytestmark``) are left out of the fast tier, ``pytest -m "not slow"``; the README's
@@ -33,6 +35,8 @@ sys.path[:0] = [folder for folder in FOLDERS if folder not in sys.path]
 
 CUDA_SKIP_REASON = "needs CUDA (torch.cuda.is_available() is False)"
 
+from helpers import TORCH_ONLY  # noqa: E402 (the folders above on sys.path first)
+
 _skipped: list[str] = []
 _cuda_not_run: list[str] = []
 
@@ -40,6 +44,7 @@ _cuda_not_run: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped (and counted) where there is none")
     config.addinivalue_line("markers", "other_methods: a method-parametrized case for a method other than slowcal")
+    config.addinivalue_line("markers", "torch_only: a test of a module that imports no Lightning (TORCH_ONLY)")
     config.addinivalue_line(
         "markers", "slow: launches processes, trains whole runs or sweeps; pytest -m 'not slow' is the fast tier"
     )
@@ -51,6 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "method" in params and params["method"] != "slowcal":
             item.add_marker(pytest.mark.other_methods)
+        if item.path.stem in TORCH_ONLY:
+            item.add_marker(pytest.mark.torch_only)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
