@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_slowcal._communication import Tensors
-from lit_slowcal.compression import Compressor
+from lit_slowcal.compression import Compressor, compressor
 
 __all__ = ["CompressedAverage", "accumulation_dtype"]
 
@@ -95,6 +95,34 @@ class CompressedAverage:
         self.errors: dict[int, Tensor] = {}  # this process's machines' error feedback
         self.owner_errors: dict[int, Tensor] = {}  # the second stage's, on the blocks this process reduces
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._loaded = False  # a loaded state, not yet on the tensors' devices
+
+    @classmethod
+    def build(
+        cls, compression: Any, error_feedback: Any, tensors: Tensors, machines_per_process: int, delay: int, parts: int
+    ) -> Optional[CompressedAverage]:
+        """The averager's compressed average for ``compression`` (``None``: none), each option checked against
+        the averaged ``tensors``, the machines per process and the overlap (``delay``, ``parts``): one line."""
+        code = compressor(compression)
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(
+                f"Invalid error_feedback: {error_feedback!r} (True, False, or None: on for a lossy compressor)"
+            )
+        if code is None:
+            return None
+        loose = [t for t, s in tensors if not s] if machines_per_process > 1 else []
+        if loose:
+            raise ValueError(
+                f"Invalid compression: {code.name!r} with {machines_per_process} simulated machines per process "
+                f"and {len(loose)} averaged tensors outside SimulatedMachines (of shape {tuple(loose[0].shape)}); "
+                "compression needs every averaged tensor to hold one slice per machine"
+            )
+        if delay or parts > 1:
+            raise ValueError(
+                f"Invalid compression: {code.name!r} with overlap_delay={delay}, fragments={parts} "
+                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
+            )
+        return cls(code, code.lossy if error_feedback is None else error_feedback)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -140,6 +168,7 @@ class CompressedAverage:
             for k, value in enumerate(state.get(name, [])):
                 if value is not None:
                     store[k] = value.detach().clone()
+        self._loaded = True
 
     def to(self, tensors: Tensors) -> None:
         """The loaded anchors and buffers on the devices of ``tensors`` (when they match the signature)."""
@@ -162,7 +191,9 @@ class CompressedAverage:
         there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
         machine's message has in the first stage and the mean's in the second (codes and per-block
         values, no padding)."""
-        self.to(tensors)  # a loaded state's tensors, from the CPU
+        if self._loaded:  # a loaded state's tensors, from the CPU, once
+            self.to(tensors)
+            self._loaded = False
         world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank(process_group) if world > 1 else 0
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor, bool]]] = {}

@@ -68,7 +68,7 @@ from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._server import check_participation
 from lit_slowcal._validation import check_int, check_number
-from lit_slowcal.compression import Compressor, compressor
+from lit_slowcal.compression import Compressor
 from lit_slowcal.protocol import declared
 
 #: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
@@ -237,28 +237,10 @@ class PeriodicAverager:
         self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
         if factory is not None:
             self.global_params, self.outer = _server.start_outer(factory, self._outer_pairs())
-        code = compressor(compression)
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise ValueError(
-                f"Invalid error_feedback: {error_feedback!r} (True, False, or None: on for a lossy compressor)"
-            )
-        if code is not None and self.machines_per_process > 1:
-            loose = [t for t, s in self._tensors() if not s]
-            if loose:
-                raise ValueError(
-                    f"Invalid compression: {code.name!r} with {self.machines_per_process} simulated machines per process "
-                    f"and {len(loose)} averaged tensors outside SimulatedMachines (of shape {tuple(loose[0].shape)}); "
-                    "compression needs every averaged tensor to hold one slice per machine"
-                )
         #: The compressed average's anchors and error feedback (``None``: the exact average).
-        self.compressed: Optional[CompressedAverage] = (
-            None if code is None else CompressedAverage(code, code.lossy if error_feedback is None else error_feedback)
+        self.compressed: Optional[CompressedAverage] = CompressedAverage.build(
+            compression, error_feedback, self._tensors(), self.machines_per_process, self.overlap_delay, self.fragments
         )
-        if code is not None and (self.overlap_delay or self.fragments > 1):
-            raise ValueError(
-                f"Invalid compression: {code.name!r} with overlap_delay={self.overlap_delay}, fragments={self.fragments} "
-                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
-            )
         if self.fragments > 1:
             self._fragments()  # at least F units, or one line now
         if start_step:

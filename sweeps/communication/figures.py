@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lit_slowcal.link import Link  # noqa: E402
+from lit_slowcal.link import Link, LinkCounts, hidden_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = Link.parse("1Gbit/s,10ms")
@@ -59,8 +59,8 @@ def modelled_seconds(r: dict) -> float:
         scheduled = steps // (K // F)
         blocking = syncs - scheduled
         full = m["ring_bytes_per_machine"] / (scheduled / F + blocking)  # a whole model's ring bytes
-        round_s = LINK.latency * 2 * (M - 1) + full / F / LINK.bandwidth
-        comm -= scheduled * min(round_s, tau * step_s)
+        overlapped = LinkCounts(syncs=scheduled, ring_bytes=scheduled * full / F, ring_hops=scheduled * 2 * (M - 1))
+        comm -= hidden_seconds(overlapped, LINK, tau * step_s)
     return steps * step_s + comm
 
 
