@@ -6,6 +6,7 @@ simulated in one; a round closed while one is in flight resumes exactly."""
 
 import copy
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import Quadratics
+from helpers import Quadratics, finish_rank, spawn_ranks
 from test_strategy import Regression, fit, machine_data
 from torch import nn
 
@@ -470,3 +471,78 @@ def test_overlapped_rounds_are_counted_apart_for_the_time_they_hide():
     _, _, restored = make("sgd", overlap_delay=1)
     restored.load_state_dict(state)
     assert restored.overlapped_counts == averager.overlapped_counts
+
+
+#: The gloo runs saved mid-flight: (optimizer, dtype, tau, F).
+CHECKPOINT_RUNS = {"slowcal": ("slowcal", torch.float64, 2, 1), "diloco": ("diloco", torch.float32, 1, 2)}
+
+
+def _checkpoint_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ids = range(2 * rank, 2 * rank + 2)  # this process hosts machines 2 rank, 2 rank + 1
+    results: dict[str, Any] = {}
+    for name, (optimizer, dtype, tau, F) in CHECKPOINT_RUNS.items():
+        options = {"K": K_SAVE, "overlap_delay": tau, "fragments": F, "machines": M // 2}
+        uninterrupted = make(optimizer, dtype, **options)
+        train(*uninterrupted, range(END), machine_ids=ids)
+        machines, opt, averager = make(optimizer, dtype, **options)
+        _, stop = save_point(tau, F)
+        train(machines, opt, averager, range(stop), machine_ids=ids)
+        assert averager._in_flight is not None
+        own = os.path.join(out, f"{name}.{rank}.pt")  # each rank's machines differ mid-round: a file each
+        torch.save(
+            {"model": machines.state_dict(), "optimizer": opt.state_dict(), "averager": averager.state_dict()}, own
+        )
+        gathered = averager.gather_state_dict()  # a collective, mid-flight
+        if rank == 0:
+            torch.save(gathered, os.path.join(out, f"{name}.gathered.pt"))
+        dist.barrier()
+        train(machines, opt, averager, range(stop, END), machine_ids=ids)
+        runs = [uninterrupted, (machines, opt, averager)]
+        for source in ("own", "gathered"):
+            saved = torch.load(own, weights_only=True)
+            if source == "gathered":
+                saved["averager"] = torch.load(os.path.join(out, f"{name}.gathered.pt"), weights_only=True)
+                results[f"{name} gathered ranks"] = sorted(saved["averager"]["in_flight"]["ranks"])
+            run = make(optimizer, dtype, **options)
+            run[0].load_state_dict(saved["model"])
+            run[1].load_state_dict(saved["optimizer"])
+            run[2].load_state_dict(saved["averager"])
+            train(*run, range(stop, END), machine_ids=ids)
+            runs.append(run)
+        if rank == 1:  # rank 0's own state, without rank 1's round
+            other = torch.load(os.path.join(out, f"{name}.0.pt"), weights_only=True)["averager"]
+            try:
+                make(optimizer, dtype, **options)[2].load_state_dict(other)
+            except ValueError as error:
+                results[f"{name} refused"] = str(error)
+        results[name] = [everything(*run[:2]) for run in runs]
+        for run in runs:
+            run[2].close_round()
+        results[name + " closed"] = [everything(*run[:2]) for run in runs]
+    finish_rank(results, out, rank)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_resume_a_round_in_flight_bit_for_bit(tmp_path):
+    """Two processes of two machines each save mid-flight (each its own file, and one gathered file); resumed
+    from either, every rank ends with the bits of the run that never saved, before and after close_round()."""
+    ranks = spawn_ranks(_checkpoint_worker, 2, str(tmp_path))
+    for results in ranks:
+        for name in CHECKPOINT_RUNS:
+            assert results[f"{name} gathered ranks"] == [0, 1]
+            for key in (name, name + " closed"):
+                uninterrupted, *others = results[key]
+                for other in others:
+                    assert_same(other, uninterrupted)
+    for name in CHECKPOINT_RUNS:  # DiLoCo's momentum buffers, per machine, are refused first
+        assert f"{name} refused" not in ranks[0] and "the state holds rank(s) [0]" in ranks[1][f"{name} refused"]
+    assert re.fullmatch(
+        r"Cannot resume the round in flight \(it lands at step 10\): the state holds rank\(s\) \[0\] and this is "
+        r"rank 1; save it with gather_state_dict\(\) on every rank, or every rank's state_dict\(\) in a file of its own",
+        ranks[1]["slowcal refused"],
+    )
+    # The machines of the two ranks differ mid-round; the closed rounds leave one model on both.
+    for name in CHECKPOINT_RUNS:
+        first, second = (results[name + " closed"][0] for results in ranks)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second[:2]))
