@@ -484,7 +484,7 @@ def _checkpoint_worker(rank: int, init_file: str, out: str) -> None:
     for name, (optimizer, dtype, tau, F) in CHECKPOINT_RUNS.items():
         options = {"K": K_SAVE, "overlap_delay": tau, "fragments": F, "machines": M // 2}
         uninterrupted = make(optimizer, dtype, **options)
-        train(*uninterrupted, range(END), machine_ids=ids)
+        train(uninterrupted[0], uninterrupted[1], uninterrupted[2], range(END), machine_ids=ids)
         machines, opt, averager = make(optimizer, dtype, **options)
         _, stop = save_point(tau, F)
         train(machines, opt, averager, range(stop), machine_ids=ids)
@@ -508,7 +508,7 @@ def _checkpoint_worker(rank: int, init_file: str, out: str) -> None:
             run[0].load_state_dict(saved["model"])
             run[1].load_state_dict(saved["optimizer"])
             run[2].load_state_dict(saved["averager"])
-            train(*run, range(stop, END), machine_ids=ids)
+            train(run[0], run[1], run[2], range(stop, END), machine_ids=ids)
             runs.append(run)
         if rank == 1:  # rank 0's own state, without rank 1's round
             other = torch.load(os.path.join(out, f"{name}.0.pt"), weights_only=True)["averager"]
