@@ -125,8 +125,8 @@ class Round:
         snapshot: list[Optional[Tensor]] = [None] * len(averaged)
         result: list[Optional[Tensor]] = [None] * len(averaged)
         for k, before, (avg, s) in zip(places, self.snapshot, self.result):
-            snapshot[k] = before.clone()
-            result[k] = (avg[0] if s else avg).clone()
+            snapshot[k] = before  # not written again: the round's own, as an optimizer's state_dict gives its own
+            result[k] = avg[0].clone() if s else avg  # a copy, not a view (torch.save would store all of avg)
         return {"land_step": self.land_step, "fragment": self.fragment, "snapshot": snapshot, "result": result}
 
     def _places(self, averaged: Tensors) -> list[int]:

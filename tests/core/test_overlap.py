@@ -277,6 +277,7 @@ def test_a_checkpoint_taken_while_a_round_is_in_flight_resumes_bit_for_bit(optim
     for k in in_round:
         snapshot, result = rank["snapshot"][k], rank["result"][k]
         assert snapshot.shape == (M, DIM) and result.shape == (DIM,) and snapshot.dtype == result.dtype == dtype
+        assert result.untyped_storage().nbytes() == result.nbytes  # one machine's average, not a view of M
         torch.testing.assert_close(result, snapshot.mean(0), rtol=0, atol=0)  # the snapshot's average
     if tau == 1:  # saved at the step the round started: the snapshot is what the machines hold
         assert all(torch.equal(rank["snapshot"][k], held[k]) for k in in_round)
