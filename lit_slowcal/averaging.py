@@ -73,9 +73,12 @@ from lit_slowcal.protocol import declared
 
 #: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
 COMPRESSION_KEY = "compression"
+#: The key of ``PeriodicAverager.state_dict()`` that holds an overlapped round in flight.
+IN_FLIGHT_KEY = "in_flight"
 
 __all__ = [
     "COMPRESSION_KEY",
+    "IN_FLIGHT_KEY",
     "PeriodicAverager",
     "broadcast_module",
     "buffer_owners",
@@ -131,8 +134,10 @@ class PeriodicAverager:
     ``num_syncs`` and sends that fragment's bytes (K steps send the whole model once, as with F = 1);
     ``last_sync_step`` is the step it started at. While a round is in flight it holds two copies of
     its tensors (the snapshot and the average). ``close_round()`` (and ``sync()``) lands a round in
-    flight, then synchronises the whole model, blocking. ``state_dict()`` and ``load_state_dict()``
-    refuse to run while a round is in flight: close the round first. An optimizer that declares
+    flight, then synchronises the whole model, blocking. ``state_dict()`` taken while a round is in
+    flight waits for its average and holds the round (each machine's snapshot, the average, the step it
+    lands at, its fragment); ``load_state_dict()`` restores it, and the resumed run lands it at that
+    step with the same values. An optimizer that declares
     ``pre_sync`` or ``post_sync`` acts on the whole model at once: it is refused with F > 1.
 
     Example, a plain torch loop (one process per machine, ``torch.distributed`` initialised)::
@@ -310,6 +315,7 @@ class PeriodicAverager:
         Call it where the model leaves training mid-round (evaluation, a checkpoint, the end of
         training): every machine then holds the same averaged model. The schedule is unchanged:
         the next synchronisation is still after the next multiple of K steps (of K / F with fragments).
+        A round in flight restored by ``load_state_dict`` lands here as one started in this run does.
         """
         if not self.in_round:
             return False
@@ -370,9 +376,10 @@ class PeriodicAverager:
 
         Local: it holds this process's machines only. A single file for all processes is
         ``gather_state_dict()``'s. With overlapped rounds it also holds ``"settled_step"`` (the last
-        synchronisation of the whole model), and raises ``RuntimeError`` while a round is in flight.
+        synchronisation of the whole model) and, while a round is in flight, waits for its average and
+        keeps the round under ``"in_flight"`` (``_overlap.Round.state_dict``): a run loaded from it lands
+        the round at the same step with the same values, without communicating it again.
         """
-        self._refuse_in_flight("state_dict()")
         state: dict[str, Any] = {
             "steps": self.steps,
             "num_syncs": self.num_syncs,
@@ -392,6 +399,14 @@ class PeriodicAverager:
         if self.compressed is not None:  # the anchors and this process's error feedback, per averaged tensor
             coded = self.compressed.state_dict()
             state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {self.rank: coded}}
+        if self._in_flight is not None:  # this process's machines' snapshot and the average, by tensor place
+            state[IN_FLIGHT_KEY] = {
+                "world_size": self.world_size,
+                "machines_per_process": self.machines_per_process,
+                "overlap_delay": self.overlap_delay,
+                "fragments": self.fragments,
+                "ranks": {self.rank: self._in_flight.state_dict(self._tensors())},
+            }
         return state
 
     def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
@@ -415,18 +430,20 @@ class PeriodicAverager:
         )
         mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
         own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
-        coded = state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(self.rank)
-        if coded is not None:
-            coded = {k: [None if v is None else v.cpu() for v in vs] for k, vs in coded.items()}
+        coded = _cpu(state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(self.rank))
+        flight = state.pop(IN_FLIGHT_KEY, None)
+        round_ = None if flight is None else _cpu(flight.pop("ranks")[self.rank])
         ranks = _communication.gather_objects(
-            (self.rank, own, coded), dst, self.process_group
+            (self.rank, own, coded, round_), dst, self.process_group
         )  # on every rank, even with none
         if ranks is None:
             return None
-        if any(per for _, per, _ in ranks):
-            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {r: per for r, per, _ in ranks}}
+        if any(per for _, per, _, _ in ranks):
+            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {r: per for r, per, _, _ in ranks}}
         if coded is not None:
-            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {r: c for r, _, c in ranks}}
+            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {r: c for r, _, c, _ in ranks}}
+        if flight is not None:
+            state[IN_FLIGHT_KEY] = {**flight, "ranks": {r: f for r, _, _, f in ranks}}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -435,9 +452,17 @@ class PeriodicAverager:
         completes; an optimizer loaded after it, before the next step, gets it put back) and the server's
         state.
 
+        A state saved while a round was in flight (``"in_flight"``) restores that round, its average
+        already computed: the step ``land_step`` lands it as the saved run would have (``close_round()``
+        lands it, then synchronises the whole model), bit for bit on the same machines. It finds its
+        live tensors when it lands, so the optimizer's own state may be loaded before or after.
+
         Raises ``ValueError`` (one line) for per-machine state this process cannot take (another
-        number of processes with state that differs between them; see ``lit_slowcal._machine_state``)
-        and for an outer optimizer's state given to an averager without one.
+        number of processes with state that differs between them; see ``lit_slowcal._machine_state``),
+        for an outer optimizer's state given to an averager without one, and for a round in flight
+        given to an averager with another ``overlap_delay`` or ``fragments``, another number of
+        processes or of machines per process. Raises ``RuntimeError`` while this averager has a round
+        in flight of its own (``close_round()`` first).
         """
         self._refuse_in_flight("load_state_dict()")
         if "outer" in state and self.outer is None:
@@ -448,6 +473,10 @@ class PeriodicAverager:
         saved = state.get(_machine_state.KEY)
         own = None if saved is None else _machine_state.select(saved, self.rank, self.world_size)
         coded = self._saved_compression(state)
+        flight = state.get(IN_FLIGHT_KEY)
+        if flight is not None:
+            m, tau, F = self.machines_per_process, self.overlap_delay, self.fragments
+            flight = _overlap.saved_round(flight, self.rank, self.world_size, m, tau, F)
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
         # States saved before the key existed come from schedules that synchronised every K only.
@@ -466,6 +495,7 @@ class PeriodicAverager:
             _server.load_state(self.outer, self.global_params, state["outer"])
         if self.compressed is not None:
             self.compressed.load_state_dict(coded)
+        self._in_flight = None if flight is None else _overlap.Round.from_state_dict(flight)
         if own is not None:
             keys = self._averaged_keys()
             _machine_state.load(self.optimizer, own, keys)
@@ -495,6 +525,7 @@ class PeriodicAverager:
         return saved["ranks"][self.rank]
 
     def _refuse_in_flight(self, what: str) -> None:
+        """One ``RuntimeError`` line while a round is in flight (``what`` cannot run then)."""
         if self._in_flight is not None:
             raise RuntimeError(
                 f"PeriodicAverager.{what}: a round is in flight (it lands at step {self._in_flight.land_step}); "
@@ -693,7 +724,8 @@ class PeriodicAverager:
                 self._end_round()
                 return
             land = self.steps + self.overlap_delay
-            self._in_flight = _overlap.Round(tensors, land, lambda result: self._start_average(result, weights))
+            start = lambda result: self._start_average(result, weights)  # noqa: E731
+            self._in_flight = _overlap.Round(tensors, land, start, fragment)
             self.overlapped_counts += self._link_counts(link.payload_bytes(tensors))
         self.num_syncs += 1
         self.last_sync_step = self.steps
@@ -701,11 +733,13 @@ class PeriodicAverager:
     def _land(self) -> None:
         """The round in flight lands: wait for its average, the outer optimizer's step on it, the merge
         live <- avg + (live - snapshot), ``optimizer.post_sync()``."""
-        landing, self._in_flight = self._in_flight, None
+        landing = self._in_flight
         assert landing is not None
+        live = landing.bind(self._tensors)  # a restored round finds its live tensors (one line if it cannot)
+        self._in_flight = None
         landing.wait()
         with torch.no_grad():
-            self._outer_step(landing.tensors, landing.result)
+            self._outer_step(live, landing.result)
             landing.merge()
         self._end_round(count=False)
 
@@ -831,3 +865,13 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
+
+
+def _cpu(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``state`` with every tensor of its lists on the CPU (what ``gather_state_dict`` sends)."""
+    if state is None:
+        return None
+    return {
+        k: [v.cpu() if isinstance(v, Tensor) else v for v in vs] if isinstance(vs, list) else vs
+        for k, vs in state.items()
+    }

@@ -1,6 +1,7 @@
 """Compressed synchronisation on several gloo processes: the same bits as the same machines simulated in
 one process (the two-stage reduce's chunks, one per process, do not change a value), for int8 and bf16,
-with and without partial participation and error feedback, with 2 and 3 processes (uneven chunks)."""
+with and without partial participation and error feedback, with 2 and 3 processes (uneven chunks); a run
+resumed from every process's saved error feedback ends with the bits of the uninterrupted one."""
 
 import os
 import tempfile
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import finish_rank, spawn_ranks
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD
@@ -20,27 +22,49 @@ ROUNDS = 4
 K = 2
 
 
-def _train(m: int, first: int, compression: str, participation, feedback: bool) -> list[torch.Tensor]:
-    """Machines ``first .. first + m - 1`` of a SlowcalSGD run (every machine its own gradients), as
-    simulated machines of this process; returns this process's parameters and w after the rounds."""
-    torch.manual_seed(0)  # every machine starts from the same weights
+def _make(m: int, compression: str, participation, feedback: bool):
+    """m simulated machines of the model (every machine from the same weights), SlowcalSGD and the averager."""
+    torch.manual_seed(0)
     machines = SimulatedMachines(nn.Sequential(nn.Linear(700, 3), nn.Linear(3, 2)), m)
     optimizer = SlowcalSGD(machines.parameters(), lr=0.05)
     averager = PeriodicAverager(
         machines, optimizer, sync_every=K, compression=compression, error_feedback=feedback,
         participation=participation, participation_seed=3,
     )  # fmt: skip
+    return machines, optimizer, averager
+
+
+def _start(m: int, first: int, *case):
+    """Machines ``first .. first + m - 1`` of a SlowcalSGD run ready to train (w created, the anchors set),
+    with every machine's gradient generator."""
+    machines, optimizer, averager = _make(m, *case)
     for p in machines.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates w; every machine still at the start
     averager.broadcast()  # the anchors: every round is compressed (an exact first round would mean in another order)
-    gens = [torch.Generator().manual_seed(100 + first + i) for i in range(m)]
-    for _ in range(ROUNDS * K):
+    return machines, optimizer, averager, [torch.Generator().manual_seed(100 + first + i) for i in range(m)]
+
+
+def _steps(machines, optimizer, averager, gens, n: int) -> None:
+    """n steps, every machine with its own gradients."""
+    for _ in range(n):
         for p in machines.parameters():
             p.grad = torch.stack([torch.randn(p.shape[1:], generator=g) for g in gens])
         optimizer.step()
         averager.step()
+
+
+def _result(averager) -> list[torch.Tensor]:
+    """This process's parameters and w, and the bytes counted."""
     return [t.detach().clone() for t, _ in averager._tensors()] + [torch.tensor(averager.link_counts.payload_bytes)]
+
+
+def _train(m: int, first: int, compression: str, participation, feedback: bool) -> list[torch.Tensor]:
+    """Machines ``first .. first + m - 1`` of a SlowcalSGD run (every machine its own gradients), as
+    simulated machines of this process; returns this process's parameters and w after the rounds."""
+    machines, optimizer, averager, gens = _start(m, first, compression, participation, feedback)
+    _steps(machines, optimizer, averager, gens, ROUNDS * K)
+    return _result(averager)
 
 
 def _worker(rank: int, world: int, init_file: str, out: str, cases: list) -> None:
@@ -68,3 +92,57 @@ def test_processes_end_with_the_bits_of_the_simulated_machines(tmp_path, world):
             for k, (a, b) in enumerate(zip(got[:-1], simulated[:-1])):
                 assert torch.equal(a, b[r * M_LOCAL : (r + 1) * M_LOCAL]), (case, r, k)
             assert int(got[-1]) == int(simulated[-1]), case  # the same bytes counted
+
+
+STOP = 5  # mid-round: two compressed rounds taken, error feedback held
+
+
+def _resume_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    case = ("int8", None, True)
+    results: dict[str, object] = {"uninterrupted": _train(M_LOCAL, rank * M_LOCAL, *case)}
+    machines, optimizer, averager, gens = _start(M_LOCAL, rank * M_LOCAL, *case)
+    _steps(machines, optimizer, averager, gens, STOP)
+    own = os.path.join(out, f"own.{rank}.pt")
+    state = averager.state_dict()
+    torch.save({"model": machines.state_dict(), "optimizer": optimizer.state_dict(), "averager": state,
+                "gens": [g.get_state() for g in gens]}, own)  # fmt: skip
+    gathered = averager.gather_state_dict()  # a collective
+    if rank == 0:
+        torch.save(gathered, os.path.join(out, "gathered.pt"))
+    dist.barrier()
+    for source in ("own", "gathered"):
+        saved = torch.load(own, weights_only=True)
+        if source == "gathered":
+            saved["averager"] = torch.load(os.path.join(out, "gathered.pt"), weights_only=True)
+            results["gathered compression"] = saved["averager"]["compression"]
+        machines, optimizer, averager = _make(M_LOCAL, *case)
+        machines.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        averager.load_state_dict(saved["averager"])
+        gens = [torch.Generator() for _ in saved["gens"]]
+        for g, kept in zip(gens, saved["gens"]):
+            g.set_state(kept)
+        _steps(machines, optimizer, averager, gens, ROUNDS * K - STOP)
+        results[source] = _result(averager)
+    finish_rank(results, out, rank)
+
+
+def test_a_resume_from_each_process_s_error_feedback_is_exact(tmp_path):
+    """Two processes save mid-round (each its own file, and one gathered file): the anchors and each process's
+    error feedback (its machines', and the second stage's on the chunk it reduces) per rank, plain tensors;
+    resumed from either file, every rank ends with the bits of the run that never saved."""
+    ranks = spawn_ranks(_resume_worker, 2, str(tmp_path))
+    for results in ranks:
+        for source in ("own", "gathered"):
+            assert all(torch.equal(a, b) for a, b in zip(results[source], results["uninterrupted"])), source
+    coded = ranks[0]["gathered compression"]
+    assert coded["world_size"] == 2 and sorted(coded["ranks"]) == [0, 1]
+    first, second = (coded["ranks"][r] for r in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(first["anchors"], second["anchors"]))  # one model after a round
+    # Each process's own: its machines' error feedback, and the second stage's on the chunk it reduces.
+    assert all(e is not None for e in first["errors"] + second["errors"])
+    assert not all(torch.equal(a, b) for a, b in zip(first["errors"], second["errors"]))
+    owned = [[e is not None and bool(e.any()) for e in state["owner_errors"]] for state in (first, second)]
+    assert any(owned[0]) and any(owned[1]) and owned[0] != owned[1]

@@ -6,6 +6,7 @@ simulated in one; a round closed while one is in flight resumes exactly."""
 
 import copy
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import Quadratics
+from helpers import Quadratics, finish_rank, spawn_ranks
 from test_strategy import Regression, fit, machine_data
 from torch import nn
 
@@ -33,11 +34,24 @@ class Pair(nn.Module):
         self.b = nn.Parameter(PROBLEMS[1].x0.clone())
 
 
-def make(optimizer: str, **options):
-    """M simulated machines of a Pair (float64), their optimizer and an averager with ``options``."""
-    machines = SimulatedMachines(Pair(), M)
+def diloco(params):
+    """DiLoCo's outer optimizer."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def make(optimizer: str, dtype: torch.dtype = torch.float64, **options):
+    """``machines`` (M) simulated machines of a Pair in ``dtype``, their optimizer and an averager with
+    ``options``. ``optimizer``: "sgd", "slowcal", or "diloco" (SGD with momentum, kept per machine, and
+    DiLoCo's outer optimizer)."""
+    machines = SimulatedMachines(Pair(), options.pop("machines", M)).to(dtype)
     params = list(machines.parameters())
-    opt = SlowcalSGD(params, lr=LR) if optimizer == "slowcal" else torch.optim.SGD(params, lr=LR)
+    opt: torch.optim.Optimizer = (
+        SlowcalSGD(params, lr=LR)
+        if optimizer == "slowcal"
+        else torch.optim.SGD(params, lr=LR, momentum=0.9 if optimizer == "diloco" else 0)
+    )
+    if optimizer == "diloco":
+        options["outer_optimizer"] = diloco
     return machines, opt, PeriodicAverager(machines, opt, sync_every=options.pop("K", 4), **options)
 
 
@@ -45,7 +59,8 @@ def train(machines, opt, averager, steps: range, machine_ids=range(M)) -> None:
     """The optimizer steps ``steps`` (their gradients' noise index), each machine on its own quadratic."""
     for t in steps:
         for p, problem in zip((machines.a, machines.b), PROBLEMS):
-            p.grad = torch.stack([problem.grad(i, p[k].detach(), t) for k, i in enumerate(machine_ids)])
+            grads = [problem.grad(i, p[k].detach(), t) for k, i in enumerate(machine_ids)]
+            p.grad = torch.stack(grads).to(p.dtype)
         opt.step()
         averager.step()
 
@@ -176,8 +191,7 @@ def test_closing_a_round_in_flight_leaves_identical_machines_and_resumes_exactly
     K, tau, stop, end = 4, 2, 5, 16  # the round started at step 4 is in flight at step 5
     machines, opt, averager = make("slowcal", K=K, overlap_delay=tau)
     train(machines, opt, averager, range(stop))
-    with pytest.raises(RuntimeError, match=r"^PeriodicAverager.state_dict\(\): a round is in flight \(it lands at step 6\); call close_round\(\) first$"):  # fmt: skip
-        averager.state_dict()
+    assert averager.state_dict()["in_flight"]["ranks"][0]["land_step"] == 6  # saved mid-flight: see below
     assert averager.close_round() and not averager.in_round and averager.num_syncs == 2
     for t in (machines.a, machines.b, opt.state[machines.a]["w"], opt.state[machines.b]["w"]):
         assert torch.equal(t, t[:1].expand_as(t))
@@ -195,6 +209,147 @@ def test_closing_a_round_in_flight_leaves_identical_machines_and_resumes_exactly
     assert averager.close_round() and averager2.close_round()  # the round started at 16 was in flight
     assert all(torch.equal(a, b) for a, b in zip(tensors(machines, opt), tensors(machines2, opt2)))
     assert averager2.state_dict() == averager.state_dict()
+
+
+def everything(machines, opt) -> list[torch.Tensor]:
+    """The averaged tensors and every machine's own optimizer state (SGD's momentum buffers)."""
+    own = [opt.state[p]["momentum_buffer"] for p in (machines.a, machines.b) if "momentum_buffer" in opt.state[p]]
+    return tensors(machines, opt) + [b.clone() for b in own]
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """``a`` and ``b`` (nested dicts, lists and tensors) equal, the tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+K_SAVE, END = 8, 25  # rounds every K / F steps; the last, at 24, in flight at the end when tau = 2
+
+
+def save_point(tau: int, F: int) -> tuple[int, int]:
+    """(the step a round starts, the step the checkpoint is taken): the round is in flight there, tau - 1
+    steps after it started; with F = 2 it is fragment 1's (b), with F = 1 the whole model's."""
+    start = 12 if F == 2 else K_SAVE
+    return start, start + tau - 1
+
+
+@pytest.mark.parametrize("F", [1, 2])
+@pytest.mark.parametrize("tau", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("optimizer", ["slowcal", "diloco"])
+def test_a_checkpoint_taken_while_a_round_is_in_flight_resumes_bit_for_bit(optimizer, dtype, tau, F, tmp_path):
+    """state_dict() mid-flight holds the round (each machine's snapshot, the average, the landing step, the
+    fragment) as plain tensors; new machines, optimizer and averager loaded from the file land it at the same
+    step and end with the bits of the run that never saved, before and after the final close_round()."""
+    options = {"K": K_SAVE, "overlap_delay": tau, "fragments": F}
+    uninterrupted = make(optimizer, dtype, **options)
+    train(*uninterrupted, range(END))
+
+    machines, opt, averager = make(optimizer, dtype, **options)
+    start, stop = save_point(tau, F)
+    train(machines, opt, averager, range(stop))
+    held = [t.clone() for t, _ in averager._tensors()]  # by place
+    assert averager._in_flight is not None and averager._in_flight.land_step == start + tau
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": machines.state_dict(), "optimizer": opt.state_dict(), "averager": averager.state_dict()}, path)
+    saved = torch.load(path, weights_only=True)  # plain data
+    flight = saved["averager"]["in_flight"]
+    assert {k: v for k, v in flight.items() if k != "ranks"} == {
+        "world_size": 1, "machines_per_process": M, "overlap_delay": tau, "fragments": F
+    }  # fmt: skip
+    (rank,) = flight["ranks"].values()
+    assert (rank["land_step"], rank["fragment"]) == (start + tau, 1 if F == 2 else 0)
+    # By place in the averager's tensors (a, b, or SlowcalSGD's a, w_a, b, w_b): with F = 2 only b's.
+    places = len(averager._tensors())
+    in_round = [k for k in range(places) if F == 1 or k >= places // 2]
+    assert [k for k, v in enumerate(rank["snapshot"]) if v is not None] == in_round
+    assert [k for k, v in enumerate(rank["result"]) if v is not None] == in_round
+    for k in in_round:
+        snapshot, result = rank["snapshot"][k], rank["result"][k]
+        assert snapshot.shape == (M, DIM) and result.shape == (DIM,) and snapshot.dtype == result.dtype == dtype
+        assert result.untyped_storage().nbytes() == result.nbytes  # one machine's average, not a view of M
+        torch.testing.assert_close(result, snapshot.mean(0), rtol=0, atol=0)  # the snapshot's average
+    if tau == 1:  # saved at the step the round started: the snapshot is what the machines hold
+        assert all(torch.equal(rank["snapshot"][k], held[k]) for k in in_round)
+    train(machines, opt, averager, range(stop, END))  # the run that saved goes on
+
+    resumed = make(optimizer, dtype, **options)
+    machines2, opt2, averager2 = resumed
+    machines2.load_state_dict(saved["model"])
+    if optimizer == "slowcal":  # the averager first: the round finds the optimizer's loaded w when it lands
+        averager2.load_state_dict(saved["averager"])
+        opt2.load_state_dict(saved["optimizer"])
+    else:
+        opt2.load_state_dict(saved["optimizer"])
+        averager2.load_state_dict(saved["averager"])
+    assert averager2.in_round and averager2._in_flight is not None
+    assert_same(averager2.state_dict(), saved["averager"])  # saved again before it lands: the same state
+    train(machines2, opt2, averager2, range(stop, END))
+
+    runs = [uninterrupted, (machines, opt, averager), resumed]
+    for run in runs[1:]:
+        assert_same(everything(*run[:2]), everything(*uninterrupted[:2]))
+        assert_same(run[2].state_dict(), uninterrupted[2].state_dict())
+    assert [run[2].close_round() for run in runs] == [True] * 3
+    for run in runs[1:]:
+        assert_same(everything(*run[:2]), everything(*uninterrupted[:2]))
+        assert_same(run[2].state_dict(), uninterrupted[2].state_dict())
+
+
+def test_a_round_in_flight_is_refused_where_it_cannot_continue():
+    """A state with a round in flight loaded into an averager with another tau or F, another number of
+    processes or of machines per process: one line each, before anything is loaded."""
+    machines, opt, averager = make("sgd", K=8, overlap_delay=1)
+    train(machines, opt, averager, range(8))  # the round of step 8 lands at 9
+    state = averager.state_dict()
+    two = copy.deepcopy(state)
+    two["in_flight"]["world_size"] = 2
+    two["in_flight"]["ranks"][1] = two["in_flight"]["ranks"][0]
+    what = r"^Cannot resume the round in flight \(it lands at step 9\)"
+    cases = [
+        (
+            {"overlap_delay": 2},
+            state,
+            what
+            + r": it was started with overlap_delay=1, fragments=1 and this averager has overlap_delay=2, fragments=1; build it with the same, or save after close_round\(\)$",
+        ),  # fmt: skip
+        ({"overlap_delay": 1, "fragments": 2}, state, r"this averager has overlap_delay=1, fragments=2;"),
+        ({}, state, r"this averager has overlap_delay=0, fragments=1;"),
+        (
+            {"overlap_delay": 1, "machines": 2},
+            state,
+            what
+            + r": it was saved on 1 process\(es\) of 4 machines each and this averager runs on 1 of 2; each machine's snapshot is its own: resume on the same machines, or save after close_round\(\)$",
+        ),  # fmt: skip
+        ({"overlap_delay": 1}, two, r"saved on 2 process\(es\) of 4 machines each and this averager runs on 1 of 4;"),
+    ]
+    for options, saved, message in cases:
+        _, _, other = make("sgd", K=8, **options)
+        with pytest.raises(ValueError, match=message) as error:
+            other.load_state_dict(saved)
+        one_line(error)
+        assert other.steps == 0 and other._in_flight is None  # nothing loaded
+    # An averager with a round of its own in flight loads nothing.
+    with pytest.raises(RuntimeError, match=r"^PeriodicAverager.load_state_dict\(\): a round is in flight \(it lands at step 9\); call close_round\(\) first$"):  # fmt: skip
+        averager.load_state_dict(state)
+    # A restored round lands where the live tensors are those it was taken of, or says which one is not.
+    _, _, restored = make("sgd", K=8, overlap_delay=1)
+    small = copy.deepcopy(state)
+    small["in_flight"]["ranks"][0]["snapshot"][1] = torch.zeros(M, DIM + 1, dtype=torch.float64)
+    restored.load_state_dict(small)
+    with pytest.raises(ValueError, match=r"^Cannot land the restored round in flight: averaged tensor 1 has shape \(4, 3\) and dtype torch.float64, its snapshot \(4, 4\) and torch.float64; resume the same model$") as error:  # fmt: skip
+        restored.close_round()
+    one_line(error)
 
 
 def test_the_trainer_strategy_overlaps_rounds_as_a_plain_loop_does():
@@ -317,3 +472,78 @@ def test_overlapped_rounds_are_counted_apart_for_the_time_they_hide():
     _, _, restored = make("sgd", overlap_delay=1)
     restored.load_state_dict(state)
     assert restored.overlapped_counts == averager.overlapped_counts
+
+
+#: The gloo runs saved mid-flight: (optimizer, dtype, tau, F).
+CHECKPOINT_RUNS = {"slowcal": ("slowcal", torch.float64, 2, 1), "diloco": ("diloco", torch.float32, 1, 2)}
+
+
+def _checkpoint_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ids = range(2 * rank, 2 * rank + 2)  # this process hosts machines 2 rank, 2 rank + 1
+    results: dict[str, Any] = {}
+    for name, (optimizer, dtype, tau, F) in CHECKPOINT_RUNS.items():
+        options = {"K": K_SAVE, "overlap_delay": tau, "fragments": F, "machines": M // 2}
+        uninterrupted = make(optimizer, dtype, **options)
+        train(uninterrupted[0], uninterrupted[1], uninterrupted[2], range(END), machine_ids=ids)
+        machines, opt, averager = make(optimizer, dtype, **options)
+        _, stop = save_point(tau, F)
+        train(machines, opt, averager, range(stop), machine_ids=ids)
+        assert averager._in_flight is not None
+        own = os.path.join(out, f"{name}.{rank}.pt")  # each rank's machines differ mid-round: a file each
+        torch.save(
+            {"model": machines.state_dict(), "optimizer": opt.state_dict(), "averager": averager.state_dict()}, own
+        )
+        gathered = averager.gather_state_dict()  # a collective, mid-flight
+        if rank == 0:
+            torch.save(gathered, os.path.join(out, f"{name}.gathered.pt"))
+        dist.barrier()
+        train(machines, opt, averager, range(stop, END), machine_ids=ids)
+        runs = [uninterrupted, (machines, opt, averager)]
+        for source in ("own", "gathered"):
+            saved = torch.load(own, weights_only=True)
+            if source == "gathered":
+                saved["averager"] = torch.load(os.path.join(out, f"{name}.gathered.pt"), weights_only=True)
+                results[f"{name} gathered ranks"] = sorted(saved["averager"]["in_flight"]["ranks"])
+            run = make(optimizer, dtype, **options)
+            run[0].load_state_dict(saved["model"])
+            run[1].load_state_dict(saved["optimizer"])
+            run[2].load_state_dict(saved["averager"])
+            train(run[0], run[1], run[2], range(stop, END), machine_ids=ids)
+            runs.append(run)
+        if rank == 1:  # rank 0's own state, without rank 1's round
+            other = torch.load(os.path.join(out, f"{name}.0.pt"), weights_only=True)["averager"]
+            try:
+                make(optimizer, dtype, **options)[2].load_state_dict(other)
+            except ValueError as error:
+                results[f"{name} refused"] = str(error)
+        results[name] = [everything(*run[:2]) for run in runs]
+        for run in runs:
+            run[2].close_round()
+        results[name + " closed"] = [everything(*run[:2]) for run in runs]
+    finish_rank(results, out, rank)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_resume_a_round_in_flight_bit_for_bit(tmp_path):
+    """Two processes of two machines each save mid-flight (each its own file, and one gathered file); resumed
+    from either, every rank ends with the bits of the run that never saved, before and after close_round()."""
+    ranks = spawn_ranks(_checkpoint_worker, 2, str(tmp_path))
+    for results in ranks:
+        for name in CHECKPOINT_RUNS:
+            assert results[f"{name} gathered ranks"] == [0, 1]
+            for key in (name, name + " closed"):
+                uninterrupted, *others = results[key]
+                for other in others:
+                    assert_same(other, uninterrupted)
+    for name in CHECKPOINT_RUNS:  # DiLoCo's momentum buffers, per machine, are refused first
+        assert f"{name} refused" not in ranks[0] and "the state holds rank(s) [0]" in ranks[1][f"{name} refused"]
+    assert re.fullmatch(
+        r"Cannot resume the round in flight \(it lands at step 10\): the state holds rank\(s\) \[0\] and this is "
+        r"rank 1; save it with gather_state_dict\(\) on every rank, or every rank's state_dict\(\) in a file of its own",
+        ranks[1]["slowcal refused"],
+    )
+    # The machines of the two ranks differ mid-round; the closed rounds leave one model on both.
+    for name in CHECKPOINT_RUNS:
+        first, second = (results[name + " closed"][0] for results in ranks)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second[:2]))
