@@ -260,17 +260,18 @@ def _default_to_foreach(params: list[Tensor]) -> bool:
 
 
 def _averaging_weight(
-    step: int, alpha_sum: float, alpha_sum_error: float, weight_power: float
+    step: int, alpha_sum: float, alpha_sum_error: float, weight_power: float, offset: int = 1
 ) -> tuple[float, float, float]:
     r"""Return :math:`c_{t+1} = \alpha_{t+1} / \alpha_{0:t+1}` and the running sum :math:`\alpha_{0:t+1}`.
 
     ``step`` is :math:`t` and ``alpha_sum + alpha_sum_error`` is :math:`\alpha_{0:t}`, with
-    :math:`\alpha_t = (t+1)^p`. A plain float running sum drifts (1e-12 relative after 10^6 steps
+    :math:`\alpha_t = (t+1)^p` (``offset`` 1; ``offset`` 0: :math:`\alpha_t = t^p` from t = 1, the
+    schedule-free weights, the caller starting the sum at 0). A plain float running sum drifts (1e-12 relative after 10^6 steps
     with p = 2); Neumaier's compensated sum keeps the rounding error of every addition in
     ``alpha_sum_error`` so the total stays exact to float64 precision at any t. All in float64.
     """
     try:
-        alpha_next = float(step + 2) ** weight_power  # alpha_{t+1} = (t + 2)^p
+        alpha_next = float(step + 1 + offset) ** weight_power  # alpha_{t+1} = (t + 1 + offset)^p
     except OverflowError:
         alpha_next = math.inf
     total = alpha_sum + alpha_next
