@@ -8,11 +8,10 @@ The design choices (what a synchronisation averages, the step clock) and their m
 docs/adaptive.md.
 """
 
-from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -342,19 +341,20 @@ def _multi_tensor_adaptive_slowcal(
     if not params:
         return
     tensors = [params, grads, ws, vs] + ([xs] if xs is not None else [])
-    grouped = Optimizer._group_tensors_by_device_and_dtype(tensors)  # type: ignore[arg-type]
-    for device_tensors, _ in grouped.values():
+    grouped = Optimizer._group_tensors_by_device_and_dtype(tensors)
+    for found, _ in grouped.values():
+        device_tensors = cast(list[list[Tensor]], found)  # every list holds tensors: none was None
         device_ys, device_grads, device_ws, device_vs = device_tensors[:4]
         if bias_correction is not None:
             torch._foreach_mul_(device_vs, beta2)
             torch._foreach_addcmul_(device_vs, device_grads, device_grads, value=1 - beta2)
-            denom = torch._foreach_div(device_vs, bias_correction)
+            denom = list(torch._foreach_div(device_vs, bias_correction))
             torch._foreach_sqrt_(denom)
         else:
             torch._foreach_addcmul_(device_vs, device_grads, device_grads)
-            denom = torch._foreach_sqrt(device_vs)
+            denom = list(torch._foreach_sqrt(device_vs))
         torch._foreach_add_(denom, eps)
-        d = torch._foreach_div(device_grads, denom)
+        d = list(torch._foreach_div(device_grads, denom))
         if weight_decay != 0:
             torch._foreach_add_(d, device_ys, alpha=weight_decay)
         torch._foreach_add_(device_ws, d, alpha=-lr)
