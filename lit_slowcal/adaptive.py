@@ -8,7 +8,6 @@ The design choices (what a synchronisation averages, the step clock) and their m
 docs/adaptive.md.
 """
 
-
 import math
 from collections.abc import Callable
 from typing import Literal, cast
