@@ -83,6 +83,9 @@ class MachinesModel(pl.LightningModule):
         input_dim, num_classes: the linear model's shape (set from ``data.problem`` by the CLI).
         loss: ``cross_entropy`` (classes; logs ``test_acc`` too) or ``squared``, (z - y)^2 / 2 on one
             output (regression, e.g. the ``Quadratic`` problem).
+        beta, beta2, second_moment, average_second_moment: ``AdaptiveSlowcal``'s (adaptive_slowcal only): where
+            the gradient is taken (1: x, SLowcal's query point), Adam's decay, ``adam`` or ``adagrad``, and whether
+            a synchronisation averages the second moment (docs/adaptive.md).
     """
 
     def __init__(
@@ -106,6 +109,10 @@ class MachinesModel(pl.LightningModule):
         input_dim: int = 784,
         num_classes: int = 10,
         loss: Literal["cross_entropy", "squared"] = "cross_entropy",
+        beta: float = 1.0,
+        beta2: float = 0.999,
+        second_moment: Literal["adam", "adagrad"] = "adam",
+        average_second_moment: bool = False,
     ) -> None:
         super().__init__()
         entry = get_method(method)
