@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from lit_slowcal.optimizer import _averaging_weight, _check_options, _default_to_foreach
+from lit_slowcal.optimizer import _averaging_weight, _buckets, _check_options, _default_to_foreach
 
 __all__ = ["AdaptiveSlowcal", "adaptive_slowcal"]
 
@@ -197,13 +197,7 @@ class AdaptiveSlowcal(Optimizer):
             grads: list[Tensor] = []
             self._init_group(group, params, grads)
 
-            # Parameters that skipped steps (no gradient) have a smaller t: bucket by step count and sum.
-            buckets: dict[tuple[int, float, float], list[int]] = {}
-            for i, p in enumerate(params):
-                state = self.state[p]
-                key = (state["step"], state["alpha_sum"], state["alpha_sum_error"])
-                buckets.setdefault(key, []).append(i)
-
+            buckets = _buckets(self, params)
             offset = 1 if group["weights"] == "slowcal" else 0
             for (t, alpha_sum, alpha_sum_error), indices in buckets.items():
                 c, alpha_sum, alpha_sum_error = _averaging_weight(

@@ -158,14 +158,7 @@ class SlowcalSGD(Optimizer):
             grads: list[Tensor] = []
             self._init_group(group, params, grads)
 
-            # Parameters that skipped steps (no gradient) have a smaller t, hence another
-            # eta_t and c_{t+1}: bucket the group by its step count and running sum.
-            buckets: dict[tuple[int, float, float], list[int]] = {}
-            for i, p in enumerate(params):
-                state = self.state[p]
-                key = (state["step"], state["alpha_sum"], state["alpha_sum_error"])
-                buckets.setdefault(key, []).append(i)
-
+            buckets = _buckets(self, params)
             power = group["weight_power"]
             for (t, alpha_sum, alpha_sum_error), indices in buckets.items():
                 c, alpha_sum, alpha_sum_error = _averaging_weight(t, alpha_sum, alpha_sum_error, power)
@@ -253,6 +246,16 @@ def _multi_tensor_slowcal_sgd(
             device_grads = torch._foreach_add(device_grads, device_params, alpha=weight_decay)
         torch._foreach_add_(device_ws, device_grads, alpha=-eta)
         torch._foreach_lerp_(device_params, device_ws, c)
+
+
+def _buckets(optimizer: Optimizer, params: list[Tensor]) -> dict[tuple[int, float, float], list[int]]:
+    """The indices of ``params`` by their state's step count and running sum: parameters that skipped steps
+    (no gradient) have a smaller t, hence other step sizes and another c_{t+1}."""
+    buckets: dict[tuple[int, float, float], list[int]] = {}
+    for i, p in enumerate(params):
+        state = optimizer.state[p]
+        buckets.setdefault((state["step"], state["alpha_sum"], state["alpha_sum_error"]), []).append(i)
+    return buckets
 
 
 def _default_to_foreach(params: list[Tensor]) -> bool:
