@@ -2,7 +2,8 @@
 
 The core, importable with torch and lightning alone:
 
-* ``SlowcalSGD`` -- the optimizer of SLowcal-SGD (Dahan & Levy, NeurIPS 2024);
+* ``SlowcalSGD`` -- the optimizer of SLowcal-SGD (Dahan & Levy, NeurIPS 2024), and ``AdaptiveSlowcal`` -- its
+  anytime averaging with Adam- or AdaGrad-normalised steps (schedule-free AdamW on one machine);
 * ``AcceleratedSGD`` -- AC-SA (Lan 2012), the Accelerated Minibatch-SGD baseline, and ``Scaffold`` --
   SCAFFOLD (Karimireddy et al. 2020, option II), the paper's other baselines of Table 1;
 * ``PeriodicAverager`` -- averages parameters, floating buffers and declared optimizer state over
@@ -28,6 +29,7 @@ core, ``lit_slowcal.experiments``, with extra dependencies: ``pip install "lit_s
 
 from lit_slowcal import _registration
 from lit_slowcal.accelerated import AcceleratedSGD
+from lit_slowcal.adaptive import AdaptiveSlowcal
 from lit_slowcal.averaging import PeriodicAverager
 from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.optimizer import SlowcalSGD
@@ -36,6 +38,7 @@ from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
     "AcceleratedSGD",
+    "AdaptiveSlowcal",
     "AtomicCheckpointIO",
     "Link",
     "LinkCounts",

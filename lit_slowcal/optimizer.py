@@ -158,14 +158,7 @@ class SlowcalSGD(Optimizer):
             grads: list[Tensor] = []
             self._init_group(group, params, grads)
 
-            # Parameters that skipped steps (no gradient) have a smaller t, hence another
-            # eta_t and c_{t+1}: bucket the group by its step count and running sum.
-            buckets: dict[tuple[int, float, float], list[int]] = {}
-            for i, p in enumerate(params):
-                state = self.state[p]
-                key = (state["step"], state["alpha_sum"], state["alpha_sum_error"])
-                buckets.setdefault(key, []).append(i)
-
+            buckets = _buckets(self, params)
             power = group["weight_power"]
             for (t, alpha_sum, alpha_sum_error), indices in buckets.items():
                 c, alpha_sum, alpha_sum_error = _averaging_weight(t, alpha_sum, alpha_sum_error, power)
@@ -255,22 +248,33 @@ def _multi_tensor_slowcal_sgd(
         torch._foreach_lerp_(device_params, device_ws, c)
 
 
+def _buckets(optimizer: Optimizer, params: list[Tensor]) -> dict[tuple[int, float, float], list[int]]:
+    """The indices of ``params`` by their state's step count and running sum: parameters that skipped steps
+    (no gradient) have a smaller t, hence other step sizes and another c_{t+1}."""
+    buckets: dict[tuple[int, float, float], list[int]] = {}
+    for i, p in enumerate(params):
+        state = optimizer.state[p]
+        buckets.setdefault((state["step"], state["alpha_sum"], state["alpha_sum_error"]), []).append(i)
+    return buckets
+
+
 def _default_to_foreach(params: list[Tensor]) -> bool:
     return all(type(p) in (Tensor, torch.nn.Parameter) and p.device.type in _FOREACH_DEVICE_TYPES for p in params)
 
 
 def _averaging_weight(
-    step: int, alpha_sum: float, alpha_sum_error: float, weight_power: float
+    step: int, alpha_sum: float, alpha_sum_error: float, weight_power: float, offset: int = 1
 ) -> tuple[float, float, float]:
     r"""Return :math:`c_{t+1} = \alpha_{t+1} / \alpha_{0:t+1}` and the running sum :math:`\alpha_{0:t+1}`.
 
     ``step`` is :math:`t` and ``alpha_sum + alpha_sum_error`` is :math:`\alpha_{0:t}`, with
-    :math:`\alpha_t = (t+1)^p`. A plain float running sum drifts (1e-12 relative after 10^6 steps
+    :math:`\alpha_t = (t+1)^p` (``offset`` 1; ``offset`` 0: :math:`\alpha_t = t^p` from t = 1, the
+    schedule-free weights, the caller starting the sum at 0). A plain float running sum drifts (1e-12 relative after 10^6 steps
     with p = 2); Neumaier's compensated sum keeps the rounding error of every addition in
     ``alpha_sum_error`` so the total stays exact to float64 precision at any t. All in float64.
     """
     try:
-        alpha_next = float(step + 2) ** weight_power  # alpha_{t+1} = (t + 2)^p
+        alpha_next = float(step + 1 + offset) ** weight_power  # alpha_{t+1} = (t + 1 + offset)^p
     except OverflowError:
         alpha_next = math.inf
     total = alpha_sum + alpha_next

@@ -69,6 +69,58 @@ class Quadratics:
         return torch.stack([self.grad(i, xs[i], t) for i in range(self.machines)])
 
 
+def ref_adaptive_slowcal(
+    q,
+    lr,
+    rounds,
+    k,
+    *,
+    beta=1.0,
+    beta2=0.999,
+    eps=1e-8,
+    power=1.0,
+    weights="slowcal",
+    second_moment="adam",
+    weight_decay=0.0,
+    average_v=False,
+):
+    """AdaptiveSlowcal written out by hand in float64 (plain loops over machines, steps and coordinates' vectors):
+    ``rounds`` rounds of ``k`` steps on each of ``q.machines`` machines of ``Quadratics`` ``q``, every round ending
+    with the average of x and w (and v with ``average_v``); y = beta x + (1 - beta) w. Returns y, x, w and every
+    machine's v ``(M, dim)``."""
+    import torch
+
+    m = q.machines
+    x, w = q.x0.clone(), q.x0.clone()
+    vs = [torch.zeros_like(x) for _ in range(m)]
+    alpha = (lambda t: (t + 1.0) ** power) if weights == "slowcal" else (lambda t: float(t) ** power if t else 0.0)
+    t = 0
+    for _ in range(rounds):
+        xs, ws = [], []
+        for i in range(m):
+            xi, wi, v = x.clone(), w.clone(), vs[i]
+            for j in range(k):
+                s = t + j
+                y = beta * xi + (1 - beta) * wi
+                g = q.grad(i, y, s)
+                if second_moment == "adam":
+                    v = beta2 * v + (1 - beta2) * g * g
+                    denom = (v / (1 - beta2 ** (s + 1))).sqrt() + eps
+                else:
+                    v = v + g * g
+                    denom = v.sqrt() + eps
+                wi = wi - lr * (g / denom + weight_decay * y)
+                c = alpha(s + 1) / sum(alpha(r) for r in range(s + 2))
+                xi = (1 - c) * xi + c * wi
+            xs.append(xi)
+            ws.append(wi)
+            vs[i] = v
+        x, w, t = sum(xs) / m, sum(ws) / m, t + k
+        if average_v:
+            vs = [sum(vs) / m] * m
+    return {"param": beta * x + (1 - beta) * w, "x": x, "w": w, "v": torch.stack(vs)}
+
+
 def reloaded(machines, optimizer, averager, make_optimizer):
     """New machines, optimizer and averager restored from the states of the given ones, as a resumed
     process would have them: the module's parameters zeroed first, then every state loaded."""
@@ -121,6 +173,6 @@ def finish_rank(results: Any, out: str, rank: int) -> None:
 #: Test modules that import no Lightning, directly or through the helpers they import: marked ``torch_only``
 #: (tests/conftest.py), left out of ``.ci/run``'s pass with the oldest Lightning.
 TORCH_ONLY = (
-    "test_accelerated", "test_average_layout", "test_compression", "test_compression_processes",
+    "test_accelerated", "test_adaptive", "test_average_layout", "test_compression", "test_compression_processes",
     "test_machine_state", "test_protocol", "test_scaffold", "test_sharded", "test_simulated",
 )  # fmt: skip

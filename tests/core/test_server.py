@@ -340,7 +340,7 @@ def test_the_app_takes_diloco_server_options_participation_and_non_linear_models
         model.configure_model()
         assert [tuple(p.shape) for p in model.machines.parameters()] == shapes
         assert model.machines(torch.randn(4, 2, 784)).shape == (4, 2, 10)
-    with pytest.raises(ValueError, match=r"Invalid model.arch: 'resnet' \(allowed: linear, mlp, cnn\)"):
+    with pytest.raises(ValueError, match=r"Invalid model.arch: 'resnet' \(allowed: linear, mlp, cnn, transformer\)"):
         MachinesModel(arch="resnet", init="default")
     with pytest.raises(ValueError, match=r"Invalid model.init: 'zeros' with model.arch=mlp"):
         MachinesModel(arch="mlp")

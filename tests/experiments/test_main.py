@@ -157,7 +157,7 @@ def test_sigterm_ends_fit_with_status_143_and_how_to_continue(tmp_path, capsys, 
 
 ONE_LINE = [
     (["--model.lr=nan"], 2, "model.lr: 'nan' is not a number or null"),
-    (["--data.problem=Foo"], 2, "data.problem: 'Foo' is not a problem (MNIST, Synthetic, Quadratic, or a Problem's import path) or null"),
+    (["--data.problem=Foo"], 2, "data.problem: 'Foo' is not a problem (MNIST, Synthetic, Quadratic, StdlibChars, or a Problem's import path) or null"),
     (["--seed_everything=-1"], 2, "Invalid seed_everything: -1 (must be an integer from 0 to 4294967295"),
     (["--config={tmp}/empty.yaml"], 2, "--config {tmp}/empty.yaml: the file is empty"),
     (["--config={tmp}/binary.yaml"], 2, "--config {tmp}/binary.yaml: not a text file"),

@@ -153,7 +153,9 @@ class ProblemDataModule(pl.LightningDataModule):
         self.seed = seed
         self.eval_batch_size = eval_batch_size
         if problem is not None and not isinstance(problem, Problem):
-            raise ValueError(f"Invalid data.problem: {problem!r} (a Problem: MNIST, Synthetic or Quadratic)")
+            raise ValueError(
+                f"Invalid data.problem: {problem!r} (a Problem: MNIST, Synthetic, Quadratic or StdlibChars)"
+            )
         self.problem = MNIST() if problem is None else problem
         self.problem_data: Optional[ProblemData] = None
         self.shards: list[Tensor] = []

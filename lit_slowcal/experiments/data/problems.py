@@ -1,4 +1,5 @@
-"""The problems a run trains on, one entry each: ``--data.problem=MNIST`` (the default), ``Synthetic``, ``Quadratic``.
+"""The problems a run trains on, one entry each: ``--data.problem=MNIST`` (the default), ``Synthetic``, ``Quadratic``,
+``StdlibChars``.
 
 A problem provides, for M machines and a seed, the training samples, every machine's shard of them
 (machine i's empirical distribution D_i), the test set, and what the model and the objective need:
@@ -30,12 +31,23 @@ one new subclass of ``Problem`` here; the CLI finds it by its class name:
     with theta_i = theta_0 + heterogeneity * N(0, I), theta_0 ~ N(0, I); ``samples`` samples per
     machine and ``test_samples`` more per machine for the test set, all from
     ``numpy.random.default_rng(seed)``. One output, squared loss.
+``StdlibChars(context, stride)``
+    A character-level language model: the sources of 16 Python standard-library modules (CPython 3.11.7,
+    shipped in ``data/stdlib/`` with their SHA-256 sums and the PSF licence), printable ASCII and newline,
+    96 characters (any other reads as ``?``). A sample is a window of ``context`` characters, its targets the
+    same window shifted by one (``next_token``: the loss is the mean cross-entropy over the window's
+    positions, the metric bits per character, ``test_bpc``). Each module's first 90 % give the training
+    windows (one every ``stride`` characters), its last 10 % the test windows (one every ``context``); the
+    training windows are split over the machines by the data module's Dirichlet split
+    (``data.dirichlet_alpha``, ``data.split``) over their module, the label. Model: ``model.arch=transformer``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -44,13 +56,14 @@ from torch import Tensor
 
 from lit_slowcal._validation import check_int, check_number
 
-__all__ = ["MNIST", "PROBLEMS", "Problem", "ProblemData", "Quadratic", "Synthetic"]
+__all__ = ["MNIST", "PROBLEMS", "Problem", "ProblemData", "Quadratic", "StdlibChars", "Synthetic"]
 
 
 @dataclass(frozen=True)
 class ProblemData:
     """A problem's samples for M machines: float32 inputs ``(N, d)``, labels (int64) or targets
-    (float32) ``(N,)``, every machine's sample indices into them, and the test set."""
+    (float32) ``(N,)`` (``next_token``: every position's next character, ``(N, d)``), every machine's sample
+    indices into them, and the test set."""
 
     train_x: Tensor
     train_y: Tensor
@@ -65,7 +78,8 @@ class Problem:
     Subclasses set ``loss``, ``input_dim`` and ``num_outputs`` and implement ``_build``.
     """
 
-    #: ``cross_entropy`` (labels, ``num_outputs`` classes) or ``squared`` (real targets, one output).
+    #: ``cross_entropy`` (labels, ``num_outputs`` classes), ``squared`` (real targets, one output) or
+    #: ``next_token`` (a sequence of ``input_dim`` tokens, each position's next of ``num_outputs``).
     loss: ClassVar[str] = "cross_entropy"
     #: Whether f has an attained minimiser with ``model.weight_decay = 0`` (an excess loss needs one).
     attained_without_weight_decay: ClassVar[bool] = False
@@ -242,5 +256,81 @@ class Quadratic(Problem):
         return _quadratic(self.dim, self.heterogeneity, self.noise, self.samples, self.test_samples, num_machines, seed)
 
 
+#: The corpus of ``StdlibChars``: the repository's ``data/stdlib/`` (the module sources as ``<name>.py.txt``).
+STDLIB_DIR = Path(__file__).resolve().parents[3] / "data" / "stdlib"
+#: Printable ASCII and newline; any other character reads as ``?``.
+VOCABULARY = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_documents() -> tuple[tuple[str, Tensor], ...]:
+    """The corpus, checked against ``SHA256SUMS``: (module file, its characters' ids) in the sums' order."""
+    sums = (STDLIB_DIR / "SHA256SUMS").read_text().split()
+    documents = []
+    index = {c: i for i, c in enumerate(VOCABULARY)}
+    unknown = index["?"]
+    for digest, name in zip(sums[::2], sums[1::2]):
+        raw = (STDLIB_DIR / name).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise ValueError(f"Invalid corpus file: {STDLIB_DIR / name} (its SHA-256 is not SHA256SUMS's {digest})")
+        ids = [index.get(c, unknown) for c in raw.decode("utf-8")]
+        documents.append((name, torch.tensor(ids, dtype=torch.int64)))
+    return tuple(documents)
+
+
+def _windows(ids: Tensor, context: int, stride: int) -> tuple[Tensor, Tensor]:
+    """Windows of ``context`` ids every ``stride``, and their targets (the next id of every position)."""
+    x = ids[:-1].unfold(0, context, stride)
+    return x, ids[1:].unfold(0, context, stride)[: len(x)]
+
+
+@functools.lru_cache(maxsize=8)
+def _stdlib_chars(
+    context: int, stride: int, machines: int, alpha: Optional[float], split: str, seed: int
+) -> ProblemData:
+    from lit_slowcal.experiments.data.partition import partition
+
+    train, test = [], []
+    for label, (_, ids) in enumerate(stdlib_documents()):
+        cut = int(0.9 * len(ids))
+        x, y = _windows(ids[: cut + 1], context, stride)
+        train.append((x, y, torch.full((len(x),), label)))
+        test.append(_windows(ids[cut:], context, context))
+    x, y, labels = (torch.cat(parts) for parts in zip(*train))
+    shards = partition(labels.numpy(), machines, alpha, split=split, seed=seed)
+    return ProblemData(
+        x.float(),
+        y.contiguous(),
+        tuple(torch.from_numpy(s) for s in shards),
+        torch.cat([t[0] for t in test]).float(),
+        torch.cat([t[1] for t in test]).contiguous(),
+    )
+
+
+class StdlibChars(Problem):
+    """Next-character prediction on 16 Python standard-library modules (see the module docstring).
+
+    Args:
+        context: characters per window (the model's sequence length).
+        stride: characters between consecutive training windows.
+    """
+
+    loss = "next_token"
+    num_outputs = len(VOCABULARY)
+
+    def __init__(self, context: int = 64, stride: int = 4) -> None:
+        self.context = check_int("data.problem.context", context, minimum=2)
+        self.stride = check_int("data.problem.stride", stride)
+
+    @property
+    def input_dim(self) -> int:  # type: ignore[override]
+        return self.context
+
+    def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
+        alpha = getattr(data, "dirichlet_alpha", None)
+        split = getattr(data, "split", "dirichlet")
+        return _stdlib_chars(self.context, self.stride, num_machines, alpha, split, seed)
+
+
 #: The problems by name (``--data.problem=<name>``).
-PROBLEMS: dict[str, type[Problem]] = {cls.__name__: cls for cls in (MNIST, Synthetic, Quadratic)}
+PROBLEMS: dict[str, type[Problem]] = {cls.__name__: cls for cls in (MNIST, Synthetic, Quadratic, StdlibChars)}

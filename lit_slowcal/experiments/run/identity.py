@@ -147,7 +147,10 @@ SHAPE_KEYS = ("data.steps_per_round", "data.batch_size")
 #: Settings added after identities were first stored, left out of an identity at their default (the run they
 #: describe is the one from before the setting existed), so that the digests of results files and checkpoints
 #: written before stay the same; any other value is part of it.
-ADDED_AT_DEFAULT: dict[str, Any] = {"compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1}
+ADDED_AT_DEFAULT: dict[str, Any] = {
+    "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1,
+    "model.beta": 1.0, "model.beta2": 0.999, "model.second_moment": "adam", "model.average_second_moment": False,
+}  # fmt: skip
 
 # A problem's class path in an identity: as it was when the stored identities were written (results files,
 # checkpoints), before the problems moved to ``lit_slowcal.experiments.data.problems``; the digests stay the same.

@@ -1,4 +1,4 @@
-r"""The methods, one entry each (the paper's Table 1, and DiLoCo): ``--method slowcal|local_sgd|...``.
+r"""The methods, one entry each (the paper's Table 1, DiLoCo and the adaptive SLowcal): ``--method slowcal|local_sgd|...``.
 
 Everything the app knows about a method is its entry here: the optimizer built from the model's
 hyperparameters, the round's shape (sync period, steps per round, per-step batch), what a machine
@@ -15,6 +15,9 @@ accel_minibatch_sgd    1            K * b            d (x)           ``Accelerat
 scaffold               K            b                2d (y, dc)      ``Scaffold`` (option II)
 diloco                 K            b                d (x)           ``torch.optim.AdamW``; the server's
                                                                      outer SGD with Nesterov momentum
+adaptive_slowcal       K            b                2d (x, w)       ``AdaptiveSlowcal``: SLowcal's
+                                                     (3d: beta < 1,  averages, Adam-normalised steps
+                                                     or v averaged)  (docs/adaptive.md)
 =====================  ===========  ===============  ==============  =================================
 
 A round is one synchronisation: the sync period equals the steps per round, and every method
@@ -36,6 +39,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal._validation import check_int, check_number
 from lit_slowcal.accelerated import AcceleratedSGD
+from lit_slowcal.adaptive import AdaptiveSlowcal
 from lit_slowcal.optimizer import SlowcalSGD
 from lit_slowcal.scaffold import Scaffold
 
@@ -193,6 +197,21 @@ def _diloco(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Op
     return _serve(torch.optim.AdamW(params, lr=h.lr, weight_decay=h.weight_decay), h, default=("nesterov", 0.7))
 
 
+def _adaptive(params: Iterable[Tensor], h: Any, steps: Optional[int] = None) -> Optimizer:
+    beta = getattr(h, "beta", 1.0)
+    if beta != 1:  # its post_sync sets the parameters (y) from the averaged x and w: a server step on y would be lost
+        _no_server_step(h, "adaptive_slowcal", "with model.beta < 1 the parameters are rebuilt from x and w")
+    if (
+        steps is not None and steps > 1 and math.isfinite(h.weight_power) and 0 <= h.weight_power < 1024
+    ):  # else: the optimizer's line
+        _check_weight_power(h, steps)
+    return _serve(AdaptiveSlowcal(
+        params, lr=h.lr, beta=beta, beta2=getattr(h, "beta2", 0.999), weight_power=h.weight_power,
+        second_moment=getattr(h, "second_moment", "adam"),
+        average_second_moment=getattr(h, "average_second_moment", False), weight_decay=h.weight_decay,
+    ), h)  # fmt: skip
+
+
 def _no_server_step(h: Any, method: str, instead: str) -> None:
     if getattr(h, "outer", None) not in (None, "none"):
         raise ValueError(f"Invalid outer: {h.outer!r} with method {method} ({instead})")
@@ -235,6 +254,10 @@ METHODS: dict[str, Method] = {
         # paper_lr: AdamW's default rate (DiLoCo is not in the paper; not tuned here).
         Method("diloco", "DiLoCo", "tab:brown", local=True, uploads=1, paper_lr=0.001, optimizer=_diloco,
                options=("outer", "outer_lr", "outer_momentum"), table1=False),
+        # paper_lr: AdamW's default rate, as DiLoCo's (not tuned here; docs/adaptive.md tunes it).
+        Method("adaptive_slowcal", "Adaptive SLowcal", "tab:pink", local=True, uploads=2, paper_lr=0.001,
+               optimizer=_adaptive,
+               options=("weight_power", "beta", "beta2", "second_moment", "average_second_moment"), table1=False),
     )
 }  # fmt: skip
 

@@ -82,7 +82,12 @@ class MachinesModel(pl.LightningModule):
             ``None`` takes ``torch.initial_seed()``, the seed ``seed_everything`` set.
         input_dim, num_classes: the linear model's shape (set from ``data.problem`` by the CLI).
         loss: ``cross_entropy`` (classes; logs ``test_acc`` too) or ``squared``, (z - y)^2 / 2 on one
-            output (regression, e.g. the ``Quadratic`` problem).
+            output (regression, e.g. the ``Quadratic`` problem), or ``next_token`` (a language model, the
+            ``StdlibChars`` problem with ``arch=transformer``: the mean cross-entropy over a window's positions;
+            logs ``test_bpc``, bits per character, and the per-position ``test_acc`` too).
+        beta, beta2, second_moment, average_second_moment: ``AdaptiveSlowcal``'s (adaptive_slowcal only): where
+            the gradient is taken (1: x, SLowcal's query point), Adam's decay, ``adam`` or ``adagrad``, and whether
+            a synchronisation averages the second moment (docs/adaptive.md).
     """
 
     def __init__(
@@ -105,7 +110,11 @@ class MachinesModel(pl.LightningModule):
         seed: Optional[int] = None,
         input_dim: int = 784,
         num_classes: int = 10,
-        loss: Literal["cross_entropy", "squared"] = "cross_entropy",
+        loss: Literal["cross_entropy", "squared", "next_token"] = "cross_entropy",
+        beta: float = 1.0,
+        beta2: float = 0.999,
+        second_moment: Literal["adam", "adagrad"] = "adam",
+        average_second_moment: bool = False,
     ) -> None:
         super().__init__()
         entry = get_method(method)
@@ -113,9 +122,14 @@ class MachinesModel(pl.LightningModule):
             raise ValueError(f"Invalid model.init: {init!r} (allowed: zeros, default, official)")
         if seed is not None:
             check_int("model.seed", seed, minimum=0)
-        if loss not in ("cross_entropy", "squared"):
-            raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared)")
+        if loss not in ("cross_entropy", "squared", "next_token"):
+            raise ValueError(f"Invalid model.loss: {loss!r} (allowed: cross_entropy, squared, next_token)")
         architecture = get_architecture(arch)
+        if architecture.sequence != (loss == "next_token"):
+            raise ValueError(
+                f"Invalid model.arch: {arch!r} for the {loss} loss (a language-model problem such as StdlibChars "
+                "takes model.arch=transformer, and the transformer only such a problem)"
+            )
         if not architecture.linear and init != "default":
             raise ValueError(
                 f"Invalid model.init: {init!r} with model.arch={arch} (zeros would leave every hidden unit alike, "
@@ -148,9 +162,7 @@ class MachinesModel(pl.LightningModule):
         #: The run's shape: its machines per process are this process's machines, its steps per round a
         #: training batch's (``use_shape``; ``None`` until given or configured).
         self.shape: Optional[RunShape] = None
-        self.test_acc = (
-            MulticlassAccuracy(num_classes=num_classes, average="micro") if loss == "cross_entropy" else None
-        )
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro") if loss != "squared" else None
         self._driver: Optional[RoundDriver] = None  # this fit's, built at its first round
         self.links: tuple[Link, ...] = ()  # use_links
         self.step_seconds: Optional[float] = None
@@ -349,6 +361,8 @@ class MachinesModel(pl.LightningModule):
         """Each machine's mean loss over its batch, from its outputs: logits ``(m, b, classes)`` -> ``(m,)``."""
         if self.hparams.loss == "squared":
             return 0.5 * (logits.squeeze(-1) - y).square().mean(1)
+        if self.hparams.loss == "next_token":  # (m, b, length, tokens) on (m, b, length): every position's
+            return cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none").view(y.shape).flatten(1).mean(1)
         return cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
     def _last_round(self, batch_idx: int) -> bool:
@@ -382,7 +396,11 @@ class MachinesModel(pl.LightningModule):
     def _evaluate(self, batch: tuple[Tensor, Tensor]) -> None:
         x, y = batch
         logits = self.machines.forward_averaged(x)
-        self.log("test_loss", test_loss(logits, y, self.hparams.loss), prog_bar=True)
+        loss = test_loss(logits, y, self.hparams.loss)
+        self.log("test_loss", loss, prog_bar=True)
+        if self.hparams.loss == "next_token":  # bits per character: the loss in nats over ln 2; accuracy per position
+            self.log("test_bpc", loss / math.log(2), prog_bar=True)
+            logits, y = logits.flatten(0, -2), y.flatten()
         if self.test_acc is not None:
             # Logged per epoch (Lightning computes and resets it at the end of the evaluation): update
             # only; calling the metric would also compute this batch's accuracy, which nobody reads.

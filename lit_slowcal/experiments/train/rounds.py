@@ -354,9 +354,12 @@ class _ClassesFirst(torch.autograd.Function):
 
 def test_loss(logits: Tensor, y: Tensor, loss: str) -> Tensor:
     """The mean loss of the averaged model's outputs ``logits`` ``(n, outputs)`` on labels ``y`` ``(n,)``:
-    ``cross_entropy``, or ``squared``, (z - y)^2 / 2 on one output."""
+    ``cross_entropy``, or ``squared``, (z - y)^2 / 2 on one output, or ``next_token``, the cross-entropy of every
+    position's next token (``(n, length, tokens)`` on ``(n, length)``)."""
     if loss == "squared":
         return 0.5 * (logits.squeeze(-1) - y).square().mean()
+    if loss == "next_token":  # (n, length, tokens) on (n, length): the mean over every position
+        return cross_entropy(logits.flatten(0, -2), y.flatten())
     return cross_entropy(logits, y)
 
 

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from lit_slowcal.experiments.data import problems as problems_module
 from lit_slowcal.experiments.data.datamodule import ProblemDataModule
-from lit_slowcal.experiments.data.problems import MNIST, PROBLEMS, Quadratic, Synthetic
+from lit_slowcal.experiments.data.problems import MNIST, PROBLEMS, VOCABULARY, Quadratic, StdlibChars, Synthetic
 
 
 def _equal(a, b):
@@ -63,7 +64,7 @@ def test_quadratic_sizes_and_the_data_module_builds_any_problem():
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 4, 1, 3) and y.shape == (2, 4, 1)
-    assert set(PROBLEMS) == {"MNIST", "Synthetic", "Quadratic"}
+    assert set(PROBLEMS) == {"MNIST", "Synthetic", "Quadratic", "StdlibChars"}
     assert isinstance(ProblemDataModule().problem, MNIST)
 
 
@@ -94,3 +95,69 @@ def test_a_config_written_before_the_rooms_still_names_its_problem():
     )
     built = parser.instantiate_classes(config).problem
     assert type(built) is problems.Quadratic and built.dim == 3
+
+
+def test_stdlib_chars_windows_targets_test_split_and_dirichlet_over_modules():
+    """Windows of the corpus's characters with their next characters as targets, each module's last 10 % for
+    the test, and the training windows split over the machines by their module (the label)."""
+    from types import SimpleNamespace
+
+    documents = problems_module.stdlib_documents()
+    assert len(documents) == 16 and 2e5 < sum(len(ids) for _, ids in documents) < 4e5
+    text = (problems_module.STDLIB_DIR / "textwrap.py.txt").read_text()
+    ids = dict(documents)["textwrap.py.txt"]
+    assert "".join(VOCABULARY[i] for i in ids[:40]) == text[:40] and len(VOCABULARY) == 96
+    data = StdlibChars(context=16, stride=4).build(4, 1, SimpleNamespace(dirichlet_alpha=0.3, split="balanced"))
+    assert data.train_x.shape[1] == data.test_x.shape[1] == 16 and data.train_y.dtype == torch.int64
+    assert torch.equal(data.train_x[:, 1:].long(), data.train_y[:, :-1])  # the targets: the window shifted by one
+    first = documents[0][1]  # the first window of the first module, and its fourth (stride 4)
+    assert torch.equal(data.train_x[3].long(), first[12:28]) and torch.equal(data.train_y[3], first[13:29])
+    cut = int(0.9 * len(first))
+    assert torch.equal(data.test_x[0].long(), first[cut : cut + 16])  # the test: past the training windows
+    # balanced: every machine the same windows; Dirichlet(0.3): each its own mix of the modules
+    sizes = [len(s) for s in data.shards]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) <= len(data.train_x)
+    modules = torch.cat([torch.full((len(_windows),), i) for i, _windows in enumerate(_per_module(16, 4))])
+    mixes = torch.stack([torch.bincount(modules[s], minlength=16).double() / len(s) for s in data.shards])
+    assert (mixes - mixes.mean(0)).abs().max() > 0.1
+
+
+def _per_module(context, stride):
+    return [problems_module._windows(ids[: int(0.9 * len(ids)) + 1], context, stride)[0] for _, ids in
+            problems_module.stdlib_documents()]  # fmt: skip
+
+
+def test_stdlib_chars_refuses_a_changed_corpus(tmp_path, monkeypatch):
+    for path in problems_module.STDLIB_DIR.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    with open(tmp_path / "heapq.py.txt", "a") as f:
+        f.write("# changed\n")
+    monkeypatch.setattr(problems_module, "STDLIB_DIR", tmp_path)
+    problems_module.stdlib_documents.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"Invalid corpus file: .*heapq.py.txt \(its SHA-256 is not SHA256SUMS's"):
+            problems_module.stdlib_documents()
+    finally:
+        problems_module.stdlib_documents.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["adaptive_slowcal", "diloco"])
+def test_the_language_model_trains_in_fit_and_logs_bits_per_character(tmp_path, monkeypatch, method):
+    """``fit --config configs/charlm.yaml`` as a sweep runs a trial: three rounds of the transformer on StdlibChars,
+    its test loss in bits per character (``test_bpc`` = ``test_loss`` / ln 2), below the uniform 96 characters'."""
+    import math
+    from pathlib import Path
+
+    from lit_slowcal.experiments import sweep as sw
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    outcome = sw.run_trial(
+        ["fit", "--config", "configs/charlm.yaml", f"--method={method}", "--trainer.limit_train_batches=3",
+         "--trainer.max_epochs=1", "--model.lr=0.01", f"--run_dir={tmp_path}"]
+    )  # fmt: skip
+    assert outcome["status"] == "finished", outcome["error"]
+    metrics = outcome["metrics"]
+    assert metrics["round"] == 3 and metrics["test_bpc"] == pytest.approx(metrics["test_loss"] / math.log(2), rel=1e-6)
+    assert metrics["test_bpc"] < math.log2(96) - 2  # learnt more than the characters' frequencies
+    assert 0 < metrics["test_acc"] < 1

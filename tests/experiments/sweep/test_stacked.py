@@ -186,6 +186,42 @@ def test_trials_of_several_k_stack_and_each_equals_its_single_run(tmp_path, monk
     assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
 
 
+def stacked_and_single(tmp_path, monkeypatch, command_line, **grid):
+    """The trials of ``grid_file(**grid)`` run alone (the reference) and stacked: (stacked trials, reference, groups)."""
+    sweep = sw.load_sweep(grid_file(tmp_path / "single", **grid))
+    trials = sw.expand_trials(sweep)
+    reference = single_runs(monkeypatch, sweep, trials)
+    sweep2 = sw.load_sweep(grid_file(tmp_path / "stacked", **grid))
+    parsed = [
+        stacked.StackedTrial(p, sw.trial_args(sweep2, p), command_line.parse(sw.trial_args(sweep2, p)).fit.as_dict())
+        for p in trials
+    ]
+    groups = stacked.group_trials(parsed, budget=2**30)
+    for group in groups:
+        stacked.run_group(group)
+    return parsed, reference, groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("--model.beta=0.7", "--model.average_second_moment=true")])
+def test_adaptive_slowcal_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line, extra):
+    """AdaptiveSlowcal stacks (elementwise steps, per-parameter clocks; with beta < 1 its swap_output around every
+    evaluation and post_sync after every average): two K in one group, each trial its single run bit for bit."""
+    monkeypatch.chdir(REPO)
+    torch.set_num_threads(1)
+    grid = dict(lrs=(0.003, 0.01), seeds=(1,), ks=(2, 4), methods=("adaptive_slowcal",), extra=extra)
+    parsed, reference, groups = stacked_and_single(tmp_path, monkeypatch, command_line, **grid)
+    assert [len(g) for g in groups] == [4]
+    for t, (outcome, params, csv_text) in zip(parsed, reference):
+        assert t.outcome["status"] == outcome["status"] == "finished"
+        assert differences(t.outcome["metrics"], outcome["metrics"]) == [], t.params
+        assert "iterate_step" in t.outcome["metrics"]  # w is averaged: the diagnostics see the iterate
+        for name, value in params.items():
+            assert torch.equal(t.final_state["params"][name], value), (t.params, name)
+        assert csv_differences(metrics_csv(t.outcome["run_dir"]), csv_text) == []
+    assert len({t.outcome["metrics"]["test_loss"] for t in parsed}) == len(parsed)
+
+
 @pytest.mark.slow
 def test_a_diverging_trial_is_frozen_and_the_others_equal_their_single_runs(tmp_path, monkeypatch, command_line):
     monkeypatch.chdir(REPO)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import Quadratics
+from helpers import Quadratics, ref_adaptive_slowcal
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines
@@ -115,6 +115,13 @@ def ref_diloco(q, lr=LR, b1=0.9, b2=0.999, eps=1e-8):
     return {"param": x}
 
 
+def ref_adaptive(q):
+    """AdaptiveSlowcal at the registry's defaults: gradients at x (beta = 1), Adam's second moment kept per
+    machine, SLowcal's weights (the float64 reference of tests/helpers.py)."""
+    want = ref_adaptive_slowcal(q, LR, ROUNDS, K)
+    return {"param": want["param"], "w": want["w"], "v": want["v"]}
+
+
 REFERENCES = {
     "slowcal": ref_slowcal,
     "local_sgd": ref_local_sgd,
@@ -122,6 +129,7 @@ REFERENCES = {
     "accel_minibatch_sgd": ref_accel_minibatch_sgd,
     "scaffold": ref_scaffold,
     "diloco": ref_diloco,
+    "adaptive_slowcal": ref_adaptive,
 }
 
 
@@ -160,18 +168,20 @@ def deviation(got, want):
     dev = 0.0
     for key, expected in want.items():
         value = got[key]
-        if key != "c_local":  # everything else is the same on every machine after a round
+        if key not in ("c_local", "v"):  # everything else is the same on every machine after a round
             expected = expected.expand_as(value)
         dev = max(dev, (value - expected).abs().max().item())
     return dev
 
 
-def test_the_registry_is_the_five_methods_of_table_1_and_diloco():
-    assert list(METHODS) == ["slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold", "diloco"]
+def test_the_registry_is_the_five_methods_of_table_1_diloco_and_the_adaptive_slowcal():
+    assert list(METHODS) == [
+        "slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold", "diloco", "adaptive_slowcal",
+    ]  # fmt: skip
     assert TABLE1_METHODS == ("slowcal", "local_sgd", "minibatch_sgd", "accel_minibatch_sgd", "scaffold")
     assert set(REFERENCES) == set(METHODS)
     with pytest.raises(ValueError, match=r"Invalid method: 'fedavg' \(allowed: slowcal, local_sgd, minibatch_sgd, "
-                       r"accel_minibatch_sgd, scaffold, diloco\)"):  # fmt: skip
+                       r"accel_minibatch_sgd, scaffold, diloco, adaptive_slowcal\)"):  # fmt: skip
         get_method("fedavg")
 
 
@@ -183,7 +193,8 @@ def test_each_method_matches_its_published_update_in_float64(name):
     dev = deviation(got, want)
     assert dev <= 1e-10, f"{name}: max deviation {dev:.3g}"
     # Not vacuous: the run moved far from x_0, and the machines' minima differ (heterogeneous).
-    assert (want["param"] - q.x0).abs().max() > 0.5
+    # (Adam's steps move each coordinate by about lr a step, a third of that in the average x.)
+    assert (want["param"] - q.x0).abs().max() > (0.3 if name == "adaptive_slowcal" else 0.5)
     assert max((q.b[i] - q.b[0]).abs().max() for i in range(M)) > 1
 
 
@@ -202,12 +213,12 @@ def test_floats_communicated_is_what_each_method_uploads(name):
     _, averager, _ = run_registry(name, q)
     entry = METHODS[name]
     assert averager.floats_communicated == ROUNDS * entry.floats_per_round(DIM)
-    assert entry.floats_per_round(DIM) == {"slowcal": 2, "scaffold": 2}.get(name, 1) * DIM
+    assert entry.floats_per_round(DIM) == {"slowcal": 2, "scaffold": 2, "adaptive_slowcal": 2}.get(name, 1) * DIM
 
 
 def test_round_shape_of_local_and_minibatch_methods():
     for name, entry in METHODS.items():
-        local = name in ("slowcal", "local_sgd", "scaffold", "diloco")
+        local = name in ("slowcal", "local_sgd", "scaffold", "diloco", "adaptive_slowcal")
         assert entry.steps_per_round(16) == entry.sync_period(16) == (16 if local else 1)
         assert entry.per_step_batch(16, 2) == (2 if local else 32)
     with pytest.raises(ValueError, match="Invalid local_steps: 0"):

@@ -90,3 +90,47 @@ def test_each_process_keeps_its_own_machines_official_weights():
         model.machines.weight.fill_(0.5)
     model.on_fit_start()
     assert torch.all(model.machines.weight == 0.5)
+
+
+def test_the_transformer_on_simulated_machines_is_each_machines_own_model():
+    """``model.arch=transformer`` (the language model): every machine's mean next-token loss, and its gradient, are
+    those of its own copy run alone; the attention is causal (a position's logits ignore later characters)."""
+    import torch.nn.functional as F
+
+    from lit_slowcal.experiments.train.architectures import CharTransformer
+
+    torch.manual_seed(0)
+    model = MachinesModel(method="adaptive_slowcal", num_machines=3, arch="transformer", init="default",
+                          input_dim=12, num_classes=96, loss="next_token")  # fmt: skip
+    model.configure_model()
+    with torch.no_grad():
+        for p in model.machines.parameters():  # the machines differ
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, 96, (3, 5, 12)).float()
+    y = torch.randint(0, 96, (3, 5, 12))
+    losses = model._machine_losses(x, y)
+    losses.sum().backward()
+    for i in range(3):
+        alone = CharTransformer(12, 96)
+        with torch.no_grad():
+            for name, p in alone.named_parameters():
+                p.copy_(model.machines.stacked_parameters()[name][i])
+        loss = F.cross_entropy(alone(x[i]).flatten(0, 1), y[i].flatten())
+        loss.backward()
+        assert torch.allclose(losses[i], loss, rtol=1e-5, atol=0)
+        for name, p in alone.named_parameters():
+            assert torch.allclose(model.machines.stacked_parameters()[name].grad[i], p.grad, rtol=1e-4, atol=1e-6)
+    changed = x[0:1].clone()
+    changed[0, :, 7:] = 0.0
+    alone = model.machines.averaged_module()
+    assert torch.equal(alone(changed[0])[:, :7], alone(x[0])[:, :7])
+    assert not torch.equal(alone(changed[0])[:, 7:], alone(x[0])[:, 7:])
+
+
+@pytest.mark.parametrize(
+    ("arch", "loss"), [("transformer", "cross_entropy"), ("linear", "next_token"), ("mlp", "next_token")]
+)
+def test_the_transformer_and_the_next_token_loss_go_together(arch, loss):
+    init = "default" if arch != "linear" else "zeros"
+    with pytest.raises(ValueError, match=rf"Invalid model.arch: '{arch}' for the {loss} loss \(a language-model"):
+        MachinesModel(arch=arch, loss=loss, init=init)

@@ -36,7 +36,9 @@ PROBLEM_ARGS = {
     "MNIST": [],
     "Synthetic": ["--data.problem=Synthetic"],
     "Quadratic": ["--data.problem=Quadratic", "--data.problem.samples=30"],
-}
+    "StdlibChars": ["--data.problem=StdlibChars", "--model.arch=transformer", "--model.init=default",
+                    "--data.dirichlet_alpha=0.5", "--data.split=balanced"],
+}  # fmt: skip
 
 
 def _shape_calls(path: Path) -> list[tuple[str, int]]:
@@ -141,7 +143,9 @@ def test_every_run_takes_k_m_and_the_rounds_from_its_one_shape(problem, devices,
             loader = data.train_dataloader()
             x, y = next(iter(loader))
             assert len(loader) == data.shape().rounds == shape.rounds
-            assert tuple(x.shape) == shape.batch_shape(data.problem.input_dim) and tuple(y.shape) == shape.batch_shape()
+            targets = (data.problem.input_dim,) if data.problem.loss == "next_token" else ()  # every position's
+            assert tuple(x.shape) == shape.batch_shape(data.problem.input_dim)
+            assert tuple(y.shape) == shape.batch_shape() + targets
             assert trainer.val_check_interval == shape.val_check_interval and shape.trained_rounds == min(
                 5, shape.rounds
             )
