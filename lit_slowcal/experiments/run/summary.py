@@ -33,7 +33,8 @@ def summary_lines(
         "lit_slowcal summary",
         f"  method {get('method')}   M={get('num_machines')}  K={get('local_steps')}"
         f"  b={get('batch_size')}   rounds {trainer.strategy.num_syncs}/{rounds}",
-        f"  final test accuracy {value('test_acc'):.4f}   test loss {value('test_loss'):.4f}",
+        f"  final test accuracy {value('test_acc'):.4f}   test loss {value('test_loss'):.4f}"
+        + (f"   bits per character {value('test_bpc'):.4f}" if "test_bpc" in metrics else ""),
         *diagnostics_lines(trainer, value),
         f"  wall time {wall_time:.1f} s",
         *link_lines(trainer, get),

@@ -143,9 +143,10 @@ def test_stdlib_chars_refuses_a_changed_corpus(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["adaptive_slowcal", "diloco"])
-def test_the_language_model_trains_in_fit_and_logs_bits_per_character(tmp_path, monkeypatch, method):
+def test_the_language_model_trains_in_fit_and_logs_bits_per_character(tmp_path, monkeypatch, capsys, method):
     """``fit --config configs/charlm.yaml`` as a sweep runs a trial: three rounds of the transformer on StdlibChars,
-    its test loss in bits per character (``test_bpc`` = ``test_loss`` / ln 2), below the uniform 96 characters'."""
+    its test loss in bits per character (``test_bpc`` = ``test_loss`` / ln 2), below the uniform 96 characters',
+    and in the summary."""
     import math
     from pathlib import Path
 
@@ -161,3 +162,4 @@ def test_the_language_model_trains_in_fit_and_logs_bits_per_character(tmp_path, 
     assert metrics["round"] == 3 and metrics["test_bpc"] == pytest.approx(metrics["test_loss"] / math.log(2), rel=1e-6)
     assert metrics["test_bpc"] < math.log2(96) - 2  # learnt more than the characters' frequencies
     assert 0 < metrics["test_acc"] < 1
+    assert f"bits per character {metrics['test_bpc']:.4f}" in capsys.readouterr().out
