@@ -35,6 +35,14 @@ CASES = {
         lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
         1e-12,
     ),
+    # Per-machine momentum (not averaged) under DiLoCo's outer Nesterov: the Trainer strategy's case too.
+    "diloco_momentum_f64": (
+        torch.float64,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        (),
+        lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+        1e-12,
+    ),
     # The optimizers whose pre_sync/post_sync rebuild their state from the average: on DTensor state too.
     "accelerated_f64": (torch.float64, lambda ps: AcceleratedSGD(ps, lr=0.1), (), None, 1e-12),
     "scaffold_f64": (torch.float64, lambda ps: Scaffold(ps, lr=0.1), (), None, 1e-12),
@@ -62,24 +70,26 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
-def _reference(case: str) -> list[torch.Tensor]:
-    """The two replicas unsharded, each stepping its own optimizer on its whole batch; every K steps the
-    parameters (and the averaged state) replaced by hand by their mean, or DiLoCo's outer step on it,
-    between the optimizer's own pre_sync and post_sync where it has them."""
+def _reference(case: str, closed_at: tuple[int, ...] = (), batches: Any = None) -> list[torch.Tensor]:
+    """The two replicas unsharded, each stepping its own optimizer on its whole batch (``_batch``'s, or
+    ``batches[r][t]`` for replica r's step t + 1); every K steps (and after the steps ``closed_at``, where a
+    round was closed) the parameters (and the averaged state) replaced by hand by their mean, or DiLoCo's
+    outer step on it, between the optimizer's own pre_sync and post_sync where it has them."""
     dtype, make, keys, outer, _ = CASES[case]
     k = SYNC_EVERY.get(case, K)
+    steps = k * R if batches is None else len(batches[0])
     models = [_model(dtype) for _ in range(2)]
     optimizers = [make(list(m.parameters())) for m in models]
     keys = (*keys, *getattr(optimizers[0], "averaged_state", ()))
     gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
     start = [p.detach().clone() for p in models[0].parameters()]
     server = outer(start) if outer is not None else None
-    for step in range(1, k * R + 1):
-        for model, opt, g in zip(models, optimizers, gens):
+    for step in range(1, steps + 1):
+        for r, (model, opt, g) in enumerate(zip(models, optimizers, gens)):
             opt.zero_grad()
-            _loss(model, *_batch(g, dtype)).backward()
+            _loss(model, *(_batch(g, dtype) if batches is None else batches[r][step - 1])).backward()
             opt.step()
-        if step % k:
+        if step % k and step not in closed_at:
             continue
         for opt in optimizers:
             if hasattr(opt, "pre_sync"):
