@@ -41,7 +41,7 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(n, 7, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype))
 
 
-def _sampler(data: TensorDataset, **where: int) -> DistributedSampler:
+def _sampler(data: TensorDataset, **where: Any) -> DistributedSampler:
     """A process's part of the rows: each epoch the same (Lightning's own sampler reshuffles by an epoch
     count that a resumed run need not share)."""
     return DistributedSampler(data, shuffle=False, **where)
@@ -69,7 +69,9 @@ class Sharded(pl.LightningModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(self.net, mesh=self.trainer.strategy.shard_mesh)
+        strategy = self.trainer.strategy
+        assert isinstance(strategy, ShardedAveragingStrategy)
+        fully_shard(self.net, mesh=strategy.shard_mesh)
 
     def training_step(self, batch: Any, _: int) -> torch.Tensor:
         x, y = batch
@@ -82,7 +84,9 @@ class Sharded(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         # The strategy's part for this process: world_size parts, one a process.
         data = _data()
-        return DataLoader(data, PER_RANK, sampler=_sampler(data, **self.trainer.strategy.distributed_sampler_kwargs))
+        strategy = self.trainer.strategy
+        assert isinstance(strategy, ShardedAveragingStrategy)
+        return DataLoader(data, PER_RANK, sampler=_sampler(data, **strategy.distributed_sampler_kwargs))
 
     def val_dataloader(self) -> DataLoader:
         return self.train_dataloader()
@@ -97,14 +101,16 @@ class Sharded(pl.LightningModule):
 def full(module: Sharded) -> list[torch.Tensor]:
     """The full parameters, gathered (the shards: an evaluation leaves the root's parameters unsharded)."""
     module.net.reshard()
-    return [p.full_tensor().detach().clone() for p in module.parameters()]
+    return [p.full_tensor().detach().clone() for p in module.parameters()]  # type: ignore[attr-defined]
 
 
 def _fit(root: str, ckpt_path: str | None = None, **strategy: Any) -> Any:
     strategy.setdefault("replicate_size", 2)
     strategy.setdefault("shard_size", 2)
     model = Sharded()
-    callbacks = [] if ckpt_path else [ModelCheckpoint(root, "{epoch}", save_top_k=-1, save_on_train_epoch_end=True)]
+    callbacks: list[pl.Callback] = (
+        [] if ckpt_path else [ModelCheckpoint(root, "{epoch}", save_top_k=-1, save_on_train_epoch_end=True)]
+    )
     trainer = pl.Trainer(
         strategy=ShardedAveragingStrategy(sync_every=K, outer_optimizer=CASES[CASE][3], **strategy),
         accelerator="cpu", devices=WORLD, max_steps=STEPS, limit_val_batches=1,
@@ -125,7 +131,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     def counted(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
         if group is not None and sorted(dist.get_process_group_ranks(group)) in ([0, 2], [1, 3]):  # replicate groups
             sent.append(tensor.numel() * tensor.element_size())
-        return all_reduce(tensor, *args, group=group, **kwargs)
+        return all_reduce(tensor, *args, group=group, **kwargs)  # type: ignore[call-overload]
 
     dist.all_reduce = counted
     try:
