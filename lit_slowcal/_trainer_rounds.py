@@ -15,7 +15,7 @@ strategy's: ``_put_schedules`` and ``_take_schedules``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -27,7 +27,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import PeriodicAverager
-from lit_slowcal.compression import Compressor
 
 __all__ = ["TrainerRounds"]
 
@@ -40,23 +39,9 @@ class TrainerRounds(AveragerSet):
         "precision plugins is counted alike; a step the LightningModule leaves out is not)"
     )
 
-    def _init_rounds(
-        self,
-        sync_every: int,
-        average_state: Sequence[str],
-        bucket_cap_mb: float,
-        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]],
-        participation: Optional[Union[int, float]],
-        participation_seed: int,
-        compression: Union[None, str, Compressor],
-        error_feedback: Optional[bool],
-        overlap_delay: int,
-        fragments: int,
-    ) -> None:
-        self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback, overlap_delay, fragments,
-        )  # fmt: skip
+    def _init_rounds(self, *options: Any) -> None:
+        """The averagers' settings (``AveragerSet._init_averagers``'s arguments, in its order) and the rounds' state."""
+        self._init_averagers(*options)
         self._direct = False  # optimizer.step() called without Lightning's dispatch (PeriodicAveragingStrategy)
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
