@@ -11,6 +11,7 @@ The core, importable with torch and lightning alone:
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
 * ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy, a thin adapter over
   ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` the same for Fabric;
+  ``ShardedAveragingStrategy`` the Trainer's for FSDP2-sharded models, averaged over their replicas;
 * ``Link`` and ``LinkCounts`` -- what a synchronisation costs on a network link (a ring all-reduce
   model, in bytes and seconds), the counts every averager keeps, and the DDP reference (``lit_slowcal.link``);
 * ``AtomicCheckpointIO`` -- a Lightning ``CheckpointIO`` whose checkpoints are whole or absent
@@ -20,7 +21,7 @@ The core, importable with torch and lightning alone:
 ``AtomicCheckpointIO`` (``atomic_path``, ``atomic_write``, ``locked``) live in ``lit_slowcal.files``.
 
 ``import lit_slowcal`` needs torch only: the Lightning pieces load on first use, and the names
-``strategy="periodic_averaging"`` (and ``"periodic_averaging_spawn"``) are registered with the
+``strategy="periodic_averaging"`` (and ``"periodic_averaging_spawn"``, ``"sharded_averaging"``) are registered with the
 Trainer and with Fabric as soon as Lightning is imported, before or after this package.
 
 The paper's MNIST experiment (data, model, CLI, sweeps, report) is an application on top of this
@@ -46,6 +47,7 @@ __all__ = [
     "PeriodicAveragingFabricStrategy",
     "PeriodicAveragingStrategy",
     "Scaffold",
+    "ShardedAveragingStrategy",
     "SimulatedMachines",
     "SlowcalSGD",
 ]
@@ -55,6 +57,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "PeriodicAveragingStrategy": "lit_slowcal.strategy",
     "PeriodicAveragingFabricStrategy": "lit_slowcal.fabric",
+    "ShardedAveragingStrategy": "lit_slowcal.sharded_strategy",
     "AtomicCheckpointIO": "lit_slowcal.checkpoint_io",
 }
 

@@ -117,11 +117,17 @@ class AveragerSet:
         self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
     ) -> PeriodicAverager:
         averager = PeriodicAverager(
-            modules, optimizer, self.sync_every, average_state=self.average_state, bucket_cap_mb=self.bucket_cap_mb,
-            buffers=buffers, **self.server_options, **self.compression_options, **self.overlap_options,
+            modules, optimizer, self.sync_every, process_group=self._averaging_group(), average_state=self.average_state,
+            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options, **self.compression_options,
+            **self.overlap_options,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager
+
+    def _averaging_group(self) -> Optional[Any]:
+        """The processes the averagers average over (``PeriodicAverager``'s ``process_group``): ``None``, all of
+        them; a sharded strategy's replicate group."""
+        return None
 
     def _add_averagers(
         self, root: nn.Module, modules: Any, optimizers: Sequence[Optimizer], restored: Optional[list[dict]] = None

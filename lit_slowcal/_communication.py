@@ -41,7 +41,7 @@ if dist.is_available():
 __all__ = [
     "Averaging", "all_modules", "average", "averaged_tensors", "averaged_units", "broadcast_module", "buckets",
     "buffer_owners", "check_same_point", "check_sharding", "floats_sent", "gather_ints", "gather_objects",
-    "is_averaged", "local", "machines_per_process", "rank", "start_average", "world_size",
+    "is_averaged", "local", "machines_per_process", "rank", "reshard", "start_average", "world_size",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -138,6 +138,18 @@ def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Option
                 "as process_group (docs/sharded.md)"
             )
     return True
+
+
+def reshard(modules: Modules) -> None:
+    """Reshard every FSDP2 module of ``modules`` that holds its parameters unsharded (as the root does after
+    a forward without backward, an evaluation): its next forward then gathers the shards as they are now,
+    not the full parameters of before an average."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None:
+        return
+    for module in all_modules(modules):
+        if isinstance(module, fsdp):
+            module.reshard()
 
 
 def local(t: Tensor) -> Tensor:

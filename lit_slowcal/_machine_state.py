@@ -13,7 +13,8 @@ The saved form, ``state["per_machine"]``::
     {"world_size": P, "ranks": {rank: {param_index: {key: tensor}}}}
 
 ``param_index`` is the parameter's position in the optimizer's param groups (as in
-``Optimizer.state_dict()``), ``key`` a state key not averaged whose value is a tensor. Python
+``Optimizer.state_dict()``), ``key`` a state key not averaged whose value is a tensor (of a DTensor,
+an FSDP2 shard's state, this process's local shard: it is put back into the DTensor at a load). Python
 numbers in the state (``SlowcalSGD``'s step count) are the same on every machine (one schedule) and
 travel in the optimizer's own state dict.
 
@@ -36,6 +37,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lit_slowcal._communication import local
+
 __all__ = ["KEY", "load", "local_state", "select"]
 
 #: Where ``PeriodicAverager.state_dict()`` keeps the per-machine optimizer state.
@@ -49,11 +52,12 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
 
 
 def local_state(optimizer: Optimizer, averaged: Sequence[str]) -> PerParam:
-    """This process's per-machine optimizer state: every tensor of the state not under ``averaged``."""
+    """This process's per-machine optimizer state: every tensor of the state not under ``averaged`` (of a
+    DTensor, its local shard)."""
     out: PerParam = {}
     for index, p in enumerate(_params(optimizer)):
         own = {
-            key: value.detach()
+            key: local(value).detach()
             for key, value in optimizer.state.get(p, {}).items()
             if key not in averaged and isinstance(value, Tensor)
         }
@@ -109,6 +113,14 @@ def select(saved: dict[str, Any], rank: int, world_size: int) -> Optional[PerPar
     )
 
 
+def _like_parameter(p: Tensor, shard: Tensor) -> Tensor:
+    """``shard`` as the local shard of a DTensor placed as the DTensor ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(p, DTensor)
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def load(optimizer: Optimizer, state: PerParam, averaged: Sequence[str] = ()) -> None:
     """Put ``state`` into the optimizer's state, each tensor cast as ``Optimizer.load_state_dict`` casts it;
     a per-machine tensor (not under ``averaged``) that ``state`` does not hold is removed: this machine
@@ -127,12 +139,17 @@ def load(optimizer: Optimizer, state: PerParam, averaged: Sequence[str] = ()) ->
             else:
                 value = value.to(device=p.device)
             current = target.get(key)
-            if isinstance(current, Tensor) and current.shape != value.shape:
+            if isinstance(current, Tensor) and local(current).shape != value.shape:
                 raise ValueError(
                     f"Cannot resume the per-machine optimizer state: {key!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)} and the optimizer's has {tuple(current.shape)}"
+                    f"{tuple(value.shape)} and the optimizer's has {tuple(local(current).shape)}"
                 )
-            target[key] = value.clone(memory_format=torch.preserve_format)
+            if isinstance(current, Tensor) and current is not local(current):  # a DTensor: its local shard
+                local(current).copy_(value)
+            elif local(p) is not p and value.shape == local(p).shape:  # a shard's state not there yet: a DTensor
+                target[key] = _like_parameter(p, value.clone(memory_format=torch.preserve_format))
+            else:
+                target[key] = value.clone(memory_format=torch.preserve_format)
     for index, p in enumerate(params):
         current = optimizer.state.get(p)
         if not current:

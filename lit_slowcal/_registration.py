@@ -29,6 +29,12 @@ def trainer_strategy(**kwargs: Any) -> Any:
     return PeriodicAveragingStrategy(**kwargs)
 
 
+def sharded_trainer_strategy(**kwargs: Any) -> Any:
+    from lit_slowcal.sharded_strategy import ShardedAveragingStrategy
+
+    return ShardedAveragingStrategy(**kwargs)
+
+
 def fabric_strategy(**kwargs: Any) -> Any:
     from lit_slowcal.fabric import PeriodicAveragingFabricStrategy
 
@@ -42,6 +48,12 @@ def _register_trainer(module: ModuleType) -> None:
             registry.register(
                 name, trainer_strategy, description=f"{_DESCRIPTION}, '{start_method}'", start_method=start_method
             )
+    if "sharded_averaging" not in registry:
+        registry.register(
+            "sharded_averaging",
+            sharded_trainer_strategy,
+            description="FSDP2 within each replica, replicas averaged every K steps",
+        )
 
 
 def _register_fabric(module: ModuleType) -> None:

@@ -690,6 +690,8 @@ class PeriodicAverager:
             self.check_setup(counts=self.check_schedule)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
+        if self.sharded:  # the full parameters an evaluation left gathered would outlive the average
+            _communication.reshard(self.modules)
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
@@ -802,6 +804,8 @@ class PeriodicAverager:
         (machines simulated in one process share machine 0's slice as theirs).
         """
         self.check_setup()
+        if self.sharded:
+            _communication.reshard(self.modules)
         tensors = self._tensors()
         broadcast_module(self.modules, src, process_group=self.process_group, extra=[t for t, _ in tensors])
         if self.outer is not None:

@@ -17,7 +17,6 @@ the schedule goes on unchanged. Checkpoints hold every optimizer's schedule, so 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
@@ -25,18 +24,15 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
-from lit_slowcal.averaging import PeriodicAverager, broadcast_module, machines_per_process
+from lit_slowcal._trainer_rounds import TrainerRounds
+from lit_slowcal.averaging import broadcast_module, machines_per_process
 from lit_slowcal.checkpoint_io import AtomicCheckpointIO
 from lit_slowcal.compression import Compressor
 
@@ -48,7 +44,7 @@ log = logging.getLogger(__name__)
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
-class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
+class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
     """Local updates on every machine, averaged over all machines every ``sync_every`` steps.
 
     With ``torch.optim.SGD`` this is Local-SGD; with ``SlowcalSGD`` it is SLowcal-SGD (Algorithm 2),
@@ -94,10 +90,6 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
     """
 
     strategy_name = "periodic_averaging"
-    skip_advice = (
-        "call optimizer.step() in every iteration on every rank (a GradScaler's skip under Lightning's "
-        "precision plugins is counted alike; a step the LightningModule leaves out is not)"
-    )
 
     def __init__(
         self,
@@ -120,47 +112,10 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
-        self._init_averagers(
+        self._init_rounds(
             sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback,
-            overlap_delay, fragments,
+            compression, error_feedback, overlap_delay, fragments,
         )  # fmt: skip
-        self._direct = False  # see _direct_steps
-        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
-        self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
-
-    def _new_averager(
-        self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
-    ) -> PeriodicAverager:
-        averager = super()._new_averager(modules, optimizer, buffers)
-        averager.register_sync_pre_hook(self._run_sync_pre_hooks)
-        return averager
-
-    def _torch_optimizers(self) -> list[Optimizer]:
-        return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-
-    def _create_averagers(self) -> None:
-        """A fresh averager per optimizer for this fit, in Trainer order, each schedule restored from the
-        checkpoint being resumed."""
-        self._drop_averagers()
-        optimizers = self._torch_optimizers()
-        restored, self._restored = self._restored, None
-        self._add_averagers(self.lightning_module, self.lightning_module, optimizers, restored)
-        global_step = self.lightning_module.trainer.global_step
-        if restored is None and len(optimizers) == 1 and global_step > 0:
-            # A checkpoint written before the schedules were saved: K-step rounds, one optimizer.
-            self.averagers[id(optimizers[0])].resume(global_step)
-
-    def register_sync_pre_hook(self, hook: Callable[[PeriodicAverager], None]) -> RemovableHandle:
-        """``hook(averager)`` at the start of every synchronisation of every optimizer's averager,
-        those created later included (see ``PeriodicAverager.register_sync_pre_hook``)."""
-        handle = RemovableHandle(self._sync_pre_hooks)
-        self._sync_pre_hooks[handle.id] = hook
-        return handle
-
-    def _run_sync_pre_hooks(self, averager: PeriodicAverager) -> None:
-        for hook in tuple(self._sync_pre_hooks.values()):
-            hook(averager)
 
     @property
     def machines_per_rank(self) -> int:
@@ -194,59 +149,12 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             dist.destroy_process_group()
         self._own_group = False
 
-    def _fitting(self) -> bool:
-        module = self.lightning_module
-        try:
-            trainer = module.trainer if module is not None else None
-        except RuntimeError:  # not attached to a Trainer
-            return False
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
     def configure_ddp(self) -> None:
         # No DistributedDataParallel wrapper: gradients stay local. Start every rank from rank 0's
         # weights (x_0 = w_0 identical on all machines); simulated machines are identical copies already.
         log.debug(f"{type(self).__name__}: broadcasting initial weights, no gradient synchronisation")
         if self.world_size > 1:
             broadcast_module(self.lightning_module, src=0)
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._direct = self._direct_steps()
-        self._create_averagers()
-        # Every rank built alike, checked now: Lightning runs a collective of its own every step (its
-        # SIGTERM broadcast), so ranks whose first synchronisations fall on other steps would hang.
-        for averager in self.averagers.values():
-            averager.check_setup()
-
-    def on_train_end(self) -> None:
-        # fit returns one model: the machines' average, the same on every rank.
-        self.close_rounds()
-        for averager in self.averagers.values():
-            averager.remove_hooks()  # kept for their counts, which the strategy reports after fit
-        self._direct = False
-        super().on_train_end()
-
-    def on_validation_start(self) -> None:
-        # Validation during fit evaluates the averaged model, the same on every rank.
-        self.close_rounds()
-        super().on_validation_start()
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Every checkpoint holds the averaged model (Lightning calls this on every rank).
-        self.close_rounds()
-        return super().lightning_module_state_dict()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        schedules = self._schedules(self._torch_optimizers())
-        if schedules is not None:
-            checkpoint[CHECKPOINT_KEY] = schedules
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        if self._fitting():
-            self._restored = checkpoint.get(CHECKPOINT_KEY)
-        return checkpoint
 
     def _direct_steps(self) -> bool:
         """Whether Lightning's backward and optimizer step would do nothing but ``loss.backward()``
@@ -271,31 +179,6 @@ class PeriodicAveragingStrategy(AveragerSet, DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         closure_loss.backward(*args, **kwargs)
         return closure_loss.detach()
-
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[pl.LightningModule, nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        averager = self.averagers.get(id(inner))
-        if averager is None:  # an optimizer stepped outside Lightning's fit (its round starts here)
-            averager = self.averagers[id(inner)] = self._new_averager(self.lightning_module, inner)
-        if self._direct:
-            output = optimizer.step(closure=closure, **kwargs)
-        else:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        averager.step()
-        return output
-
-    def synchronize(self, optimizer: Optimizer) -> None:
-        """Average now (outside the schedule), for ``optimizer``'s parameters and state."""
-        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if id(inner) not in self.averagers:
-            self.averagers[id(inner)] = self._new_averager(self.lightning_module, inner)
-        self.averagers[id(inner)].sync()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

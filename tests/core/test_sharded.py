@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers import finish_rank, spawn_ranks
 from torch import nn
 
-from lit_slowcal import PeriodicAverager, SlowcalSGD
+from lit_slowcal import AcceleratedSGD, PeriodicAverager, Scaffold, SlowcalSGD
 
 pytestmark = pytest.mark.slow  # four processes
 
@@ -35,7 +35,19 @@ CASES = {
         lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
         1e-12,
     ),
+    # Per-machine momentum (not averaged) under DiLoCo's outer Nesterov: the Trainer strategy's case too.
+    "diloco_momentum_f64": (
+        torch.float64,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        (),
+        lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+        1e-12,
+    ),
+    # The optimizers whose pre_sync/post_sync rebuild their state from the average: on DTensor state too.
+    "accelerated_f64": (torch.float64, lambda ps: AcceleratedSGD(ps, lr=0.1), (), None, 1e-12),
+    "scaffold_f64": (torch.float64, lambda ps: Scaffold(ps, lr=0.1), (), None, 1e-12),
 }  # fmt: skip
+SYNC_EVERY = {"accelerated_f64": 1}  # the minibatch method: K = 1 (R rounds of one step); the others K
 # Options compared with the same run unsharded, averaged over the replicate group by an unsharded averager.
 TWIN_CASES: dict[str, dict[str, Any]] = {
     "overlap": {"overlap_delay": 1},
@@ -58,23 +70,30 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
-def _reference(case: str) -> list[torch.Tensor]:
-    """The two replicas unsharded, each stepping its own optimizer on its whole batch; every K steps the
-    parameters (and the averaged state) replaced by hand by their mean, or DiLoCo's outer step on it."""
+def _reference(case: str, closed_at: tuple[int, ...] = (), batches: Any = None) -> list[torch.Tensor]:
+    """The two replicas unsharded, each stepping its own optimizer on its whole batch (``_batch``'s, or
+    ``batches[r][t]`` for replica r's step t + 1); every K steps (and after the steps ``closed_at``, where a
+    round was closed) the parameters (and the averaged state) replaced by hand by their mean, or DiLoCo's
+    outer step on it, between the optimizer's own pre_sync and post_sync where it has them."""
     dtype, make, keys, outer, _ = CASES[case]
+    k = SYNC_EVERY.get(case, K)
+    steps = k * R if batches is None else len(batches[0])
     models = [_model(dtype) for _ in range(2)]
     optimizers = [make(list(m.parameters())) for m in models]
     keys = (*keys, *getattr(optimizers[0], "averaged_state", ()))
     gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
     start = [p.detach().clone() for p in models[0].parameters()]
     server = outer(start) if outer is not None else None
-    for step in range(1, K * R + 1):
-        for model, opt, g in zip(models, optimizers, gens):
+    for step in range(1, steps + 1):
+        for r, (model, opt, g) in enumerate(zip(models, optimizers, gens)):
             opt.zero_grad()
-            _loss(model, *_batch(g, dtype)).backward()
+            _loss(model, *(_batch(g, dtype) if batches is None else batches[r][step - 1])).backward()
             opt.step()
-        if step % K:
+        if step % k and step not in closed_at:
             continue
+        for opt in optimizers:
+            if hasattr(opt, "pre_sync"):
+                opt.pre_sync()
         with torch.no_grad():
             pairs = list(zip(*(m.parameters() for m in models)))
             for p0, p1 in pairs:
@@ -92,6 +111,9 @@ def _reference(case: str) -> list[torch.Tensor]:
                 for x_s, (p0, p1) in zip(start, pairs):
                     p0.copy_(x_s)
                     p1.copy_(x_s)
+        for opt in optimizers:
+            if hasattr(opt, "post_sync"):
+                opt.post_sync()
     return [p.detach().clone() for p in models[0].parameters()]
 
 
@@ -117,7 +139,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
 
     def train(model: nn.Module, averager: PeriodicAverager, dtype: torch.dtype, rows: slice) -> None:
         g = torch.Generator().manual_seed(100 + replica)
-        for _ in range(K * R):
+        for _ in range(averager.sync_every * R):
             x, y = _batch(g, dtype)
             averager.optimizer.zero_grad()
             _loss(model, x[rows], y[rows]).backward()
@@ -133,8 +155,9 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     for case, (dtype, make, keys, outer, _) in CASES.items():
         model = sharded(dtype)
         averager = PeriodicAverager(
-            model, make(list(model.parameters())), K, process_group=group, average_state=keys, outer_optimizer=outer
-        )
+            model, make(list(model.parameters())), SYNC_EVERY.get(case, K), process_group=group, average_state=keys,
+            outer_optimizer=outer,
+        )  # fmt: skip
         train(model, averager, dtype, slice(4 * shard, 4 * shard + 4))
         results[case] = {
             "params": full(model),

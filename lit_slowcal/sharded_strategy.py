@@ -1,0 +1,217 @@
+"""Lightning's ``Trainer`` with an FSDP2-sharded model averaged over its replicas: ``strategy="sharded_averaging"``.
+
+``ShardedAveragingStrategy`` is a ``ModelParallelStrategy`` whose processes form a 2-D mesh of R
+replicas x S shards (rank = r S + s). The S processes of a replica are one machine: the user's
+``configure_model`` shards the model over them with FSDP2's ``fully_shard(..., mesh=shard_mesh)``,
+and FSDP2 reduce-scatters their gradients every step as usual. The R replicas step on their own data
+and a ``PeriodicAverager`` per optimizer averages each local shard over the replicate group every K
+steps (docs/sharded.md): HSDP with the cross-replica gradient all-reduce replaced by a periodic
+average. The round boundaries are the other Trainer strategy's (``TrainerRounds``): one averaged
+model at every validation, checkpoint and at the end of ``fit``.
+
+Checkpoints are ``ModelParallelStrategy``'s: a directory written by torch's distributed checkpoint
+(the sharded model and optimizer state, and Lightning's ``meta.pt``), and beside them one file per
+process, ``periodic_averaging.rank{r}.pt``, with its averagers' states: the schedule and counts, the
+optimizer state each replica keeps for itself (of its local shard: a distributed checkpoint keeps
+one replica's), the outer optimizer's round start and state, the compression's anchors and error
+feedback. A resume on the same mesh continues the run exactly; on another mesh it is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lit_slowcal._averagers import CHECKPOINT_KEY
+from lit_slowcal._communication import broadcast_module, local
+from lit_slowcal._trainer_rounds import TrainerRounds
+from lit_slowcal._validation import check_int
+from lit_slowcal.compression import Compressor
+from lit_slowcal.files import atomic_path
+
+__all__ = ["ShardedAveragingStrategy"]
+
+log = logging.getLogger(__name__)
+
+Size = Union[Literal["auto"], int]
+
+
+class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
+    """FSDP2 within each replica, the replicas' shards averaged every ``sync_every`` steps.
+
+    The mesh is Lightning's (``self.device_mesh`` in ``configure_model``), of shape (R, S) under
+    Lightning's dimension names: ``"data_parallel"`` is the replicate dimension (the machines,
+    averaged every K steps) and ``"tensor_parallel"`` the shard dimension (no tensor parallelism:
+    FSDP2 over it). ``shard_mesh`` and ``replicate_mesh`` name them plainly; shard with
+    ``fully_shard(module, mesh=self.trainer.strategy.shard_mesh)``. Every process takes its own part of
+    the data (a sampler of ``world_size`` replicas), so a machine's batch is its S processes' batches.
+    Rank 0's replica is broadcast at setup, so all machines start from the same point.
+
+    What is averaged and how it travels is ``PeriodicAverager``'s (each parameter's local shard, the
+    declared optimizer state, floating buffers; ``outer_optimizer``, ``participation``,
+    ``compression``, ``overlap_delay`` as there, M = R machines). Refused in one line: a shard size
+    above 1 with a model holding no DTensor (shard it in ``configure_model``), other placements and
+    FSDP1 (``PeriodicAverager``), ``fragments`` > 1, ``SimulatedMachines``, and
+    ``save_distributed_checkpoint=False`` (the averagers' states live beside the distributed checkpoint).
+
+    Args:
+        sync_every: K, optimizer steps between synchronisations (>= 1); settable later.
+        replicate_size: R, the replicas (machines): ``"auto"``, the number of nodes.
+        shard_size: S, the processes a replica is sharded over: ``"auto"``, the devices of a node.
+            R x S must be the number of processes.
+        average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed, compression,
+            error_feedback, overlap_delay: as ``PeriodicAveragingStrategy``'s.
+        fragments: 1 (F > 1 is refused with a sharded model).
+        **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
+
+    Example:
+        >>> trainer = Trainer(strategy=ShardedAveragingStrategy(sync_every=16), num_nodes=2, devices=8)  # doctest: +SKIP
+    """
+
+    strategy_name = "sharded_averaging"
+
+    def __init__(
+        self,
+        sync_every: int = 1,
+        replicate_size: Size = "auto",
+        shard_size: Size = "auto",
+        average_state: Sequence[str] = (),
+        bucket_cap_mb: float = 25.0,
+        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
+        participation: Optional[Union[int, float]] = None,
+        participation_seed: int = 0,
+        compression: Union[None, str, Compressor] = None,
+        error_feedback: Optional[bool] = None,
+        overlap_delay: int = 0,
+        fragments: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        for name, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
+            if size != "auto":
+                check_int(name, size)
+        if fragments != 1:
+            raise ValueError(
+                f"Invalid fragments: {fragments!r} (fragments cut by local bytes would differ by shard; "
+                "ShardedAveragingStrategy supports fragments=1)"
+            )
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            if name in kwargs:
+                raise ValueError(f"ShardedAveragingStrategy sets {name} itself; give replicate_size and shard_size")
+        if kwargs.pop("save_distributed_checkpoint", True) is not True:
+            raise ValueError(
+                "Invalid save_distributed_checkpoint: False (ShardedAveragingStrategy saves a distributed "
+                "checkpoint, each process's averager state beside it; use True)"
+            )
+        super().__init__(data_parallel_size=replicate_size, tensor_parallel_size=shard_size, **kwargs)
+        self.replicate_size, self.shard_size = replicate_size, shard_size
+        self._init_rounds(
+            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
+            compression, error_feedback, overlap_delay, fragments,
+        )  # fmt: skip
+
+    # -- the mesh --------------------------------------------------------------------------
+
+    def mesh_shape(self) -> tuple[int, int]:
+        """(R, S) for this run's processes (``"auto"`` resolved: the nodes, the devices of a node)."""
+        replicate = self.num_nodes if self.replicate_size == "auto" else int(self.replicate_size)
+        shard = self.num_processes if self.shard_size == "auto" else int(self.shard_size)
+        return replicate, shard
+
+    def setup_environment(self) -> None:
+        replicate, shard = self.mesh_shape()
+        world = self.num_nodes * self.num_processes
+        if replicate * shard != world:
+            raise ValueError(
+                f"Invalid replicate_size x shard_size: {replicate} x {shard} (must be the number of processes, "
+                f"{self.num_nodes} nodes x {self.num_processes} devices = {world})"
+            )
+        super().setup_environment()
+
+    @property
+    def replicate_mesh(self) -> Any:
+        """The 1-D mesh of this process's replicate dimension (the R machines averaged every K steps)."""
+        return self.device_mesh["data_parallel"]
+
+    @property
+    def shard_mesh(self) -> Any:
+        """The 1-D mesh of this process's shard dimension: the S processes of its machine (``fully_shard`` over it)."""
+        return self.device_mesh["tensor_parallel"]
+
+    def _averaging_group(self) -> Optional[Any]:
+        return self.replicate_mesh.get_group()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every process its own data: a replica's batch is its shards' batches (FSDP2 averages their gradients).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        assert self.model is not None
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if self.mesh_shape()[1] > 1 and not any(local(t) is not t for t in tensors):
+            raise ValueError(
+                f"ShardedAveragingStrategy: the model holds no DTensor with shard_size={self.mesh_shape()[1]}; shard it in "
+                "configure_model with fully_shard(module, mesh=self.trainer.strategy.shard_mesh) (docs/sharded.md)"
+            )
+        # x_0 the same on every machine: replica 0's shards to the others.
+        log.debug(f"{type(self).__name__}: broadcasting replica 0's shards over the replicate group")
+        broadcast_module(self.model, src=0, process_group=self._averaging_group())
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def _state_file(self, path: Path) -> Path:
+        return path / f"{CHECKPOINT_KEY}.rank{self.global_rank}.pt"
+
+    def _put_schedules(self, checkpoint: dict[str, Any]) -> None:
+        optimizers = self._torch_optimizers()
+        if optimizers and all(id(o) in self.averagers for o in optimizers):
+            replicate, shard = self.mesh_shape()
+            checkpoint[CHECKPOINT_KEY] = {"mesh": {"replicate": replicate, "shard": shard}}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        optimizers = self._torch_optimizers()
+        saved = bool(optimizers) and all(id(o) in self.averagers for o in optimizers)
+        states = [self.averagers[id(o)].state_dict() for o in optimizers] if saved else None
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if states is not None:
+            with atomic_path(self._state_file(Path(self.broadcast(filepath)))) as tmp:
+                torch.save(states, tmp)
+        self.barrier("sharded_averaging.save_checkpoint")
+
+    def _take_schedules(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> Optional[list[dict[str, Any]]]:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            return None
+        replicate, shard = self.mesh_shape()
+        mesh = saved.get("mesh") if isinstance(saved, dict) else None
+        if mesh != {"replicate": replicate, "shard": shard}:
+            where = f"a {mesh['replicate']} x {mesh['shard']} mesh" if mesh else "an unsharded run"
+            raise ValueError(
+                f"Cannot resume the averagers' states of {where} on a {replicate} x {shard} mesh: each process's "
+                "optimizer state is its shard's and its replica's; resume on the same mesh"
+            )
+        return torch.load(self._state_file(Path(self.broadcast(checkpoint_path))), weights_only=False)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "sharded_averaging",
+            cls,
+            description="FSDP2 within each replica, the replicas' shards averaged every K steps",
+            override=True,
+        )
+
+
+ShardedAveragingStrategy.register_strategies(StrategyRegistry)
