@@ -51,10 +51,10 @@ def outer_sgd(lr, momentum=0.0, nesterov=False):
     return step
 
 
-def participants(r, S, seed):
+def participants(r, S, seed, machines=M):
     """The documented sample: S of the M machines, from a generator seeded with seed * 1,000,003 + r."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + r)
-    return sorted(torch.randperm(M, generator=g)[:S].tolist())
+    return sorted(torch.randperm(machines, generator=g)[:S].tolist())
 
 
 def reference(problem, inner, outer=None, S=M, seed=0):

@@ -70,11 +70,15 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
-def _reference(case: str, closed_at: tuple[int, ...] = (), batches: Any = None) -> list[torch.Tensor]:
+def _reference(
+    case: str, closed_at: tuple[int, ...] = (), batches: Any = None, participants: Any = None
+) -> list[torch.Tensor]:
     """The two replicas unsharded, each stepping its own optimizer on its whole batch (``_batch``'s, or
     ``batches[r][t]`` for replica r's step t + 1); every K steps (and after the steps ``closed_at``, where a
     round was closed) the parameters (and the averaged state) replaced by hand by their mean, or DiLoCo's
-    outer step on it, between the optimizer's own pre_sync and post_sync where it has them."""
+    outer step on it, between the optimizer's own pre_sync and post_sync where it has them. With
+    ``participants`` (round i -> the replicas taking part in it), the mean is theirs only and both replicas
+    take it (partial participation)."""
     dtype, make, keys, outer, _ = CASES[case]
     k = SYNC_EVERY.get(case, K)
     steps = k * R if batches is None else len(batches[0])
@@ -84,6 +88,7 @@ def _reference(case: str, closed_at: tuple[int, ...] = (), batches: Any = None) 
     gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
     start = [p.detach().clone() for p in models[0].parameters()]
     server = outer(start) if outer is not None else None
+    rounds = 0
     for step in range(1, steps + 1):
         for r, (model, opt, g) in enumerate(zip(models, optimizers, gens)):
             opt.zero_grad()
@@ -94,14 +99,16 @@ def _reference(case: str, closed_at: tuple[int, ...] = (), batches: Any = None) 
         for opt in optimizers:
             if hasattr(opt, "pre_sync"):
                 opt.pre_sync()
+        chosen = (0, 1) if participants is None else participants(rounds)
+        rounds += 1
         with torch.no_grad():
             pairs = list(zip(*(m.parameters() for m in models)))
             for p0, p1 in pairs:
                 for key in keys:
                     s0, s1 = optimizers[0].state[p0][key], optimizers[1].state[p1][key]
-                    s0.copy_((s0 + s1) / 2)
+                    s0.copy_(sum((s0, s1)[i] for i in chosen) / len(chosen))
                     s1.copy_(s0)
-                mean = (p0 + p1) / 2
+                mean = sum((p0, p1)[i] for i in chosen) / len(chosen)
                 p0.copy_(mean)
                 p1.copy_(mean)
             if server is not None:

@@ -7,7 +7,8 @@ closed there);
 run B resumes from that checkpoint (a distributed-checkpoint directory with each process's averager state
 beside it). Every rank's gathered parameters after A equal test_sharded.py's unsharded reference with a
 synchronisation after step 3 too (1e-12), B's equal A's bit for bit, the all-reduces over the replicate
-group carry the local shard's bytes, and the refusals are one line each."""
+group carry the local shard's bytes, and the refusals are one line each. Run C fits as A with participation
+S = 1 of the M = 2 replicas: every rank ends at the reference whose rounds take the drawn replica's model."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from helpers import finish_rank, spawn_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_server import participants
 from test_sharded import CASES, LOCAL_NUMEL, ROWS, _max_difference, _model, _reference
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -31,6 +33,7 @@ CASE = "diloco_momentum_f64"
 K, STEPS, STEPS_PER_EPOCH = 2, 6, 3  # the validation and the checkpoint at the end of epoch 0 close the round
 CLOSED_AT = STEPS_PER_EPOCH
 WORLD, PER_RANK = 4, 4  # processes; rows a process takes a step (a replica's batch of 8 over its 2 shards)
+SEED = 6  # run C's participation_seed: replicas 1, 0, 0, 1 drawn in its 4 rounds (the first not rank 0's)
 
 
 def _data() -> TensorDataset:
@@ -121,9 +124,14 @@ def _fit(root: str, ckpt_path: str | None = None, **strategy: Any) -> Any:
     return trainer, model
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
+def _environment(rank: int) -> None:
+    """A spawned process as Lightning's one node of four devices sees it."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    _environment(rank)
     results: dict[str, Any] = {}
     sent: list[int] = []
     all_reduce = dist.all_reduce
@@ -153,8 +161,16 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     finish_rank(results, out, rank)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def _participation_worker(rank: int, init_file: str, out: str) -> None:
+    _environment(rank)
+    trainer, model = _fit(out, participation=1, participation_seed=SEED)
+    (averager,) = trainer.strategy.averagers.values()
+    weights = [averager.participant_weights(r) for r in range(averager.num_syncs)]
+    finish_rank({"c": full(model), "weights": weights}, out, rank)
+
+
+def _spawn(worker: Any, out: str) -> list[Any]:
+    """``worker`` on the four processes of Lightning's rendezvous at a free port of this host."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,9 +178,14 @@ def ranks(tmp_path_factory):
     mp.setenv("MASTER_ADDR", "127.0.0.1")
     mp.setenv("MASTER_PORT", str(port))
     try:
-        return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("sharded_strategy")))
+        return spawn_ranks(worker, WORLD, out)
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _spawn(_worker, str(tmp_path_factory.mktemp("sharded_strategy")))
 
 
 @pytest.mark.slow
@@ -203,6 +224,24 @@ def test_bytes_sent_per_sync_are_the_local_shard(ranks):
         syncs = STEPS // K + 1
         assert results["bytes"] == syncs * shard_bytes
         assert results["sent"] == syncs * shard_bytes  # counted at the all-reduces over the replicate group
+
+
+@pytest.mark.slow
+def test_partial_participation_takes_the_drawn_replicas_model_on_every_rank(tmp_path):
+    """S = 1 of M = 2: each round's average is the drawn replica's model (the documented draw, seeded
+    with participation_seed * 1,000,003 + round), DiLoCo's outer step is taken on it, and both replicas,
+    the other included, start the next round there; each keeps its own momentum."""
+    ranks = _spawn(_participation_worker, str(tmp_path))
+    drawn = [participants(r, 1, SEED, machines=2) for r in range(STEPS // K + 1)]
+    assert drawn == [[1], [0], [0], [1]]  # both replicas drawn, replica 1 first
+    reference = _reference(CASE, closed_at=(CLOSED_AT,), batches=_replica_batches(), participants=drawn.__getitem__)
+    full_participation = _reference(CASE, closed_at=(CLOSED_AT,), batches=_replica_batches())
+    assert _max_difference(reference, full_participation) > 1e-3  # the two semantics far apart
+    for rank, results in enumerate(ranks):
+        assert [w.tolist() for w in results["weights"]] == [[float(i in d) for i in range(2)] for d in drawn]
+        difference = _max_difference(results["c"], reference)
+        print(f"rank {rank}: max |C - participation reference| = {difference:.3g}")
+        assert difference <= 1e-12, (rank, difference)
 
 
 def test_registered_by_name():
