@@ -66,6 +66,10 @@ def _batch(g: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return torch.randn(8, 7, generator=g, dtype=dtype), torch.randn(8, 3, generator=g, dtype=dtype)
 
 
+def _evaluation_input() -> torch.Tensor:
+    return torch.randn(6, 7, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
@@ -193,6 +197,14 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     averager.broadcast()
     results["broadcast"] = full(model)
 
+    for name in ("sync", "broadcast"):  # after an evaluation: the root holds its full parameters gathered
+        model = sharded(torch.float64, seed=replica)
+        averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group)
+        with torch.no_grad():
+            model(_evaluation_input())
+            getattr(averager, name)()
+            results[f"evaluated_after_{name}"] = model(_evaluation_input())
+
     def attempt(name, fn):
         try:
             fn()
@@ -269,6 +281,23 @@ def test_broadcast_gives_every_rank_replica_0s_parameters(ranks):
     assert _max_difference(ranks[2]["before_broadcast"], start) > 0.1  # the replicas started apart
     for results in ranks:
         assert _max_difference(results["broadcast"], start) == 0
+
+
+@pytest.mark.parametrize("name", ["sync", "broadcast"])
+def test_parameters_an_evaluation_gathered_do_not_outlive_sync_or_broadcast(ranks, name):
+    """The replicas start apart, evaluate (FSDP2 leaves the root's full parameters gathered), then
+    ``sync()`` (their mean) or ``broadcast()`` (replica 0's): the next evaluation uses those, not the
+    parameters gathered before, as the same model unsharded does. (``broadcast()`` sends the gathered
+    parameters too, so its case would hold without the reshard: it guards the behaviour, not the reshard.)"""
+    models = [_model(torch.float64, seed=r) for r in range(2)]
+    with torch.no_grad():
+        if name == "sync":
+            for p0, p1 in zip(*(m.parameters() for m in models)):
+                p0.copy_((p0 + p1) / 2)
+        expected = models[0](_evaluation_input())
+    for rank, results in enumerate(ranks):
+        got = results[f"evaluated_after_{name}"]
+        assert float((got - expected).abs().max()) <= 1e-12, (rank, float((got - expected).abs().max()))
 
 
 @pytest.mark.parametrize(
