@@ -58,7 +58,7 @@ def load(path: Path) -> dict[tuple, dict[float, dict[int, dict]]]:
             continue
         r = json.loads(line)
         p = r["params"]
-        metrics = r["metrics"] if r["status"] == "finished" else defaultdict(lambda: math.inf)
+        metrics = r["metrics"] if r["status"] == "finished" else {}  # diverged or failed: every value inf
         key = (method_of(r), int(p["num_machines"]), int(p["local_steps"]))
         cells[key][float(p["model.lr"])][int(p["seed_everything"])] = {**metrics, "run_dir": r.get("run_dir")}
     return cells
@@ -71,7 +71,7 @@ def mean(values: list[float]) -> float:
 def choose(grid: dict[float, dict[int, dict]], criterion: str, seeds: tuple[int, ...]) -> dict:
     """The cell's choice: the rate, whether at the grid's edge, and the sensitivity."""
     rates = sorted(lr for lr, runs in grid.items() if all(s in runs for s in seeds))
-    score = {lr: mean([grid[lr][s][criterion] for s in seeds]) for lr in rates}
+    score = {lr: mean([grid[lr][s].get(criterion, math.inf) for s in seeds]) for lr in rates}
     best = min(rates, key=lambda lr: score[lr])
     i = lo = hi = rates.index(best)
     while lo > 0 and score[rates[lo - 1]] <= 1.05 * score[best]:
@@ -94,7 +94,7 @@ def choices() -> list[dict]:
         for (method, m, k), grid in sorted(load(path).items()):
             c = choose(grid, criterion, seeds)
             runs = grid[c["lr"]]
-            values = [runs[s][metric] for s in sorted(runs)]
+            values = [runs[s].get(metric, math.inf) for s in sorted(runs)]
             rows.append({
                 "problem": problem, "method": method, "M": m, "K": k, "lr": c["lr"], "lr_at_edge": c["at_edge"],
                 "n_seeds": len(values), "metric": metric, "metric_mean": mean(values),
