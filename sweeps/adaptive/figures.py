@@ -172,6 +172,7 @@ def figures(rows: list[dict]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out = DOCS / "adaptive"
     out.mkdir(exist_ok=True)
@@ -194,6 +195,7 @@ def figures(rows: list[dict]) -> None:
             axes[0][j].set_xlabel("rounds")
             axes[1][j].set_xlabel("MB sent per machine (ring)")
             axes[1][j].set_xscale("log")
+            axes[1][j].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             for ax in (axes[0][j], axes[1][j]):
                 ax.set_ylabel("test bits per character")
                 ax.set_ylim(top=4.0)
@@ -206,23 +208,28 @@ def figures(rows: list[dict]) -> None:
         fig.savefig(out / "lm_bpc.png", dpi=110)
         plt.close(fig)
     cells = sorted({(r["problem"], r["M"], r["K"]) for r in rows})
-    fig, axes = plt.subplots(1, len(cells), figsize=(3.4 * len(cells), 3.4), squeeze=False)
-    for ax, (problem, m, k) in zip(axes[0], cells):
-        for r in (r for r in rows if (r["problem"], r["M"], r["K"]) == (problem, m, k)):
-            rates = sorted(lr for lr, v in r["scores"].items() if math.isfinite(v))
-            ax.plot(rates, [r["scores"][lr] for lr in rates], "o-", ms=3, color=COLORS[r["method"]],
-                    label=LABELS[r["method"]])  # fmt: skip
-        criterion = PROBLEMS[problem][1]
-        ax.set_xscale("log")
-        ax.set_title(f"{problem}, M = {m}, K = {k}", fontsize=9)
-        ax.set_xlabel("learning rate")
-        ax.set_ylabel(criterion, fontsize=8)
-        ax.grid(alpha=0.3)
-        low = min(
-            min(v for v in r["scores"].values()) for r in rows if (r["problem"], r["M"], r["K"]) == (problem, m, k)
-        )
-        ax.set_ylim(low * 0.98, low * 1.6)
-    axes[0][0].legend(fontsize=6)
+    columns = max(sum(c[0] == p for c in cells) for p in PROBLEMS)
+    fig, axes = plt.subplots(len(PROBLEMS), columns, figsize=(3.3 * columns, 6.6), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for row_index, problem in enumerate(PROBLEMS):
+        for ax, (_, m, k) in zip(axes[row_index], [c for c in cells if c[0] == problem]):
+            ax.set_visible(True)
+            for r in (r for r in rows if (r["problem"], r["M"], r["K"]) == (problem, m, k)):
+                rates = sorted(lr for lr, v in r["scores"].items() if math.isfinite(v))
+                best = r["scores"][r["lr"]]
+                ax.plot([lr / r["lr"] for lr in rates], [r["scores"][lr] / best for lr in rates], "o-", ms=3,
+                        color=COLORS[r["method"]], label=f"{LABELS[r['method']]} ({r['lr']:g})")  # fmt: skip
+            ax.axhline(1.05, color="grey", lw=0.8, ls="--")
+            ax.set_xscale("log")
+            ax.set_ylim(0.98, 1.3)
+            ax.set_title(f"{problem}, M = {m}, K = {k}", fontsize=9)
+            ax.set_xlabel("rate / chosen rate", fontsize=8)
+            ax.set_ylabel(f"{PROBLEMS[problem][1]} / its best", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("Sensitivity: each method's criterion against its rate, both relative to its chosen one (dashed: 5 %)",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out / "sensitivity.png", dpi=110)
     plt.close(fig)
