@@ -2,7 +2,7 @@
 # The runs of docs/adaptive.md (run from the repository root): sweeps/adaptive/run.sh [python] [workers]
 # A second run skips the trials the results files hold.
 #   1. the language model's seed-1 grids (one trial at a time per worker, 1 thread each);
-#   2. seeds 2 and 3 at each (method, K)'s seed-1 rate (the files figures.py seeds writes);
+#   2. seeds 2 and 3 at each (method, K)'s contenders, the rates within 5 % of seed 1's best (figures.py seeds);
 #   3. the convex MNIST grid, seeds 1-3, stacked;
 #   4. the tuned runs' test curves, then docs/adaptive.csv, the tables and docs/adaptive/*.png.
 set -e
