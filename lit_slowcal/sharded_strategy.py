@@ -35,6 +35,7 @@ from lit_slowcal._averagers import CHECKPOINT_KEY
 from lit_slowcal._communication import broadcast_module, local
 from lit_slowcal._trainer_rounds import TrainerRounds
 from lit_slowcal._validation import check_int
+from lit_slowcal.checkpoint_io import read_checkpoint
 from lit_slowcal.compression import Compressor
 from lit_slowcal.files import atomic_path
 
@@ -187,7 +188,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if states is not None:
             with atomic_path(self._state_file(Path(self.broadcast(filepath)))) as tmp:
-                torch.save(states, tmp)
+                torch.save({"averagers": states}, tmp)
         self.barrier("sharded_averaging.save_checkpoint")
 
     def _take_schedules(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> Optional[list[dict[str, Any]]]:
@@ -202,7 +203,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
                 f"Cannot resume the averagers' states of {where} on a {replicate} x {shard} mesh: each process's "
                 "optimizer state is its shard's and its replica's; resume on the same mesh"
             )
-        return torch.load(self._state_file(Path(self.broadcast(checkpoint_path))), weights_only=False)
+        return read_checkpoint(self._state_file(Path(self.broadcast(checkpoint_path))))["averagers"]
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
