@@ -46,10 +46,13 @@ def build_model(numel: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d))
 
 
-def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, queue) -> None:
+def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_place: int, queue) -> None:
     import torch.distributed as dist
 
     from lit_slowcal import PeriodicAverager, SlowcalSGD, _communication
+
+    if in_place:
+        _communication.IN_PLACE_BYTES = in_place
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -116,6 +119,11 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,10M,50M", help="parameter counts, comma-separated (1M, 10M, 50M)")
     p.add_argument("--reps", type=int, default=15, help="timed reps per size after 2 warm-ups (half above 20M)")
     p.add_argument("--digest", action="store_true", help="print a digest of rank 0's model and state after the syncs")
+    p.add_argument(
+        "--in-place-bytes",
+        default="",
+        help="reduce tensors of at least this many bytes alone (default the library's IN_PLACE_BYTES)",
+    )
     args = p.parse_args()
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     import torch.multiprocessing as mp
@@ -125,7 +133,19 @@ def main() -> None:
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(port, sizes, args.reps, args.digest, queue), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(
+            port,
+            sizes,
+            args.reps,
+            args.digest,
+            _parse_size(args.in_place_bytes) if args.in_place_bytes else 0,
+            queue,
+        ),
+        nprocs=2,
+        start_method="spawn",
+    )
     print("one sync of SlowcalSGD (x and w) vs one all_reduce of the same bytes, 2 gloo processes, 1 thread each")
     print(
         "(medians of the slower rank; 'unchecked': the sync with check_schedule=False; 'its all-reduces': the sync's "

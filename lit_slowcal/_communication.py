@@ -39,7 +39,7 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 __all__ = [
-    "Averaging", "all_modules", "average", "averaged_tensors", "averaged_units", "broadcast_module", "buckets",
+    "Averaging", "FlatPool", "all_modules", "average", "averaged_tensors", "averaged_units", "broadcast_module", "buckets",
     "buffer_owners", "check_same_point", "check_sharding", "floats_sent", "gather_ints", "gather_objects",
     "is_averaged", "local", "machines_per_process", "rank", "reshard", "start_average", "world_size",
 ]  # fmt: skip
@@ -360,6 +360,7 @@ def average(
     machines_per_process: int,
     process_group: Optional[Any],
     bucket_cap_bytes: int,
+    pool: Optional[FlatPool] = None,
 ) -> None:
     """Replace every tensor by its average over the machines: the mean, or with ``weights`` (one per
     machine of all M, summing to 1) the weighted sum.
@@ -369,12 +370,52 @@ def average(
     contiguous) of at least ``IN_PLACE_BYTES`` is reduced alone, in place, and only the others are
     flattened (``buckets(..., alone_bytes=...)``): the same bits without the flatten copy and the copy
     back. With more processes the ring's order of summation depends on the place of a value in the
-    buffer, so the buckets stay as they are. At most two flattened buckets are in flight.
+    buffer, so the buckets stay as they are. At most two flattened buckets are in flight; with a
+    ``pool`` they are flattened into its two persistent buffers (``FlatPool``) instead of new memory.
     """
     start_average(
         tensors, weights, machines_per_process=machines_per_process, process_group=process_group,
-        bucket_cap_bytes=bucket_cap_bytes, flat_in_flight=2,
+        bucket_cap_bytes=bucket_cap_bytes, flat_in_flight=2, pool=pool,
     ).wait()  # fmt: skip
+    if pool is not None:
+        pool.keep_used()
+
+
+class FlatPool:
+    """Two persistent flat buffers per (device, dtype) for the flattened buckets of blocking averages.
+
+    A bucket flattened into new memory pays for that memory's first touch at every synchronisation
+    (the allocator hands large blocks back to the system and gets them again): for a bucket of a
+    few MB that costs more than the copy. The buffers grow to the largest bucket of their kind and
+    stay; an average whose flattened buckets are at most two in flight (``average``) uses them in
+    turn, so a buffer is written again only after its all-reduce was waited for (a model of one
+    bucket of a kind holds one buffer of it). Kinds an average
+    did not use are dropped after it (a model moved to another device frees its old buffers).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        self.turn: dict[tuple[torch.device, torch.dtype], int] = {}
+        self.used: set[tuple[torch.device, torch.dtype]] = set()
+
+    def take(self, numel: int, like: Tensor) -> Tensor:
+        """A contiguous flat tensor of ``numel`` elements of ``like``'s device and dtype: the next of its kind's two buffers."""
+        kind = (like.device, like.dtype)
+        slots = self.buffers.setdefault(kind, [])
+        turn = self.turn.get(kind, 0)
+        self.turn[kind] = 1 - turn
+        self.used.add(kind)
+        if turn == len(slots):
+            slots.append(torch.empty(numel, device=like.device, dtype=like.dtype))
+        elif slots[turn].numel() < numel:
+            slots[turn] = torch.empty(numel, device=like.device, dtype=like.dtype)
+        return slots[turn][:numel]
+
+    def keep_used(self) -> None:
+        """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
+        for kind in set(self.buffers) - self.used:
+            del self.buffers[kind]
+        self.used, self.turn = set(), {}
 
 
 class Averaging:
@@ -399,11 +440,14 @@ def start_average(
     process_group: Optional[Any],
     bucket_cap_bytes: int,
     flat_in_flight: Optional[int] = None,
+    pool: Optional[FlatPool] = None,
 ) -> Averaging:
     """Start ``average``'s all-reduces, every one asynchronous, and return without waiting for them
     (with one process the average is computed at once). ``tensors`` must not be read or written
     until ``wait()``. ``flat_in_flight``: wait for the oldest flattened bucket before starting one
-    more than that many (``None``: start them all)."""
+    more than that many (``None``: start them all); ``pool``: flatten into its buffers (needs
+    ``flat_in_flight`` at most 2)."""
+    assert pool is None or (flat_in_flight is not None and flat_in_flight <= 2)
     world = world_size(process_group)
     local = None
     if weights is not None:
@@ -431,7 +475,11 @@ def start_average(
             continue
         while flat_in_flight is not None and sum(f is not None for _, f, _ in pending) == flat_in_flight:
             _finish(*pending.pop(0), out.divide)
-        flat = torch.cat([_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket])
+        parts = [_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket]
+        if pool is None:
+            flat = torch.cat(parts)
+        else:
+            flat = torch.cat(parts, out=pool.take(sum(t.numel() for t in parts), parts[0]))
         pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
     return out
 
@@ -439,7 +487,7 @@ def start_average(
 #: With two processes, a tensor of at least this many bytes that can be reduced in place is reduced
 #: alone (``average``): the copy into a bucket and the copy back that this saves cost more than the
 #: latency of one more collective (docs/performance.md).
-IN_PLACE_BYTES = 4 * 2**20
+IN_PLACE_BYTES = 2**20
 
 
 def _in_place(bucket: Tensors) -> bool:
@@ -458,13 +506,26 @@ def _combine(t: Tensor, s: bool, local: Optional[Tensor], scalar: bool = False) 
     return torch.tensordot(w, t, dims=1) if s else t * w[0]
 
 
+#: A flattened bucket whose tensors average fewer bytes than this is divided in one pass over the
+#: buffer and copied back in one call (``torch._foreach_copy_``): for many small tensors the calls
+#: cost more than the second pass over their bytes. Either way, the same quotients.
+SMALL_TENSOR_BYTES = 64 * 2**10
+
+
 def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, world: int) -> None:
     """Wait for a bucket's all-reduce, then divide by ``world`` in place or, for a flattened bucket, on
-    the way back into its tensors (one pass, the same quotients as dividing the buffer first)."""
+    the way back into its tensors (one pass, the same quotients as dividing the buffer first; for
+    small tensors the buffer is divided first, ``SMALL_TENSOR_BYTES``)."""
     work.wait()
     if flat is None:
         if world != 1:
             bucket[0][0].div_(world)
+        return
+    if flat.numel() * flat.element_size() < SMALL_TENSOR_BYTES * len(bucket) and not any(s for _, s in bucket):
+        if world != 1:
+            flat.div_(world)
+        parts = flat.split([t.numel() for t, _ in bucket])
+        torch._foreach_copy_([t for t, _ in bucket], [part.view(t.shape) for part, (t, _) in zip(parts, bucket)])
         return
     offset = 0
     for t, s in bucket:

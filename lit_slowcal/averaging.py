@@ -225,6 +225,7 @@ class PeriodicAverager:
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
+        self._flat_pool = _communication.FlatPool()  # the flattened buckets' buffers, kept between syncs
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -836,7 +837,14 @@ class PeriodicAverager:
         m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
         coded = self.compressed
         if coded is None or self.num_machines == 1 or not coded.ready(tensors):
-            _communication.average(tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap)
+            _communication.average(
+                tensors,
+                weights,
+                machines_per_process=m,
+                process_group=group,
+                bucket_cap_bytes=cap,
+                pool=self._flat_pool,
+            )
             return None
         participants = None if weights is None else weights > 0
         return coded.average(tensors, participants, machines_per_process=m, process_group=group)

@@ -28,9 +28,10 @@ def _tensors(rank: int, world: int) -> list[tuple[torch.Tensor, bool]]:
     """Every rank's own values; with more than two processes whole numbers, whose sums are exact in any order."""
     g = torch.Generator().manual_seed(rank)
 
-    def values(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    def values(*shape: int, dtype=torch.float32, stacked: bool = False) -> torch.Tensor:
         t = torch.randn(*shape, generator=g)
-        return (t * 8).round().to(dtype) if world > 2 else t.to(dtype)  # sums below 256: exact in bfloat16 too
+        # Whole numbers (sums below 256: exact in bfloat16 too); stacked, multiples of M_LOCAL: whole means.
+        return ((t * 8).round() * (M_LOCAL if stacked else 1)).to(dtype) if world > 2 else t.to(dtype)
 
     return [
         (values(BIG), False),  # alone, in place, with two processes
@@ -39,9 +40,9 @@ def _tensors(rank: int, world: int) -> list[tuple[torch.Tensor, bool]]:
         (values(300, dtype=torch.float64), False),
         (values(BIG * 2, dtype=torch.bfloat16), False),  # alone as well (the same bytes)
         (values(33, dtype=torch.bfloat16), False),
-        (values(M_LOCAL, 40, 50), True),  # stacked: one slice per machine of this process
+        (values(M_LOCAL, 40, 50, stacked=True), True),  # stacked: one slice per machine of this process
         (values(BIG, 2), False),
-        (values(M_LOCAL, 7, dtype=torch.float64), True),
+        (values(M_LOCAL, 7, dtype=torch.float64, stacked=True), True),
     ]
 
 
@@ -102,14 +103,31 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     dist.all_gather_object(before, [t.clone() for t, _ in pairs])
     averager.sync()
     model_expected = _reference(before, [s for _, s in pairs], world, weighted=False)
+    model_after = [t.detach().clone() for t, _ in pairs]
+    # Two more syncs: the flattened buckets go through the averager's persistent buffers, the same each time.
+    own = {t.untyped_storage().data_ptr() for t, _ in pairs}
+    flats: list = []
+    dist.all_reduce = lambda tensor, *a, **k: (
+        flats[-1].append(tensor.untyped_storage().data_ptr()) if tensor.untyped_storage().data_ptr() not in own else None,
+        all_reduce(tensor, *a, **k),
+    )[1]
+    try:
+        for _ in range(2):
+            flats.append([])
+            averager.sync()
+    finally:
+        dist.all_reduce = all_reduce
+    pool = {b.untyped_storage().data_ptr() for slots in averager._flat_pool.buffers.values() for b in slots}
     if rank == 0:
         torch.save(
             {
                 "after": [t for t, _ in tensors],
                 "expected": expected,
                 "reduced": reduced,
-                "model_after": [t.detach() for t, _ in pairs],
+                "model_after": model_after,
                 "model_expected": model_expected,
+                "flats": flats,
+                "pool": pool,
             },
             out,
         )
@@ -134,6 +152,9 @@ def _assert_bit_identical(result: dict) -> None:
 def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bits(tmp_path, weighted):
     result = _run(tmp_path, 2, weighted)
     _assert_bit_identical(result)
+    # The model's flattened bucket goes through one of the averager's persistent buffers, the same in every sync.
+    assert result["flats"][0] == result["flats"][1] and len(result["flats"][0]) == 1
+    assert set(result["flats"][0]) <= result["pool"]
     # The large contiguous tensors are all-reduced where they lie (5, the small bfloat16 tensor, is left
     # alone in its bucket: a bucket of one is reduced in place whatever the processes); the rest in buckets.
     assert sorted(i for i in result["reduced"] if i >= 0) == [0, 4, 5, 7]

@@ -43,6 +43,11 @@ CASES = {
         lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
         1e-12,
     ),
+    # The outer optimizers of FedAvgM and FedAdam: outer state (momentum, Adam's moments) on the shards.
+    "fedavgm_f64": (
+        torch.float64, lambda ps: torch.optim.SGD(ps, lr=0.1), (), lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9), 1e-12,
+    ),
+    "fedadam_f64": (torch.float64, lambda ps: torch.optim.SGD(ps, lr=0.1), (), lambda ps: torch.optim.Adam(ps, lr=0.01), 1e-12),
     # The optimizers whose pre_sync/post_sync rebuild their state from the average: on DTensor state too.
     "accelerated_f64": (torch.float64, lambda ps: AcceleratedSGD(ps, lr=0.1), (), None, 1e-12),
     "scaffold_f64": (torch.float64, lambda ps: Scaffold(ps, lr=0.1), (), None, 1e-12),
