@@ -108,7 +108,9 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     own = {t.untyped_storage().data_ptr() for t, _ in pairs}
     flats: list = []
     dist.all_reduce = lambda tensor, *a, **k: (
-        flats[-1].append(tensor.untyped_storage().data_ptr()) if tensor.untyped_storage().data_ptr() not in own else None,
+        flats[-1].append(tensor.untyped_storage().data_ptr())
+        if tensor.untyped_storage().data_ptr() not in own
+        else None,
         all_reduce(tensor, *a, **k),
     )[1]
     try:
