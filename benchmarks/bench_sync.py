@@ -46,13 +46,15 @@ def build_model(numel: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d))
 
 
-def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_place: int, queue) -> None:
+def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_place: int, chunk: int, queue) -> None:
     import torch.distributed as dist
 
     from lit_slowcal import PeriodicAverager, SlowcalSGD, _communication
 
     if in_place:
         _communication.IN_PLACE_BYTES = in_place
+    if chunk:
+        _communication.IN_PLACE_CHUNK_BYTES = chunk
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -124,6 +126,9 @@ def main() -> None:
         default="",
         help="reduce tensors of at least this many bytes alone (default the library's IN_PLACE_BYTES)",
     )
+    p.add_argument(
+        "--chunk-bytes", default="", help="pieces of the tensors reduced in place (default IN_PLACE_CHUNK_BYTES)"
+    )
     args = p.parse_args()
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     import torch.multiprocessing as mp
@@ -141,6 +146,7 @@ def main() -> None:
             args.reps,
             args.digest,
             _parse_size(args.in_place_bytes) if args.in_place_bytes else 0,
+            _parse_size(args.chunk_bytes) if args.chunk_bytes else 0,
             queue,
         ),
         nprocs=2,

@@ -18,6 +18,7 @@ module (or optimizer state of the parameter's shape) holds one slice per machine
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
@@ -471,7 +472,12 @@ def start_average(
             t = bucket[0][0]
             if local is not None:
                 t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
-            pending.append((bucket, None, dist.all_reduce(t, group=process_group, async_op=True)))
+            # With two processes a large tensor travels in pieces (views: still in place; IN_PLACE_CHUNK_BYTES).
+            pieces = (
+                math.ceil(t.numel() * t.element_size() / IN_PLACE_CHUNK_BYTES) if alone and IN_PLACE_CHUNK_BYTES else 1
+            )
+            for piece in t.view(-1).tensor_split(pieces) if pieces > 1 else (t,):
+                pending.append(([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True)))
             continue
         while flat_in_flight is not None and sum(f is not None for _, f, _ in pending) == flat_in_flight:
             _finish(*pending.pop(0), out.divide)
@@ -487,7 +493,10 @@ def start_average(
 #: With two processes, a tensor of at least this many bytes that can be reduced in place is reduced
 #: alone (``average``): the copy into a bucket and the copy back that this saves cost more than the
 #: latency of one more collective (docs/performance.md).
-IN_PLACE_BYTES = 2**20
+IN_PLACE_BYTES = 2**19
+#: With two processes, a tensor reduced in place travels in pieces of at most this many bytes, so that
+#: each piece's division runs while the next pieces are on the wire (``None``: whole; docs/performance.md).
+IN_PLACE_CHUNK_BYTES: Optional[int] = 4 * 2**20
 
 
 def _in_place(bucket: Tensors) -> bool:

@@ -107,12 +107,18 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     # Two more syncs: the flattened buckets go through the averager's persistent buffers, the same each time.
     own = {t.untyped_storage().data_ptr() for t, _ in pairs}
     flats: list = []
-    dist.all_reduce = lambda tensor, *a, **k: (
-        flats[-1].append(tensor.untyped_storage().data_ptr())
-        if tensor.untyped_storage().data_ptr() not in own
-        else None,
-        all_reduce(tensor, *a, **k),
-    )[1]
+    weight = model[0].weight.untyped_storage().data_ptr()  # 4.4 MB: in place in pieces with two processes
+    pieces: list = []
+
+    def recording_sync_all_reduce(tensor, *args, **kwargs):
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in own:
+            flats[-1].append(storage)
+        elif storage == weight:
+            pieces.append((tensor.data_ptr() - storage) // tensor.element_size())  # the piece's offset
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_sync_all_reduce
     try:
         for _ in range(2):
             flats.append([])
@@ -129,6 +135,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
                 "model_after": model_after,
                 "model_expected": model_expected,
                 "flats": flats,
+                "pieces": pieces,
                 "pool": pool,
             },
             out,
@@ -157,6 +164,11 @@ def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bi
     # The model's flattened bucket goes through one of the averager's persistent buffers, the same in every sync.
     assert result["flats"][0] == result["flats"][1] and len(result["flats"][0]) == 1
     assert set(result["flats"][0]) <= result["pool"]
+    # A tensor reduced in place travels in pieces of at most IN_PLACE_CHUNK_BYTES (views, in place).
+    numel = 1100 * 1000
+    n = -(-numel * 4 // communication.IN_PLACE_CHUNK_BYTES)
+    offsets = [int(c[0]) for c in torch.arange(numel).tensor_split(n)]
+    assert n == 2 and result["pieces"] == offsets * 2  # two syncs
     # The large contiguous tensors are all-reduced where they lie (5, the small bfloat16 tensor, is left
     # alone in its bucket: a bucket of one is reduced in place whatever the processes); the rest in buckets.
     assert sorted(i for i in result["reduced"] if i >= 0) == [0, 4, 5, 7]
