@@ -87,7 +87,8 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
 
     # A SlowcalSGD model with machines simulated in the process: its parameters and w, averaged by sync().
     torch.manual_seed(rank)
-    model = nn.Sequential(nn.Linear(1100, 1000), SimulatedMachines(nn.Linear(20, 3), M_LOCAL), nn.LayerNorm(3))
+    large = nn.Linear(1100, 1000)  # its weight, 4.4 MB, is reduced in place in pieces with two processes
+    model = nn.Sequential(large, SimulatedMachines(nn.Linear(20, 3), M_LOCAL), nn.LayerNorm(3))
     optimizer = SlowcalSGD(model.parameters(), lr=0.1)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -107,7 +108,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     # Two more syncs: the flattened buckets go through the averager's persistent buffers, the same each time.
     own = {t.untyped_storage().data_ptr() for t, _ in pairs}
     flats: list = []
-    weight = model[0].weight.untyped_storage().data_ptr()  # 4.4 MB: in place in pieces with two processes
+    weight = large.weight.untyped_storage().data_ptr()
     pieces: list = []
 
     def recording_sync_all_reduce(tensor, *args, **kwargs):
