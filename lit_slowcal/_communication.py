@@ -7,7 +7,8 @@ is averaged by one of their averagers (``buffer_owners``).
 The tensors to average are grouped by device and dtype and flattened into buckets of at most a cap
 of bytes; each bucket is one all-reduce (a small model: one collective per device and dtype per
 synchronisation). At most two flattened buckets are in flight, so a synchronisation needs at most
-two buckets of extra memory, not a second copy of the model. A tensor larger than a bucket is reduced in place;
+two buckets of extra memory, not a second copy of the model (a blocking one flattens into two
+buffers that its averager keeps: ``FlatPool``). A tensor larger than a bucket is reduced in place;
 with two processes, so is every tensor of at least ``IN_PLACE_BYTES`` that lies contiguous (see
 ``average``: the same bits as in a bucket, without its copies). With one process nothing is
 communicated.
