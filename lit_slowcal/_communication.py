@@ -391,8 +391,8 @@ class FlatPool:
     few MB that costs more than the copy. The buffers grow to the largest bucket of their kind and
     stay; an average whose flattened buckets are at most two in flight (``average``) uses them in
     turn, so a buffer is written again only after its all-reduce was waited for (a model of one
-    bucket of a kind holds one buffer of it). Kinds an average
-    did not use are dropped after it (a model moved to another device frees its old buffers).
+    bucket of a kind holds one buffer of it). Kinds an average did not use are dropped after it (a
+    model moved to another device frees its old buffers).
     """
 
     def __init__(self) -> None:
