@@ -6,7 +6,8 @@ how many did not run, and that does not fail it. Where CUDA is available they ru
 test, and a skip of one of them fails the session as well.
 
 Every case of a test parametrized over ``method`` other than ``slowcal`` is marked ``other_methods``:
-the same code path again for another method. ``.ci/run`` runs the whole suite with the README's
+the same code path again for another method (so are the cases of Table 1's sweep files in
+``test_sweep.py``, which parse the other methods' trials). ``.ci/run`` runs the whole suite with the README's
 command, then once more with the oldest Lightning allowed, there with ``-m "not other_methods"``
 (said in its output): the Lightning integration is the same for every method, and the second pass
 stays short. It also leaves out the modules of ``TORCH_ONLY`` (marked ``torch_only``): they import no

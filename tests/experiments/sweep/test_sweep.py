@@ -200,7 +200,13 @@ def wandb_values(param: sw.Param) -> list:
     return [s["min"], s["max"]]
 
 
-@pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.name for p in SWEEP_FILES])
+# Table 1's sweep files hold the other methods' trials: the same CLI path as paper.yaml's and lr.yaml's
+# again, so the second CI pass (the oldest Lightning, ``-m "not other_methods"``) leaves them out (conftest.py).
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.other_methods) if p.name.startswith("table1") else p for p in SWEEP_FILES],
+    ids=[p.name for p in SWEEP_FILES],
+)
 @pytest.mark.slow
 def test_every_sweep_parameter_reaches_its_cli_key_as_wandb_passes_it(path, command_line):
     from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
