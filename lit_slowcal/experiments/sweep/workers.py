@@ -95,20 +95,13 @@ _started: Any = None
 _pool_started: Any = None
 
 
-def _end_worker(signum: int, frame: Any) -> None:
-    """A worker's SIGTERM handler: the process ends now, as by the signal (the pool that sent it waits for it)."""
-    os._exit(128 + signum)
-
-
 def _worker_start(threads: int, started: Any = None) -> None:
     import torch
 
     global _started
     _started = started
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which stops the workers
-    # SIGTERM ends a worker at once (a forked worker inherits the sweep's handler). A handler rather than
-    # SIG_DFL: a Lightning fit in progress installs its own, which only flags the signal, and calls ours after it.
-    signal.signal(signal.SIGTERM, _end_worker)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker inherits the sweep's handler)
     in_worker()  # the notes go back to the sweep, which prints each once
     output.in_worker()  # its reader gone, the sweep stops at its own next line
     if threads > 0:
