@@ -397,8 +397,7 @@ class FlatPool:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        self.turn: dict[tuple[torch.device, torch.dtype], int] = {}
-        self.used: set[tuple[torch.device, torch.dtype]] = set()
+        self.turn: dict[tuple[torch.device, torch.dtype], int] = {}  # the kinds this average used, and whose turn
 
     def take(self, numel: int, like: Tensor) -> Tensor:
         """A contiguous flat tensor of ``numel`` elements of ``like``'s device and dtype: the next of its kind's two buffers."""
@@ -406,7 +405,6 @@ class FlatPool:
         slots = self.buffers.setdefault(kind, [])
         turn = self.turn.get(kind, 0)
         self.turn[kind] = 1 - turn
-        self.used.add(kind)
         if turn == len(slots):
             slots.append(torch.empty(numel, device=like.device, dtype=like.dtype))
         elif slots[turn].numel() < numel:
@@ -415,9 +413,9 @@ class FlatPool:
 
     def keep_used(self) -> None:
         """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
-        for kind in set(self.buffers) - self.used:
+        for kind in set(self.buffers) - set(self.turn):
             del self.buffers[kind]
-        self.used, self.turn = set(), {}
+        self.turn = {}
 
 
 class Averaging:
