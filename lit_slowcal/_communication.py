@@ -398,6 +398,8 @@ class FlatPool:
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self.turn: dict[tuple[torch.device, torch.dtype], int] = {}  # the kinds this average used, and whose turn
+        # Per (kind, buffer): the buffer and the shapes it was last laid out as, with its views of them.
+        self.layouts: dict[tuple[tuple[torch.device, torch.dtype], int], tuple[Tensor, tuple, list[Tensor]]] = {}
 
     def take(self, numel: int, like: Tensor) -> Tensor:
         """A contiguous flat tensor of ``numel`` elements of ``like``'s device and dtype: the next of its kind's two buffers."""
@@ -411,10 +413,27 @@ class FlatPool:
             slots[turn] = torch.empty(numel, device=like.device, dtype=like.dtype)
         return slots[turn][:numel]
 
+    def laid_out(self, tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """``take`` for ``tensors`` one after another, with the buffer's views shaped as each. The views are
+        kept with their buffer for as long as the shapes stay: building them costs more than copying
+        small tensors."""
+        kind = (tensors[0].device, tensors[0].dtype)
+        turn = self.turn.get(kind, 0)
+        flat = self.take(sum(t.numel() for t in tensors), tensors[0])
+        shapes = tuple(t.shape for t in tensors)
+        slot = self.buffers[kind][turn]
+        kept = self.layouts.get((kind, turn))
+        if kept is None or kept[0] is not slot or kept[1] != shapes:
+            parts = flat.split([t.numel() for t in tensors])
+            kept = self.layouts[kind, turn] = (slot, shapes, [part.view(shape) for part, shape in zip(parts, shapes)])
+        return flat, kept[2]
+
     def keep_used(self) -> None:
         """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
         for kind in set(self.buffers) - set(self.turn):
             del self.buffers[kind]
+        for key in [key for key in self.layouts if key[0] not in self.turn]:
+            del self.layouts[key]
         self.turn = {}
 
 
@@ -422,7 +441,8 @@ class Averaging:
     """An average started by ``start_average``; ``wait()`` writes it into the tensors it was started on."""
 
     def __init__(self, divide: int) -> None:
-        self.pending: list[tuple[Tensors, Optional[Tensor], Any]] = []  # (bucket, its flat copy or None, work)
+        # (bucket, its flat copy or None, work, the copy's views shaped as the bucket's tensors or None)
+        self.pending: list[tuple[Tensors, Optional[Tensor], Any, Optional[list[Tensor]]]] = []
         self.divide = divide
 
     def wait(self) -> None:
@@ -476,16 +496,21 @@ def start_average(
                 math.ceil(t.numel() * t.element_size() / IN_PLACE_CHUNK_BYTES) if alone and IN_PLACE_CHUNK_BYTES else 1
             )
             for piece in t.view(-1).tensor_split(pieces) if pieces > 1 else (t,):
-                pending.append(([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True)))
+                pending.append(
+                    ([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True), None)
+                )
             continue
-        while flat_in_flight is not None and sum(f is not None for _, f, _ in pending) == flat_in_flight:
+        while flat_in_flight is not None and sum(item[1] is not None for item in pending) == flat_in_flight:
             _finish(*pending.pop(0), out.divide)
-        parts = [_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket]
-        if pool is None:
-            flat = torch.cat(parts)
+        views = None
+        if pool is not None and local is None and not any(s for _, s in bucket):  # the tensors as they are
+            flat, views = pool.laid_out([t for t, _ in bucket])
+            torch._foreach_copy_(views, [t for t, _ in bucket])
         else:
-            flat = torch.cat(parts, out=pool.take(sum(t.numel() for t in parts), parts[0]))
-        pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True)))
+            parts = [_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket]
+            numel = sum(t.numel() for t in parts)
+            flat = torch.cat(parts) if pool is None else torch.cat(parts, out=pool.take(numel, parts[0]))
+        pending.append((bucket, flat, dist.all_reduce(flat, group=process_group, async_op=True), views))
     return out
 
 
@@ -520,10 +545,11 @@ def _combine(t: Tensor, s: bool, local: Optional[Tensor], scalar: bool = False) 
 SMALL_TENSOR_BYTES = 64 * 2**10
 
 
-def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, world: int) -> None:
+def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, views: Optional[list[Tensor]], world: int) -> None:
     """Wait for a bucket's all-reduce, then divide by ``world`` in place or, for a flattened bucket, on
     the way back into its tensors (one pass, the same quotients as dividing the buffer first; for
-    small tensors the buffer is divided first, ``SMALL_TENSOR_BYTES``)."""
+    small tensors the buffer is divided first, ``SMALL_TENSOR_BYTES``, and copied back through
+    ``views``, its views shaped as the tensors, where the pool gave them)."""
     work.wait()
     if flat is None:
         if world != 1:
@@ -532,8 +558,9 @@ def _finish(bucket: Tensors, flat: Optional[Tensor], work: Any, world: int) -> N
     if flat.numel() * flat.element_size() < SMALL_TENSOR_BYTES * len(bucket) and not any(s for _, s in bucket):
         if world != 1:
             flat.div_(world)
-        parts = flat.split([t.numel() for t, _ in bucket])
-        torch._foreach_copy_([t for t, _ in bucket], [part.view(t.shape) for part, (t, _) in zip(parts, bucket)])
+        if views is None:
+            views = [part.view(t.shape) for part, (t, _) in zip(flat.split([t.numel() for t, _ in bucket]), bucket)]
+        torch._foreach_copy_([t for t, _ in bucket], views)
         return
     offset = 0
     for t, s in bucket:

@@ -127,6 +127,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     finally:
         dist.all_reduce = all_reduce
     pool = {b.untyped_storage().data_ptr() for slots in averager._flat_pool.buffers.values() for b in slots}
+    plain = _plain_syncs(rank, world)
     if rank == 0:
         torch.save(
             {
@@ -138,11 +139,38 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
                 "flats": flats,
                 "pieces": pieces,
                 "pool": pool,
+                **plain,
             },
             out,
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _plain_syncs(rank: int, world: int) -> dict:
+    """Two syncs of a model of small tensors, none stacked: its one bucket is copied into the averager's
+    buffer and back through the buffer's views, built in the first sync and kept for the second."""
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(30, 20), nn.LayerNorm(20), nn.Linear(20, 5))
+    optimizer = SlowcalSGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    averager = PeriodicAverager(model, optimizer, sync_every=1)
+    pairs = averager._tensors()
+    out: dict = {"plain_after": [], "plain_expected": [], "plain_views": []}
+    for sync in range(2):
+        with torch.no_grad():  # every rank's own values (whole numbers with three ranks: exact sums)
+            for t, _ in pairs:
+                values = torch.randn(t.shape)
+                t.copy_((values * 64).round() if world > 2 else t + values)
+        before: list = [None] * world
+        dist.all_gather_object(before, [t.clone() for t, _ in pairs])
+        averager.sync()
+        out["plain_expected"] += _reference(before, [False] * len(pairs), world, weighted=False)
+        out["plain_after"] += [t.detach().clone() for t, _ in pairs]
+        out["plain_views"].append([id(v) for *_, views in averager._flat_pool.layouts.values() for v in views])
+    return out
 
 
 def _run(tmp_path, world: int, weighted: bool) -> dict:
@@ -153,7 +181,7 @@ def _run(tmp_path, world: int, weighted: bool) -> dict:
 
 
 def _assert_bit_identical(result: dict) -> None:
-    for key in ("", "model_"):
+    for key in ("", "model_", "plain_"):
         for i, (after, expected) in enumerate(zip(result[key + "after"], result[key + "expected"])):
             assert after.dtype == expected.dtype and torch.equal(after, expected), f"{key}tensor {i} ({after.dtype})"
 
@@ -165,6 +193,9 @@ def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bi
     # The model's flattened bucket goes through one of the averager's persistent buffers, the same in every sync.
     assert result["flats"][0] == result["flats"][1] and len(result["flats"][0]) == 1
     assert set(result["flats"][0]) <= result["pool"]
+    # A bucket of tensors as they are goes in and out through the buffer's views, built once: 12 tensors
+    # (6 parameters and their w), the same views in the second sync.
+    assert len(result["plain_views"][0]) == 6 * 2 and result["plain_views"][0] == result["plain_views"][1]
     # A tensor reduced in place travels in pieces of at most IN_PLACE_CHUNK_BYTES (views, in place).
     numel = 1100 * 1000
     n = -(-numel * 4 // communication.IN_PLACE_CHUNK_BYTES)
