@@ -29,7 +29,7 @@ from lit_slowcal.experiments.sweep.results import ResultsFile
 from lit_slowcal.experiments.sweep.table import format_value, param_text, summary_table
 from lit_slowcal.experiments.sweep.trials import trial_key
 from lit_slowcal.experiments.sweep.units import Unit, pending, run_unit
-from lit_slowcal.experiments.sweep.workers import WorkerChoice, choose_workers, run_in_workers, worker_pool
+from lit_slowcal.experiments.sweep.workers import WorkerChoice, choose_workers, end_pool, run_in_workers, worker_pool
 
 __all__ = ["run_sweep"]
 
@@ -233,7 +233,7 @@ def run_sweep(
         if groups or alone:
             print(choice.line(), flush=True)
         if pool is not None and choice.workers != workers:  # the pool that checked the trials: another size
-            pool.terminate()
+            end_pool(pool)
             pool = None
         died = run.run_units(run.units(groups, alone, choice.workers), pool, choice.workers)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, or SIGTERM as Lightning (or the pool) raises it

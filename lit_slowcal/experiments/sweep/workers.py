@@ -8,7 +8,9 @@ runs every trial in the sweep's process.
 
 Workers are forked on Linux (they start at once with what the sweep loaded, and share the check of the
 trials' arguments: ``checking_pool``), spawned elsewhere or once CUDA is in use here. Ctrl-C reaches the sweep
-only, which stops the workers; SIGTERM to the sweep ends them too.
+only, which stops the workers; SIGTERM to the sweep ends them too. A pool ends its workers with SIGTERM and,
+``END_GRACE_S`` later, SIGKILL for any still running (``end_pool``: a Lightning fit in progress only flags
+SIGTERM), so the sweep's exit never waits for a trial.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,12 +28,17 @@ from lit_slowcal.experiments.print_once import in_worker, kept, record_warnings,
 from lit_slowcal.experiments.sweep import output
 from lit_slowcal.experiments.sweep.units import Unit, run_unit
 
-__all__ = ["WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "run_in_workers", "worker_pool"]
+__all__ = [
+    "END_GRACE_S", "WORKER_BYTES", "WorkerChoice", "checking_pool", "choose_workers", "end_pool", "run_in_workers",
+    "worker_pool",
+]  # fmt: skip
 
 #: Memory a worker process takes besides its groups' (``grouping.trial_bytes``): the peak resident memory of a
 #: forked worker running a small group, rounded up (``python benchmarks/bench_worker_memory.py`` measures it;
 #: docs/performance.md has the figure).
 WORKER_BYTES = 768 * 2**20
+#: Seconds the workers of a pool that ends have from SIGTERM to end before they are killed (``end_pool``).
+END_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -141,11 +149,29 @@ def worker_pool(workers: int, threads: int) -> Iterator[Any]:
     try:
         context = multiprocessing.get_context("fork" if _forks() else "spawn")
         _pool_started = context.SimpleQueue()  # put writes at once (a Queue's thread might not before a kill)
-        with context.Pool(workers, initializer=_worker_start, initargs=(threads, _pool_started)) as pool:
+        pool = context.Pool(workers, initializer=_worker_start, initargs=(threads, _pool_started))
+        try:
             yield pool
+        finally:
+            end_pool(pool)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _pool_started = None
+
+
+def end_pool(pool: Any) -> None:
+    """End ``pool`` and its workers for sure: its ``terminate()`` (SIGTERM to each worker, then a wait for
+    each without a limit) and, if it has not returned ``END_GRACE_S`` later, SIGKILL to every worker still
+    there. A worker in the middle of a Lightning fit outlives SIGTERM (Lightning's handler only flags
+    it, and the pool's worker goes on to wait for its next task). Ending an ended pool does nothing."""
+    ender = threading.Thread(target=pool.terminate, name="end-pool", daemon=True)
+    ender.start()
+    ender.join(END_GRACE_S)
+    if ender.is_alive():
+        # multiprocessing.Pool's worker processes (private; terminate() is the one public way, and it waits).
+        for process in list(pool._pool):
+            process.kill()  # nothing if it ended meanwhile
+        ender.join()
 
 
 @contextlib.contextmanager
