@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -97,6 +98,9 @@ def choose_workers(
     return WorkerChoice(workers, "; ".join([*why, how]))
 
 
+# Per pool of worker_pool: the child processes the sweep had before it (the pool's workers are the others).
+_children_before: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+
 # In a worker: the queue on which it tells the sweep which unit it starts (_run_in_worker); in the sweep: the
 # queue of its pool's workers (worker_pool), read by run_in_workers to tell which unit a lost worker ran.
 _started: Any = None
@@ -149,7 +153,9 @@ def worker_pool(workers: int, threads: int) -> Iterator[Any]:
     try:
         context = multiprocessing.get_context("fork" if _forks() else "spawn")
         _pool_started = context.SimpleQueue()  # put writes at once (a Queue's thread might not before a kill)
+        before = set(multiprocessing.active_children())
         pool = context.Pool(workers, initializer=_worker_start, initargs=(threads, _pool_started))
+        _children_before[pool] = before
         try:
             yield pool
         finally:
@@ -160,16 +166,20 @@ def worker_pool(workers: int, threads: int) -> Iterator[Any]:
 
 
 def end_pool(pool: Any) -> None:
-    """End ``pool`` and its workers for sure: its ``terminate()`` (SIGTERM to each worker, then a wait for
-    each without a limit) and, if it has not returned ``END_GRACE_S`` later, SIGKILL to every worker still
-    there. A worker in the middle of a Lightning fit outlives SIGTERM (Lightning's handler only flags
-    it, and the pool's worker goes on to wait for its next task). Ending an ended pool does nothing."""
+    """End ``pool`` (one of ``worker_pool``'s) and its workers for sure: its ``terminate()`` (SIGTERM to each
+    worker, then a wait for each without a limit) and, if it has not returned ``END_GRACE_S`` later, SIGKILL
+    to every worker still there. A worker in the middle of a Lightning fit outlives SIGTERM (Lightning's
+    handler only flags it, and the pool's worker goes on to wait for its next task). Ending an ended pool
+    does nothing."""
+    import multiprocessing
+
+    before = _children_before.get(pool)
+    workers = [p for p in multiprocessing.active_children() if before is not None and p not in before]
     ender = threading.Thread(target=pool.terminate, name="end-pool", daemon=True)
     ender.start()
     ender.join(END_GRACE_S)
     if ender.is_alive():
-        # multiprocessing.Pool's worker processes (private; terminate() is the one public way, and it waits).
-        for process in list(pool._pool):
+        for process in workers:
             process.kill()  # nothing if it ended meanwhile
         ender.join()
 
