@@ -152,12 +152,14 @@ def _plain_syncs(rank: int, world: int) -> dict:
     buffer and back through the buffer's views, built in the first sync and kept for the second."""
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(30, 20), nn.LayerNorm(20), nn.Linear(20, 5))
+    model[2].weight = nn.Parameter(torch.randn(20, 5).t())  # not contiguous: copied through its view all the same
     optimizer = SlowcalSGD(model.parameters(), lr=0.1)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
     averager = PeriodicAverager(model, optimizer, sync_every=1)
     pairs = averager._tensors()
+    assert not model[2].weight.is_contiguous() and not optimizer.state[model[2].weight]["w"].is_contiguous()
     out: dict = {"plain_after": [], "plain_expected": [], "plain_views": []}
     for sync in range(2):
         with torch.no_grad():  # every rank's own values (whole numbers with three ranks: exact sums)
