@@ -168,20 +168,34 @@ def worker_pool(workers: int, threads: int) -> Iterator[Any]:
 def end_pool(pool: Any) -> None:
     """End ``pool`` (one of ``worker_pool``'s) and its workers for sure: its ``terminate()`` (SIGTERM to each
     worker, then a wait for each without a limit) and, if it has not returned ``END_GRACE_S`` later, SIGKILL
-    to every worker still there. A worker in the middle of a Lightning fit outlives SIGTERM (Lightning's
-    handler only flags it, and the pool's worker goes on to wait for its next task). Ending an ended pool
-    does nothing."""
+    to its workers until it has. A worker in the middle of a Lightning fit outlives SIGTERM (Lightning's
+    handler only flags it, and the pool's worker goes on to wait for its next task). A second Ctrl-C or
+    SIGTERM to the sweep during the grace period kills the workers at once, then goes on as an interrupt.
+    Ending an ended pool does nothing."""
+    before = _children_before.get(pool)
+    ended = threading.Event()  # not the thread's join: one that an interrupt cuts short marks it ended (bpo-45274)
+
+    def terminate() -> None:
+        try:
+            pool.terminate()
+        finally:
+            ended.set()
+
+    threading.Thread(target=terminate, name="end-pool", daemon=True).start()
+    try:
+        ended.wait(END_GRACE_S)
+    finally:  # also when an interrupt cuts the wait short: the interpreter's exit would wait for the workers
+        while not ended.is_set():
+            for process in _added_children(before):
+                process.kill()  # nothing if it ended meanwhile
+            ended.wait(0.1)
+
+
+def _added_children(before: Optional[set[Any]]) -> list[Any]:
+    """This process's children that are not in ``before`` (a pool's workers); none without ``before``."""
     import multiprocessing
 
-    before = _children_before.get(pool)
-    workers = [p for p in multiprocessing.active_children() if before is not None and p not in before]
-    ender = threading.Thread(target=pool.terminate, name="end-pool", daemon=True)
-    ender.start()
-    ender.join(END_GRACE_S)
-    if ender.is_alive():
-        for process in workers:
-            process.kill()  # nothing if it ended meanwhile
-        ender.join()
+    return [] if before is None else [p for p in multiprocessing.active_children() if p not in before]
 
 
 @contextlib.contextmanager
