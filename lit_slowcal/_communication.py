@@ -418,14 +418,15 @@ class FlatPool:
         kept with their buffer for as long as the shapes stay: building them costs more than copying
         small tensors."""
         kind = (tensors[0].device, tensors[0].dtype)
-        turn = self.turn.get(kind, 0)
-        flat = self.take(sum(t.numel() for t in tensors), tensors[0])
+        turn = self.turn.get(kind, 0)  # the buffer that take() gives
+        sizes = [t.numel() for t in tensors]
+        flat = self.take(sum(sizes), tensors[0])
         shapes = tuple(t.shape for t in tensors)
         slot = self.buffers[kind][turn]
         kept = self.layouts.get((kind, turn))
         if kept is None or kept[0] is not slot or kept[1] != shapes:
-            parts = flat.split([t.numel() for t in tensors])
-            kept = self.layouts[kind, turn] = (slot, shapes, [part.view(shape) for part, shape in zip(parts, shapes)])
+            views = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+            kept = self.layouts[kind, turn] = (slot, shapes, views)
         return flat, kept[2]
 
     def keep_used(self) -> None:
@@ -504,8 +505,9 @@ def start_average(
             _finish(*pending.pop(0), out.divide)
         views = None
         if pool is not None and local is None and not any(s for _, s in bucket):  # the tensors as they are
-            flat, views = pool.laid_out([t for t, _ in bucket])
-            torch._foreach_copy_(views, [t for t, _ in bucket])
+            plain = [t for t, _ in bucket]
+            flat, views = pool.laid_out(plain)
+            torch._foreach_copy_(views, plain)
         else:
             parts = [_combine(t, s, local, id(t) in scalar).reshape(-1) for t, s in bucket]
             numel = sum(t.numel() for t in parts)
