@@ -118,7 +118,9 @@ class ShardedMNIST(L.LightningDataModule):
 
 
 def build_trainer(args: argparse.Namespace, callbacks: Sequence[Callback] = ()) -> L.Trainer:
-    strategy = PeriodicAveragingStrategy(sync_every=args.sync_every, process_group_backend="gloo")
+    strategy = PeriodicAveragingStrategy(
+        sync_every=args.sync_every, bucket_views=args.bucket_views, process_group_backend="gloo"
+    )
     checkpoints = [
         ModelCheckpoint(
             dirpath=Path(args.run_dir) / "checkpoints", monitor="val_acc", mode="max", save_top_k=1, save_last=True
@@ -154,6 +156,12 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="runs/cnn")
     p.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bucket-views",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the averaged tensors live in flat buffers, all-reduced with no copy (PeriodicAverager)",
+    )
     p.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True)
     return p.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """What the Trainer and Fabric strategies share: one ``PeriodicAverager`` per optimizer.
 
 ``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
-(K, extra averaged state, bucket size, the server's options, overlapped rounds), the averagers by optimizer, each
+(K, extra averaged state, bucket size, the server's options, overlapped rounds, bucket views), the averagers by optimizer, each
 buffer given to one of them (``buffer_owners``), and the operations on all of them: K changed
 mid-run, the round closed, the schedules saved and restored, the counts read (floats, bytes, the
 ring model's ``LinkCounts`` and the DDP reference).
@@ -46,6 +46,7 @@ class AveragerSet:
         error_feedback: Optional[bool] = None,
         overlap_delay: int = 0,
         fragments: int = 1,
+        bucket_views: bool = False,
     ) -> None:
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
         check_int("sync_every", sync_every)
@@ -64,6 +65,9 @@ class AveragerSet:
         # How a machine's round change travels (lit_slowcal.compression); checked now, not at the first average.
         compressor(compression)
         self.compression_options = {"compression": compression, "error_feedback": error_feedback}
+        if not isinstance(bucket_views, bool):  # checked now, not at the first average
+            raise ValueError(f"Invalid bucket_views: {bucket_views!r} (True or False)")
+        self.bucket_views = bucket_views  # the averaged tensors live in flat buffers (PeriodicAverager)
 
     @property
     def sync_every(self) -> int:
@@ -119,7 +123,7 @@ class AveragerSet:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, process_group=self._averaging_group(), average_state=self.average_state,
             bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options, **self.compression_options,
-            **self.overlap_options,
+            **self.overlap_options, bucket_views=self.bucket_views,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager

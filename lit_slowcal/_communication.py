@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -395,7 +395,12 @@ class FlatPool:
     model moved to another device frees its old buffers).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_views: bool = False) -> None:
+        #: Whether the tensors of a kind that all can be become views of one flat buffer of it (``home``).
+        self.bucket_views = bucket_views
+        # Per kind: the buffer its tensors live in (``home``), their addresses and sizes there.
+        self.homes: dict[tuple[torch.device, torch.dtype], tuple[Tensor, list[int], list[int]]] = {}
+        self.homed: set[tuple[torch.device, torch.dtype]] = set()  # the kinds this average homed
         self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self.turn: dict[tuple[torch.device, torch.dtype], int] = {}  # the kinds this average used, and whose turn
         # Per (kind, buffer): the buffer and the shapes it was last laid out as, with its views of them.
@@ -429,8 +434,32 @@ class FlatPool:
             kept = self.layouts[kind, turn] = (slot, shapes, views)
         return flat, kept[2]
 
+    @torch.no_grad()
+    def home(self, tensors: Sequence[Tensor]) -> Tensor:
+        """A flat buffer of ``tensors``' kind (device and dtype; each contiguous) that holds them one after
+        another, each tensor a view of its part (``bucket_views``). Built, with the tensors' values copied
+        in and each tensor rebound to its view (``t.data = view``: the same tensor objects), the first
+        time and whenever a tensor no longer lies at its place (a loaded optimizer state, a model moved);
+        else the same buffer, with nothing copied."""
+        kind = (tensors[0].device, tensors[0].dtype)
+        self.homed.add(kind)  # used: kept by keep_used()
+        kept = self.homes.get(kind)
+        if kept is not None and [t.data_ptr() for t in tensors] == kept[1] and [t.numel() for t in tensors] == kept[2]:
+            return kept[0]
+        sizes = [t.numel() for t in tensors]
+        flat = torch.empty(sum(sizes), device=kind[0], dtype=kind[1])
+        views = [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
+        torch._foreach_copy_(views, list(tensors))
+        for t, view in zip(tensors, views):
+            t.data = view
+        self.homes[kind] = (flat, [t.data_ptr() for t in tensors], sizes)
+        return flat
+
     def keep_used(self) -> None:
         """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
+        for kind in set(self.homes) - self.homed:
+            del self.homes[kind]
+        self.homed = set()
         for kind in set(self.buffers) - set(self.turn):
             del self.buffers[kind]
         for key in [key for key in self.layouts if key[0] not in self.turn]:
@@ -487,19 +516,19 @@ def start_average(
     alone = IN_PLACE_BYTES if world == 2 else None
     out = Averaging(world if local is None else 1)  # the weights already sum to 1 over all machines
     pending = out.pending
+
+    def reduce_in_place(t: Tensor) -> None:  # no copy at all, and no memory held while in flight
+        for piece in _pieces(t) if alone else (t,):
+            pending.append(([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True), None))
+
+    if pool is not None and pool.bucket_views and local is None:
+        tensors = _home(tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place)
     for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
-        if _in_place(bucket):  # reduce in place: no copy at all, and no memory held while in flight
+        if _in_place(bucket):
             t = bucket[0][0]
             if local is not None:
                 t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
-            # With two processes a large tensor travels in pieces (views: still in place; IN_PLACE_CHUNK_BYTES).
-            pieces = (
-                math.ceil(t.numel() * t.element_size() / IN_PLACE_CHUNK_BYTES) if alone and IN_PLACE_CHUNK_BYTES else 1
-            )
-            for piece in t.view(-1).tensor_split(pieces) if pieces > 1 else (t,):
-                pending.append(
-                    ([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True), None)
-                )
+            reduce_in_place(t)
             continue
         while flat_in_flight is not None and sum(item[1] is not None for item in pending) == flat_in_flight:
             _finish(*pending.pop(0), out.divide)
@@ -523,6 +552,37 @@ IN_PLACE_BYTES = 2**19
 #: With two processes, a tensor reduced in place travels in pieces of at most this many bytes, so that
 #: each piece's division runs while the next pieces are on the wire (``None``: whole; docs/performance.md).
 IN_PLACE_CHUNK_BYTES: Optional[int] = 4 * 2**20
+
+
+def _pieces(t: Tensor) -> Sequence[Tensor]:
+    """``t`` (contiguous) in views of at most ``IN_PLACE_CHUNK_BYTES``: what two processes reduce in place one by one."""
+    pieces = math.ceil(t.numel() * t.element_size() / IN_PLACE_CHUNK_BYTES) if IN_PLACE_CHUNK_BYTES else 1
+    return t.view(-1).tensor_split(pieces) if pieces > 1 else (t,)
+
+
+def _home(tensors: Tensors, pool: FlatPool, cap_bytes: Optional[int], reduce: Callable[[Tensor], None]) -> Tensors:
+    """``bucket_views``: the tensors of each kind (device and dtype) that all can be reduced in place live
+    in one flat buffer (``FlatPool.home``), reduced where it lies with ``reduce``: whole, or with
+    ``cap_bytes`` (more than two processes) in the ranges of the buckets that ``buckets`` gives them, so
+    the ring sums every value in the order it would in a flattened bucket. Returns the other tensors."""
+    by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
+    for t, s in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append((t, s))
+    rest: Tensors = []
+    for items in by_kind.values():
+        if not all(_in_place([pair]) for pair in items):  # a stacked or non-contiguous tensor: flattened, as it is
+            rest += items
+            continue
+        flat = pool.home([t for t, _ in items])
+        if cap_bytes is None:
+            reduce(flat)
+            continue
+        offset = 0
+        for bucket in buckets(items, cap_bytes):
+            numel = sum(t.numel() for t, _ in bucket)
+            reduce(flat[offset : offset + numel])
+            offset += numel
+    return rest
 
 
 def _in_place(bucket: Tensors) -> bool:

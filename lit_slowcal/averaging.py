@@ -119,6 +119,11 @@ class PeriodicAverager:
         overlap_delay: tau, optimizer steps a round's average takes to land while training goes on
             (0: it blocks; see "Overlapped rounds" below); < K / F.
         fragments: F, the parts of the model that take turns, one round every K / F steps (F divides K).
+        bucket_views: the averaged tensors of each device and dtype become views of one flat buffer at the
+            first synchronisation (``t.data`` rebound; the same tensor objects, the same values), which a
+            blocking exact synchronisation then all-reduces where it lies, with no copy: one collective for
+            a small model with two processes (docs/communication.md, "Bucket views"). Not with an
+            FSDP2-sharded model, whose shards' memory FSDP2 owns.
 
     Overlapped rounds (tau >= 1 or F > 1; docs/communication.md): the averaged tensors are cut into F
     fragments (``_overlap.partition``: contiguous runs of ``_tensors()``, a parameter with its averaged
@@ -171,6 +176,7 @@ class PeriodicAverager:
         error_feedback: Optional[bool] = None,
         overlap_delay: int = 0,
         fragments: int = 1,
+        bucket_views: bool = False,
     ) -> None:
         check_int("sync_every", sync_every)
         self.overlap_delay, self.fragments = _overlap.check_options(sync_every, overlap_delay, fragments)
@@ -225,7 +231,14 @@ class PeriodicAverager:
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
-        self._flat_pool = _communication.FlatPool()  # the flattened buckets' buffers, kept between syncs
+        if not isinstance(bucket_views, bool) or (bucket_views and self.sharded):
+            raise ValueError(
+                f"Invalid bucket_views: {bucket_views!r} (True or False; False with an FSDP2-sharded model, whose "
+                "shards' memory FSDP2 owns)"
+            )
+        self.bucket_views = bucket_views
+        # The flattened buckets' buffers, kept between syncs; with bucket_views, the buffers the tensors live in.
+        self._flat_pool = _communication.FlatPool(bucket_views)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -760,7 +773,7 @@ class PeriodicAverager:
     def setup_fingerprint(self) -> dict[str, int]:
         """What every rank must agree on before anything is averaged, as integers (names as the options)."""
         tensors = self._tensors()
-        shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(s)}" for t, s in tensors)
+        shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(s)}:{int(t.is_contiguous())}" for t, s in tensors)
         return {
             "sync_every": self.sync_every,
             "machines per process": self.machines_per_process,
@@ -768,18 +781,20 @@ class PeriodicAverager:
             "participation_seed": self.participation_seed,
             "outer_optimizer": int(self.outer is not None),
             "averaged tensors": len(tensors),
-            "their shapes and dtypes (crc32)": zlib.crc32(shapes.encode()),
+            "their shapes, dtypes and contiguity (crc32)": zlib.crc32(shapes.encode()),
             "averaged state keys (crc32)": zlib.crc32(",".join(self._averaged_keys()).encode()),
             "optimizer (crc32 of its class)": zlib.crc32(type(self.optimizer).__qualname__.encode()),
             "overlap_delay": self.overlap_delay,
             "fragments": self.fragments,
+            "bucket_views": int(self.bucket_views),
         }
 
     def check_setup(self, counts: bool = False) -> None:
         """With several processes, check in one small all-gather (a collective: every rank calls it) that
         every rank built the averager alike (``setup_fingerprint``: K, the machines, participation, the
-        outer optimizer, the shapes and dtypes of what is averaged), and with ``counts`` that every rank
-        is at the same step; raise one ``RuntimeError`` on every rank naming what differs.
+        outer optimizer, the shapes, dtypes and contiguity of what is averaged, ``bucket_views``), and
+        with ``counts`` that every rank is at the same step; raise one ``RuntimeError`` on every rank
+        naming what differs.
 
         ``sync()`` does it before the first average; the Trainer strategy at the start of ``fit``.
         What this process sends in it is counted apart, in ``link_counts.check_bytes``.

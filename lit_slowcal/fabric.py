@@ -47,6 +47,8 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
             (``PeriodicAverager``).
         compression, error_feedback: how a machine's round change travels (``lit_slowcal.compression``).
         overlap_delay, fragments: overlapped rounds (``PeriodicAverager``).
+        bucket_views: the averaged tensors become views of flat buffers, all-reduced where they lie
+            (``PeriodicAverager``).
         **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
     """
 
@@ -62,13 +64,14 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         error_feedback: Optional[bool] = None,
         overlap_delay: int = 0,
         fragments: int = 1,
+        bucket_views: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_averagers(
             sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
             compression, error_feedback,
-            overlap_delay, fragments,
+            overlap_delay, fragments, bucket_views,
         )  # fmt: skip
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order

@@ -82,6 +82,8 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
             ``"int8"``; ``lit_slowcal.compression``), and its error feedback (``PeriodicAverager``).
         overlap_delay, fragments: overlapped rounds, tau steps for a round to land and F fragments
             taking turns (``PeriodicAverager``); a closed round lands what is in flight first.
+        bucket_views: the averaged tensors become views of flat buffers that a synchronisation
+            all-reduces where they lie, with no copy (``PeriodicAverager``).
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
 
     Example:
@@ -103,6 +105,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
         error_feedback: Optional[bool] = None,
         overlap_delay: int = 0,
         fragments: int = 1,
+        bucket_views: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
@@ -114,7 +117,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
         super().__init__(**kwargs)
         self._init_rounds(
             sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback, overlap_delay, fragments,
+            compression, error_feedback, overlap_delay, fragments, bucket_views,
         )  # fmt: skip
 
     @property

@@ -3,6 +3,7 @@ any number of processes every tensor ends with the same bits as an independent r
 tensors gathered, each rank's share summed in rank order, then divided): mixed sizes, dtypes and
 layouts, machines simulated in a process, weighted rounds, and a SlowcalSGD model's parameters and w."""
 
+import copy
 import os
 import tempfile
 
@@ -127,7 +128,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     finally:
         dist.all_reduce = all_reduce
     pool = {b.untyped_storage().data_ptr() for slots in averager._flat_pool.buffers.values() for b in slots}
-    plain = _plain_syncs(rank, world)
+    plain = {**_plain_syncs(rank, world), **_view_syncs(rank, world)}
     if rank == 0:
         torch.save(
             {
@@ -175,6 +176,58 @@ def _plain_syncs(rank: int, world: int) -> dict:
     return out
 
 
+def _view_syncs(rank: int, world: int) -> dict:
+    """Syncs of a model with ``bucket_views=True``: its float32 tensors (a 4.4 MB weight, small ones, a
+    BatchNorm's statistics, and w) live in one buffer after the first sync; a float64 part with a
+    non-contiguous parameter stays as it is. Then the optimizer state is loaded anew (w: other tensors)
+    and the next sync gives every tensor its place again."""
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(1100, 1000), nn.LayerNorm(1000), nn.BatchNorm1d(1000), nn.Linear(1000, 3))
+    other = nn.Linear(4, 6).double()
+    other.weight = nn.Parameter(torch.randn(4, 6, dtype=torch.float64).t())  # not contiguous: its kind is flattened
+    optimizer = SlowcalSGD([*model.parameters(), *other.parameters()], lr=0.1)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    averager = PeriodicAverager([model, other], optimizer, sync_every=1, bucket_cap_mb=1, bucket_views=True)
+    pairs = averager._tensors()
+    objects = [id(t) for t, _ in pairs]
+    out: dict = {"view_after": [], "view_expected": [], "view_storages": [], "view_reduced": []}
+    original = dist.all_reduce
+    for sync in range(3):
+        if sync == 2:  # a loaded state: w becomes other tensors, of another storage
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            pairs = averager._tensors()
+        with torch.no_grad():  # every rank's own values (whole numbers with three ranks: exact sums)
+            for t, _ in pairs:
+                values = torch.randn(t.shape, dtype=t.dtype)
+                t.copy_((values * 64).round() if world > 2 else t + values)
+        before: list = [None] * world
+        dist.all_gather_object(before, [t.clone() for t, _ in pairs])
+        reduced: list = []
+
+        def recording_all_reduce(tensor, *args, **kwargs):
+            reduced.append((tensor.untyped_storage().data_ptr(), tensor.numel()))
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = recording_all_reduce
+        try:
+            averager.sync()
+        finally:
+            dist.all_reduce = original
+        out["view_expected"] += _reference(before, [False] * len(pairs), world, weighted=False)
+        out["view_after"] += [t.detach().clone() for t, _ in pairs]
+        storages = [t.untyped_storage().data_ptr() for t, _ in pairs]
+        out["view_storages"].append(storages)
+        out["view_reduced"].append([(storages.index(ptr) if ptr in storages else -1, n) for ptr, n in reduced])
+        if sync == 1:  # rebound, not replaced: the tensors the averager found are those it homed
+            out["view_objects"] = objects == [id(t) for t, _ in averager._tensors()]
+    out["view_offsets"] = [t.storage_offset() for t, _ in pairs]
+    out["view_dtypes"] = [t.dtype for t, _ in pairs]
+    out["view_numels"] = [t.numel() for t, _ in pairs]
+    return out
+
+
 def _run(tmp_path, world: int, weighted: bool) -> dict:
     out = str(tmp_path / "average.pt")
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,15 +236,42 @@ def _run(tmp_path, world: int, weighted: bool) -> dict:
 
 
 def _assert_bit_identical(result: dict) -> None:
-    for key in ("", "model_", "plain_"):
+    for key in ("", "model_", "plain_", "view_"):
         for i, (after, expected) in enumerate(zip(result[key + "after"], result[key + "expected"])):
             assert after.dtype == expected.dtype and torch.equal(after, expected), f"{key}tensor {i} ({after.dtype})"
+
+
+def _assert_views(result: dict, world: int) -> None:
+    """``_view_syncs``: the float32 tensors in one buffer, in order, reduced where they lie (one collective per
+    piece with two processes, per bucket with more), kept between syncs and given their place again after a load."""
+    dtypes, numels = result["view_dtypes"], result["view_numels"]
+    homed = [i for i, d in enumerate(dtypes) if d == torch.float32]
+    assert len(homed) == 2 * 8 + 2 and len(dtypes) - len(homed) == 2 * 2  # x and w of 8 parameters, 2 statistics
+    offsets = [sum(numels[j] for j in homed[:k]) for k in range(len(homed))]
+    assert [result["view_offsets"][i] for i in homed] == offsets  # one after another, in the sync's order
+    total = sum(numels[i] for i in homed)
+    if world == 2:  # the whole buffer, in pieces of at most IN_PLACE_CHUNK_BYTES
+        pieces = [len(p) for p in torch.arange(total).tensor_split(-(-total * 4 // communication.IN_PLACE_CHUNK_BYTES))]
+    else:  # the buckets a flattened average would have: each value summed in the same order by the ring
+        pieces = [
+            sum(t.numel() for t, _ in b)
+            for b in communication.buckets([(torch.empty(n), False) for n in [numels[i] for i in homed]], 2**20)
+        ]
+        assert len(pieces) > 1
+    assert result["view_objects"]  # the same tensor objects, rebound
+    for sync, (storages, reduced) in enumerate(zip(result["view_storages"], result["view_reduced"])):
+        assert len({storages[i] for i in homed}) == 1, f"sync {sync}: the float32 tensors are not in one buffer"
+        assert not {storages[i] for i in homed} & {storages[i] for i in range(len(dtypes)) if i not in homed}
+        assert [n for i, n in reduced if i == homed[0]] == pieces, f"sync {sync}"
+        assert all(i == homed[0] or i == -1 for i, _ in reduced)  # the float64 kind: flattened into the pool
+    assert result["view_storages"][0] == result["view_storages"][1]  # kept: nothing copied in the second sync
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
 def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bits(tmp_path, weighted):
     result = _run(tmp_path, 2, weighted)
     _assert_bit_identical(result)
+    _assert_views(result, 2)
     # The model's flattened bucket goes through one of the averager's persistent buffers, the same in every sync.
     assert result["flats"][0] == result["flats"][1] and len(result["flats"][0]) == 1
     assert set(result["flats"][0]) <= result["pool"]
@@ -212,6 +292,7 @@ def test_two_processes_reduce_large_contiguous_tensors_in_place_with_the_same_bi
 def test_three_processes_keep_the_buckets_and_the_same_bits(tmp_path):
     result = _run(tmp_path, 3, weighted=False)
     _assert_bit_identical(result)
+    _assert_views(result, 3)
     # The buckets are those of any number of processes: only a tensor larger than the cap is alone.
     tensors = _tensors(0, 3)
     layout = communication.buckets(tensors, CAP)

@@ -15,6 +15,7 @@ from helpers import REPO, Batches, subprocess_env
 from torch import nn
 
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, SimulatedMachines, SlowcalSGD
+from lit_slowcal import _communication as communication
 
 sys.path.insert(0, str(REPO / "examples"))
 import torch_loop  # noqa: E402
@@ -229,6 +230,44 @@ def test_state_dict_resume_and_bad_values():
         PeriodicAverager(machines, optimizer, sync_every=1, bucket_cap_mb=-1)
     with pytest.raises(TypeError, match="Invalid optimizer"):
         PeriodicAverager(machines, object(), sync_every=1)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_bucket_views_refused_unless_a_bool(bad):
+    model = nn.Linear(2, 2)
+    message = rf"^Invalid bucket_views: {bad!r} \(True or False"
+    with pytest.raises(ValueError, match=message):
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=1), 1, bucket_views=bad)
+    with pytest.raises(ValueError, match=message):  # before any fit
+        PeriodicAveragingStrategy(sync_every=2, bucket_views=bad)
+
+
+def test_a_pool_homes_tensors_in_one_buffer_keeps_them_there_and_homes_them_again_when_they_move():
+    """``FlatPool.home`` (``bucket_views``): the same tensor objects, with the same values, become views of
+    one buffer, in order; the next call copies nothing; a tensor that moved (a new storage) is homed again."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4))
+    tensors = [*model.parameters(), *(torch.randn(3) for _ in range(2))]
+    values = [t.detach().clone() for t in tensors]
+    pool = communication.FlatPool(bucket_views=True)
+    flat = pool.home(tensors)
+    assert [t is u for t, u in zip(tensors, [*model.parameters()])] == [True] * 4  # rebound, not replaced
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+    sizes = [t.numel() for t in tensors]
+    assert flat.numel() == sum(sizes) and all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in tensors)
+    assert [t.storage_offset() for t in tensors] == [sum(sizes[:i]) for i in range(len(tensors))]
+    assert torch.equal(flat, torch.cat([v.reshape(-1) for v in values]))
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # written through the parameter: the buffer holds it
+    assert pool.home(tensors) is flat and torch.equal(flat[:20], 2 * values[0].reshape(-1))
+    assert model[0].weight.requires_grad and model(torch.randn(2, 5)).sum().backward() is None
+    tensors[-1].data = torch.full((3,), 7.0)  # moved, as a loaded optimizer state or a model moved to a device
+    again = pool.home(tensors)
+    assert again is not flat and all(t.untyped_storage().data_ptr() == again.data_ptr() for t in tensors)
+    assert torch.equal(again[-3:], torch.full((3,), 7.0)) and torch.equal(again[:20], 2 * values[0].reshape(-1))
+    pool.keep_used()
+    assert len(pool.homes) == 1
+    pool.keep_used()  # an average that homed nothing: the pool lets its buffer go (the tensors keep it)
+    assert not pool.homes and torch.equal(tensors[-1], torch.full((3,), 7.0))
 
 
 def test_buckets_group_by_dtype_and_respect_the_cap():

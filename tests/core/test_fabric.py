@@ -23,7 +23,7 @@ from torch import nn
 
 from lit_slowcal import PeriodicAveragingFabricStrategy
 
-folder, overlap_delay = sys.argv[1], int(sys.argv[2])
+folder, overlap_delay, bucket_views = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "views"
 STEPS, SAVE_AT = 12, 6  # K = 4: the checkpoint is mid-round (with overlap_delay=3, the round of step 4 in flight)
 torch.set_num_threads(1)
 
@@ -31,7 +31,8 @@ torch.set_num_threads(1)
 def run(mode):
     diloco = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     strategy = PeriodicAveragingFabricStrategy(
-        sync_every=4, outer_optimizer=diloco, overlap_delay=overlap_delay, process_group_backend="gloo"
+        sync_every=4, outer_optimizer=diloco, overlap_delay=overlap_delay, bucket_views=bucket_views,
+        process_group_backend="gloo",
     )
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -55,7 +56,9 @@ def run(mode):
             fabric.save(f"{folder}/checkpoint.pt", {"model": model, "optimizer": optimizer})
             torch.save(optimizer.state_dict()["state"], f"{folder}/saved{rank}.pt")
     strategy.close_rounds()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}, f"{folder}/{mode}{rank}.pt")
+    storages = len({p.untyped_storage().data_ptr() for p in model.parameters()})  # 1: one buffer (bucket_views)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"], "storages": storages}
+    torch.save(state, f"{folder}/{mode}{rank}.pt")
     fabric.barrier()
 
 
@@ -65,13 +68,16 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("overlap_delay", [0, 3])
+@pytest.mark.parametrize("overlap_delay, layout", [(0, "copies"), (3, "copies"), (0, "views")])
 @pytest.mark.slow
-def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(tmp_path, overlap_delay):
+def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_identically(
+    tmp_path, overlap_delay, layout
+):
     """DiLoCo (AdamW inner, Nesterov SGD outer) on 2 Fabric processes, fabric.save mid-round (step 6 of 12,
     K = 4), then fabric.load in a fresh Fabric (strategy, model, optimizer): each rank resumes its own AdamW moments, and the resumed
     run ends bit-identical to the uninterrupted one (model and optimizer state, on each rank); with overlapped
-    rounds too (tau = 3: fabric.save lands the round in flight first)."""
+    rounds too (tau = 3: fabric.save lands the round in flight first), and with ``bucket_views`` (the parameters
+    views of one buffer: saved, loaded into fresh parameters, homed again at the first round)."""
     import subprocess
     import sys
 
@@ -80,7 +86,7 @@ def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_
     script = tmp_path / "fabric_resume.py"
     script.write_text(_FABRIC_RESUME)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(overlap_delay)], cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"),
+        [sys.executable, str(script), str(tmp_path), str(overlap_delay), layout], cwd=tmp_path, env=subprocess_env(PYTHONFAULTHANDLER="1"),
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,3 +101,4 @@ def test_fabric_resume_on_two_processes_restores_every_machines_adamw_state_bit_
         whole, resumed = torch.load(tmp_path / f"whole{rank}.pt"), torch.load(tmp_path / f"resumed{rank}.pt")
         assert_equal(whole["model"], resumed["model"], f"rank {rank}'s final model")
         assert_equal(whole["optimizer"], resumed["optimizer"], f"rank {rank}'s final optimizer state")
+        assert whole["storages"] == resumed["storages"] == (1 if layout == "views" else 4)

@@ -179,8 +179,11 @@ def two_ranks(tmp_path_factory):
     [
         ("k", r"sync_every \(rank 0: 2, rank 1: 3\)"),
         ("participation", r"participation \(S\) \(rank 0: 1, rank 1: 2\)"),
-        ("width", r"averaged tensors|their shapes and dtypes"),
-        ("broadcast_width", r"their shapes and dtypes"),  # broadcast() checks first: no mismatched broadcast
+        ("width", r"averaged tensors|their shapes, dtypes and contiguity"),
+        (
+            "broadcast_width",
+            r"their shapes, dtypes and contiguity",
+        ),  # broadcast() checks first: no mismatched broadcast
     ],
 )
 @pytest.mark.slow

@@ -234,7 +234,11 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         model = sharded(torch.float32)
         PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group, fragments=2)
 
-    for name, fn in [("tensor_parallel", tensor_parallel), ("shard_dimension", shard_dimension), ("hsdp", hsdp), ("fragments", fragments)]:  # fmt: skip
+    def bucket_views():  # FSDP2 owns its shards' memory: they cannot become views of the averager's buffer
+        model = sharded(torch.float32)
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group, bucket_views=True)
+
+    for name, fn in [("tensor_parallel", tensor_parallel), ("shard_dimension", shard_dimension), ("hsdp", hsdp), ("fragments", fragments), ("bucket_views", bucket_views)]:  # fmt: skip
         attempt(name, fn)
     finish_rank(results, out, rank)
 
@@ -315,6 +319,7 @@ def test_parameters_an_evaluation_gathered_do_not_outlive_sync_or_broadcast(rank
         ),
         ("shard_dimension", "PeriodicAverager: '0.weight' is sharded with ranks"),
         ("fragments", "PeriodicAverager: a sharded model with fragments=2"),
+        ("bucket_views", "Invalid bucket_views: True (True or False; False with an FSDP2-sharded model"),
     ],
 )
 def test_unsupported_sharding_is_refused_in_one_line(ranks, case, message):

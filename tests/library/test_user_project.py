@@ -98,15 +98,16 @@ def assert_ranks_agree(ranks: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
-    """A: 2 processes from scratch; B: A resumed at step 12 on 2 processes; C: A resumed at step 12 on
-    1 process; D: C resumed at step 24 on 2 processes. K = 7: steps 12 and 24 (epoch ends, with a
-    validation and checkpoints) are mid-round."""
+    """A: 2 processes from scratch; B: A resumed at step 12 on 2 processes, with ``--bucket-views`` (the
+    same bits); C: A resumed at step 12 on 1 process; D: C resumed at step 24 on 2 processes. K = 7:
+    steps 12 and 24 (epoch ends, with a validation and checkpoints) are mid-round."""
     root = tmp_path_factory.mktemp("cnn")
     a = run("cnn", root / "A", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "A" / "run"))
     at12 = root / "A" / "run" / "epochs" / "epoch=0-step=12.ckpt"
     b = run(
-        "cnn", root / "B", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "B" / "run"), "--ckpt-path", str(at12)
-    )
+        "cnn", root / "B", *CNN_ARGS, "--devices", "2", "--run-dir", str(root / "B" / "run"), "--ckpt-path", str(at12),
+        "--bucket-views",
+    )  # fmt: skip
     c = run(
         "cnn", root / "C", *CNN_ARGS, "--devices", "1", "--run-dir", str(root / "C" / "run"), "--ckpt-path", str(at12)
     )
@@ -161,7 +162,10 @@ def test_validation_and_checkpoints_see_the_averaged_model(cnn):
 
 
 def test_resume_mid_round_on_two_processes_equals_the_uninterrupted_run(cnn):
+    """B resumes A's checkpoint with bucket_views: its parameters end as views of one buffer, and every
+    value is A's, bit for bit."""
     a, b = cnn["A"], cnn["B"]
+    assert [r["storages"] for r in a] == [8, 8] and [r["storages"] for r in b] == [1, 1]
     checkpoint = {step: state for step, state, _ in a[0]["saved"]}[EPOCH]
     for rank_a, rank_b in zip(a, b):
         assert_same(rank_b["start"], checkpoint, "resumed start")

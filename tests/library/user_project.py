@@ -86,7 +86,8 @@ def write(out: Path, rank: int, trainer: L.Trainer, module: nn.Module, recorder:
 def cnn(out: Path, argv: list[str]) -> None:
     recorder = Recorder()
     trainer, model = lightning_cnn.main([*argv, "--no-progress-bar"], callbacks=[recorder])
-    write(out, trainer.global_rank, trainer, model, recorder)
+    storages = len({t.untyped_storage().data_ptr() for t in model.parameters()})  # 1 with --bucket-views
+    write(out, trainer.global_rank, trainer, model, recorder, storages=storages)
 
 
 class GAN(L.LightningModule):
