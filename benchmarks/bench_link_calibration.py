@@ -11,13 +11,16 @@
    (a) ``examples/lightning_cnn.py`` as its docstring runs it (``--devices 2 --sync-every 8 --max-steps 200``);
    (a') the same CNN's syncs alone, in spawned processes without the Trainer, a barrier before each;
    (b) a plain torch loop over a 10M-parameter model (``bench_sync.py``'s), SlowcalSGD, K = 2.
+   Each run goes once per layout (``--layouts``): "copies", the averager as shipped, and "views",
+   ``bucket_views=True`` (the example's ``--bucket-views``: the tensors live in flat buffers that the
+   sync all-reduces where they lie).
    Each prediction is the fitted model's all-reduce of the bytes one sync sends: the sum over the
    averaged tensors of one machine's ``numel * element_size``. The whole ``sync()``, the schedule
    check included (and so any wait for the other rank), is printed beside it; the model leaves it out.
 
 Goal: predicted within 20% of measured.
 
-    python benchmarks/bench_link_calibration.py [--reps 15]
+    python benchmarks/bench_link_calibration.py [--reps 15] [--layouts copies,views]
 """
 
 from __future__ import annotations
@@ -137,8 +140,9 @@ def _write(out: Path, rank: int, record: list, nbytes: int, name: str = "rank") 
     (out / f"{name}{rank}.json").write_text(json.dumps({"syncs": record, "bytes": nbytes}))
 
 
-def cnn_run(out: Path) -> None:
-    """Rank r of ``examples/lightning_cnn.py`` (Lightning launches the other rank with the same command)."""
+def cnn_run(out: Path, layout: str) -> None:
+    """Rank r of ``examples/lightning_cnn.py`` (Lightning launches the other rank with the same command);
+    ``layout`` "views": with ``--bucket-views``."""
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT / "examples"))
     import lightning_cnn
@@ -154,11 +158,12 @@ def cnn_run(out: Path) -> None:
                 found.extend(trainer.strategy.averagers.values())
 
     argv = ["--devices", "2", "--sync-every", "8", "--max-steps", "200", "--run-dir", str(out / "run")]
+    argv += ["--bucket-views"] if layout == "views" else []
     trainer, _ = lightning_cnn.main([*argv, "--no-progress-bar"], callbacks=[Bytes()])
     _write(out, trainer.global_rank, record, sum(_sync_bytes(a) for a in found))
 
 
-def _loop_worker(rank: int, port: int, out: Path) -> None:
+def _loop_worker(rank: int, port: int, out: Path, layouts: list[str]) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
@@ -174,32 +179,36 @@ def _loop_worker(rank: int, port: int, out: Path) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     import lightning_cnn
 
-    cnn = lightning_cnn.CNN()
-    cnn_optimizer = SlowcalSGD(cnn.parameters(), lr=0.01)
-    for p in cnn.parameters():
-        p.grad = torch.zeros_like(p)
-    cnn_optimizer.step()  # creates w
-    cnn_averager = PeriodicAverager(cnn, cnn_optimizer, sync_every=1)
-    for _ in range(50):
-        dist.barrier()
-        cnn_averager.sync()
-    _write(out, rank, record[10:], _sync_bytes(cnn_averager), "alone")  # after 10 warm-ups
-    cnn_averager.remove_hooks()
-    record.clear()
-    torch.manual_seed(0)
-    model = build_model(10_000_000)
-    d = model[0].in_features
-    optimizer = SlowcalSGD(model.parameters(), lr=0.01)
-    averager = PeriodicAverager(model, optimizer, sync_every=2)
-    averager.broadcast()
-    g = torch.Generator().manual_seed(rank)
-    with averager:
-        for _ in range(30):
-            x = torch.randn(16, d, generator=g)
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), x).backward()
-            optimizer.step()
-    _write(out, rank, record, _sync_bytes(averager))
+    for layout in layouts:
+        views = layout == "views"
+        cnn = lightning_cnn.CNN()
+        cnn_optimizer = SlowcalSGD(cnn.parameters(), lr=0.01)
+        for p in cnn.parameters():
+            p.grad = torch.zeros_like(p)
+        cnn_optimizer.step()  # creates w
+        cnn_averager = PeriodicAverager(cnn, cnn_optimizer, sync_every=1, bucket_views=views)
+        for _ in range(50):
+            dist.barrier()
+            cnn_averager.sync()
+        _write(out, rank, record[10:], _sync_bytes(cnn_averager), f"alone-{layout}")  # after 10 warm-ups
+        cnn_averager.remove_hooks()
+        record.clear()
+        torch.manual_seed(0)
+        model = build_model(10_000_000)
+        d = model[0].in_features
+        optimizer = SlowcalSGD(model.parameters(), lr=0.01)
+        averager = PeriodicAverager(model, optimizer, sync_every=2, bucket_views=views)
+        averager.broadcast()
+        g = torch.Generator().manual_seed(rank)
+        with averager:
+            for _ in range(30):
+                x = torch.randn(16, d, generator=g)
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), x).backward()
+                optimizer.step()
+        _write(out, rank, record, _sync_bytes(averager), f"loop-{layout}")
+        record.clear()
+        del model, optimizer, averager
     dist.destroy_process_group()
 
 
@@ -214,12 +223,21 @@ def _measured(out: Path, name: str = "rank") -> tuple[int, list[float], list[flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15, help="timed all-reduces per size after 2 warm-ups")
-    p.add_argument("mode", nargs="?", default="all", help=argparse.SUPPRESS)  # "cnn OUT": one rank of run (a)
+    p.add_argument(
+        "--layouts",
+        default="copies,views",
+        help="the syncs measured: 'copies' (as shipped), 'views' (bucket_views=True), or both, comma-separated",
+    )
+    p.add_argument("mode", nargs="?", default="all", help=argparse.SUPPRESS)  # "cnn OUT LAYOUT": one rank of run (a)
     p.add_argument("out", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("layout", nargs="?", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode == "cnn":
-        cnn_run(Path(args.out))
+        cnn_run(Path(args.out), args.layout)
         return
+    layouts = args.layouts.split(",")
+    if not layouts or set(layouts) - {"copies", "views"}:
+        sys.exit(f"Invalid --layouts: {args.layouts!r} (copies, views, or both, comma-separated)")
     os.environ["OMP_NUM_THREADS"] = "1"
     measured = calibrate(args.reps)
     latency, bandwidth = fit(measured)
@@ -236,26 +254,29 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cnn"
-        out.mkdir()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "cnn", str(out)],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if proc.returncode:
-            sys.exit(f"the CNN run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        rows.append(("(a) examples/lightning_cnn.py, K = 8, 200 steps", *_measured(out)))
+        for layout in layouts:
+            out = Path(tmp) / f"cnn-{layout}"
+            out.mkdir()
+            proc = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "cnn", str(out), layout],
+                cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            if proc.returncode:
+                sys.exit(f"the CNN run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            rows.append((f"(a) examples/lightning_cnn.py, K = 8, 200 steps; {layout}", *_measured(out)))
         out = Path(tmp) / "loop"
         out.mkdir()
         import torch.multiprocessing as mp
 
-        mp.start_processes(_loop_worker, args=(_port(), out), nprocs=2, start_method="spawn")
-        rows.append(("(a') the same CNN, 40 syncs alone (no Trainer)", *_measured(out, "alone")))
-        rows.append(("(b) 10M parameters, plain loop, K = 2, 30 steps", *_measured(out)))
+        mp.start_processes(_loop_worker, args=(_port(), out, layouts), nprocs=2, start_method="spawn")
+        for layout in layouts:
+            rows.append((f"(a') the same CNN, 40 syncs alone; {layout}", *_measured(out, f"alone-{layout}")))
+        for layout in layouts:
+            rows.append((f"(b) 10M parameters, loop, K = 2, 30 steps; {layout}", *_measured(out, f"loop-{layout}")))
     print()
     print("syncs of real 2-process runs (SlowcalSGD: x and w): predicted by the fit vs measured (medians, slower rank)")
-    print(f"{'run':<50} {'bytes/sync':>12} {'syncs':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  "
+    print(f"{'run':<58} {'bytes/sync':>12} {'syncs':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  "
           f"{'whole sync ms':>13}  goal")  # fmt: skip
     for name, nbytes, average, whole in rows:
         predicted = ring_seconds(nbytes, 2, latency, bandwidth)
@@ -263,7 +284,7 @@ def main() -> None:
         error = (predicted - got) / got
         met = "met" if abs(error) <= GOAL else "NOT met"
         print(
-            f"{name:<50} {nbytes:>12,} {len(average):>5} {predicted * 1e3:>13.3f} {got * 1e3:>12.3f} {error:>+7.1%}  "
+            f"{name:<58} {nbytes:>12,} {len(average):>5} {predicted * 1e3:>13.3f} {got * 1e3:>12.3f} {error:>+7.1%}  "
             f"{statistics.median(whole) * 1e3:>13.3f}  within {GOAL:.0%}: {met}"
         )
 
