@@ -67,7 +67,7 @@ class AveragerSet:
         self.compression_options = {"compression": compression, "error_feedback": error_feedback}
         if not isinstance(bucket_views, bool):  # checked now, not at the first average
             raise ValueError(f"Invalid bucket_views: {bucket_views!r} (True or False)")
-        self.bucket_views = bucket_views  # the averaged tensors live in flat buffers (PeriodicAverager)
+        self._bucket_views = bucket_views  # the averaged tensors live in flat buffers (PeriodicAverager)
 
     @property
     def sync_every(self) -> int:
@@ -123,7 +123,7 @@ class AveragerSet:
         averager = PeriodicAverager(
             modules, optimizer, self.sync_every, process_group=self._averaging_group(), average_state=self.average_state,
             bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options, **self.compression_options,
-            **self.overlap_options, bucket_views=self.bucket_views,
+            **self.overlap_options, bucket_views=self._bucket_views,
         )  # fmt: skip
         averager.skip_advice = self.skip_advice
         return averager
