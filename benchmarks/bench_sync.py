@@ -31,6 +31,7 @@ import socket
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,17 +104,17 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                     times[name].append(seconds)
             for t in (flat, *own):
                 t.mul_(0.5)  # bounded values, outside the timing
-        slower = {}
+        slower: dict[str, list[float]] = {}
         for name, mine in times.items():
             everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
             dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
-            slower[name] = torch.stack(everyone).max(0).values.tolist()
+            slower[name] = [float(v) for v in torch.stack(everyone).max(0).values]
         if rank == 0:
             base = slower["all_reduce"]
-            line = {"size": n, "reps": len(base), "buckets": len(layout)}
-            for name, seconds in slower.items():  # the median time, and the median of the rep's ratios
-                line[name] = statistics.median(seconds)
-                line[name + "_ratio"] = statistics.median(a / b for a, b in zip(seconds, base))
+            line: dict[str, Any] = {"size": n, "reps": len(base), "buckets": len(layout)}
+            for name, each in slower.items():  # the median time, and the median of the reps' ratios
+                line[name] = statistics.median(each)
+                line[name + "_ratio"] = statistics.median(a / b for a, b in zip(each, base))
             if digest:
                 for key, (m, o) in {"digest": (model, optimizer), "views_digest": views[:2]}.items():
                     h = hashlib.sha256()
