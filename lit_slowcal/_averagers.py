@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal import _overlap
 from lit_slowcal._validation import check_int
-from lit_slowcal.averaging import PeriodicAverager, buffer_owners
+from lit_slowcal.averaging import PeriodicAverager, buffer_owners, check_bucket_views
 from lit_slowcal.compression import Compressor, compressor
 from lit_slowcal.link import LinkCounts
 
@@ -65,9 +65,8 @@ class AveragerSet:
         # How a machine's round change travels (lit_slowcal.compression); checked now, not at the first average.
         compressor(compression)
         self.compression_options = {"compression": compression, "error_feedback": error_feedback}
-        if not isinstance(bucket_views, bool):  # checked now, not at the first average
-            raise ValueError(f"Invalid bucket_views: {bucket_views!r} (True or False)")
-        self._bucket_views = bucket_views  # the averaged tensors live in flat buffers (PeriodicAverager)
+        # The averaged tensors live in flat buffers (PeriodicAverager); checked now, not at the first average.
+        self._bucket_views = check_bucket_views(bucket_views, sharded=False, fragments=parts)
 
     @property
     def sync_every(self) -> int:

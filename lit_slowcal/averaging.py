@@ -82,6 +82,7 @@ __all__ = [
     "PeriodicAverager",
     "broadcast_module",
     "buffer_owners",
+    "check_bucket_views",
     "check_participation",
     "machines_per_process",
 ]
@@ -123,7 +124,7 @@ class PeriodicAverager:
             first synchronisation (``t.data`` rebound; the same tensor objects, the same values), which a
             blocking exact synchronisation then all-reduces where it lies, with no copy: one collective for
             a small model with two processes (docs/communication.md, "Bucket views"). Not with an
-            FSDP2-sharded model, whose shards' memory FSDP2 owns.
+            FSDP2-sharded model, whose shards' memory FSDP2 owns, nor with F > 1.
 
     Overlapped rounds (tau >= 1 or F > 1; docs/communication.md): the averaged tensors are cut into F
     fragments (``_overlap.partition``: contiguous runs of ``_tensors()``, a parameter with its averaged
@@ -231,12 +232,7 @@ class PeriodicAverager:
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
-        if not isinstance(bucket_views, bool) or (bucket_views and self.sharded):
-            raise ValueError(
-                f"Invalid bucket_views: {bucket_views!r} (True or False; False with an FSDP2-sharded model, whose "
-                "shards' memory FSDP2 owns)"
-            )
-        self.bucket_views = bucket_views
+        self.bucket_views = check_bucket_views(bucket_views, self.sharded, self.fragments)
         # The flattened buckets' buffers, kept between syncs; with bucket_views, the buffers the tensors live in.
         self._flat_pool = _communication.FlatPool(bucket_views)
         # What a rank whose count fell behind should do; the strategies give their own advice.
@@ -892,6 +888,16 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
+
+
+def check_bucket_views(value: Any, sharded: bool, fragments: int) -> bool:
+    """``bucket_views``, or one line naming what is allowed: a bool, False with a sharded model or F > 1."""
+    if not isinstance(value, bool) or (value and (sharded or fragments > 1)):
+        raise ValueError(
+            f"Invalid bucket_views: {value!r} (True or False; False with an FSDP2-sharded model, whose shards' memory "
+            "FSDP2 owns, and with fragments > 1, whose rounds average parts of the model's buffer)"
+        )
+    return value
 
 
 def _cpu(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

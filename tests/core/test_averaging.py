@@ -242,6 +242,14 @@ def test_bucket_views_refused_unless_a_bool(bad):
         PeriodicAveragingStrategy(sync_every=2, bucket_views=bad)
 
 
+def test_bucket_views_refused_with_fragments():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^Invalid bucket_views: True \(.*and with fragments > 1, whose rounds"):
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=1), 2, fragments=2, bucket_views=True)
+    with pytest.raises(ValueError, match=r"^Invalid bucket_views: True \(.*and with fragments > 1, whose rounds"):
+        PeriodicAveragingStrategy(sync_every=2, fragments=2, bucket_views=True)  # before any fit
+
+
 def test_a_pool_homes_tensors_in_one_buffer_keeps_them_there_and_homes_them_again_when_they_move():
     """``FlatPool.home`` (``bucket_views``): the same tensor objects, with the same values, become views of
     one buffer, in order; the next call copies nothing; a tensor that moved (a new storage) is homed again."""
