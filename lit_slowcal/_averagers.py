@@ -1,10 +1,10 @@
 """What the Trainer and Fabric strategies share: one ``PeriodicAverager`` per optimizer.
 
 ``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
-(K, extra averaged state, bucket size, the server's options, overlapped rounds, bucket views), the averagers by optimizer, each
-buffer given to one of them (``buffer_owners``), and the operations on all of them: K changed
-mid-run, the round closed, the schedules saved and restored, the counts read (floats, bytes, the
-ring model's ``LinkCounts`` and the DDP reference).
+(K, extra averaged state, bucket size, the server's options, overlapped rounds, bucket views), the
+averagers by optimizer, each buffer given to one of them (``buffer_owners``), and the operations on
+all of them: K changed mid-run, the round closed, the schedules saved and restored, the counts read
+(floats, bytes, the ring model's ``LinkCounts`` and the DDP reference).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ The tensors to average are grouped by device and dtype and flattened into bucket
 of bytes; each bucket is one all-reduce (a small model: one collective per device and dtype per
 synchronisation). At most two flattened buckets are in flight, so a synchronisation needs at most
 two buckets of extra memory, not a second copy of the model (a blocking one flattens into two
-buffers that its averager keeps: ``FlatPool``). A tensor larger than a bucket is reduced in place;
-with two processes, so is every tensor of at least ``IN_PLACE_BYTES`` that lies contiguous (see
-``average``: the same bits as in a bucket, without its copies). With one process nothing is
+buffers that its averager keeps: ``FlatPool``; with ``bucket_views`` the tensors live in one flat
+buffer per kind, reduced where it lies: ``FlatPool.home``). A tensor larger than a bucket is reduced
+in place; with two processes, so is every tensor of at least ``IN_PLACE_BYTES`` that lies contiguous
+(see ``average``: the same bits as in a bucket, without its copies). With one process nothing is
 communicated.
 
 Every tensor comes with whether it is stacked: a parameter or buffer of a ``SimulatedMachines``
@@ -393,10 +394,13 @@ class FlatPool:
     turn, so a buffer is written again only after its all-reduce was waited for (a model of one
     bucket of a kind holds one buffer of it). Kinds an average did not use are dropped after it (a
     model moved to another device frees its old buffers).
+
+    With ``bucket_views`` the pool also keeps, per kind, the buffer its tensors live in (``home``): the
+    tensors are views of it, so it costs no memory beyond the model's.
     """
 
     def __init__(self, bucket_views: bool = False) -> None:
-        #: Whether the tensors of a kind that all can be become views of one flat buffer of it (``home``).
+        #: Whether the tensors of a kind become views of one flat buffer of it where they all can (``home``).
         self.bucket_views = bucket_views
         # Per kind: the buffer its tensors live in (``home``), their addresses and sizes there.
         self.homes: dict[tuple[torch.device, torch.dtype], tuple[Tensor, list[int], list[int]]] = {}
