@@ -374,7 +374,9 @@ def average(
     flattened (``buckets(..., alone_bytes=...)``): the same bits without the flatten copy and the copy
     back. With more processes the ring's order of summation depends on the place of a value in the
     buffer, so the buckets stay as they are. At most two flattened buckets are in flight; with a
-    ``pool`` they are flattened into its two persistent buffers (``FlatPool``) instead of new memory.
+    ``pool`` they are flattened into its two persistent buffers (``FlatPool``) instead of new memory;
+    with its ``bucket_views`` and no ``weights``, each kind whose tensors all can be reduced in place
+    lives in one buffer instead, reduced where it lies (``_home``), and only the other kinds are flattened.
     """
     start_average(
         tensors, weights, machines_per_process=machines_per_process, process_group=process_group,
