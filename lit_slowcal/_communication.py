@@ -450,9 +450,9 @@ class FlatPool:
         kind = (tensors[0].device, tensors[0].dtype)
         self.homed.add(kind)  # used: kept by keep_used()
         kept = self.homes.get(kind)
-        if kept is not None and [t.data_ptr() for t in tensors] == kept[1] and [t.numel() for t in tensors] == kept[2]:
-            return kept[0]
         sizes = [t.numel() for t in tensors]
+        if kept is not None and [t.data_ptr() for t in tensors] == kept[1] and sizes == kept[2]:
+            return kept[0]
         flat = torch.empty(sum(sizes), device=kind[0], dtype=kind[1])
         views = [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
         torch._foreach_copy_(views, list(tensors))
@@ -571,11 +571,8 @@ def _home(tensors: Tensors, pool: FlatPool, cap_bytes: Optional[int], reduce: Ca
     in one flat buffer (``FlatPool.home``), reduced where it lies with ``reduce``: whole, or with
     ``cap_bytes`` (more than two processes) in the ranges of the buckets that ``buckets`` gives them, so
     the ring sums every value in the order it would in a flattened bucket. Returns the other tensors."""
-    by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
-    for t, s in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append((t, s))
     rest: Tensors = []
-    for items in by_kind.values():
+    for items in _by_kind(tensors):
         if not all(_in_place([pair]) for pair in items):  # a stacked or non-contiguous tensor: flattened, as it is
             rest += items
             continue
@@ -589,6 +586,14 @@ def _home(tensors: Tensors, pool: FlatPool, cap_bytes: Optional[int], reduce: Ca
             reduce(flat[offset : offset + numel])
             offset += numel
     return rest
+
+
+def _by_kind(tensors: Tensors) -> list[Tensors]:
+    """``tensors`` grouped by (device, dtype), each group in order, the groups in order of first appearance."""
+    by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
+    for t, s in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append((t, s))
+    return list(by_kind.values())
 
 
 def _in_place(bucket: Tensors) -> bool:
@@ -646,11 +651,8 @@ def buckets(tensors: Tensors, cap_bytes: int, alone_bytes: Optional[int] = None)
     """Tensors grouped by (device, dtype), in order, cut where a bucket would exceed ``cap_bytes``; with
     ``alone_bytes``, a tensor of at least that many bytes that can be reduced in place (``_in_place``)
     is a bucket of its own, and the others of its kind are packed without it."""
-    by_kind: dict[tuple[torch.device, torch.dtype], Tensors] = {}
-    for t, s in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append((t, s))
     out: list[Tensors] = []
-    for items in by_kind.values():
+    for items in _by_kind(tensors):
         current: Tensors = []
         size = 0
         for t, s in items:
