@@ -17,6 +17,10 @@
    Each prediction is the fitted model's all-reduce of the bytes one sync sends: the sum over the
    averaged tensors of one machine's ``numel * element_size``. The whole ``sync()``, the schedule
    check included (and so any wait for the other rank), is printed beside it; the model leaves it out.
+3. The floor at the same point of the same runs: every second sync, its pre-hook first times a bare
+   ``dist.all_reduce`` of one float32 tensor of the sync's bytes and its division by 2 (the least any
+   exact average of those bytes does), printed beside the prediction ("bare"); the syncs measured are
+   the others, so that none follows it.
 
 Goal: predicted within 20% of measured.
 
@@ -35,8 +39,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from lit_slowcal.link import Link
 
@@ -111,22 +117,40 @@ def fit(measured: dict[int, float]) -> tuple[float, float]:
 # -- 2. real runs -----------------------------------------------------------------------------
 
 
-def _time_syncs(record: list[tuple[float, float]]) -> None:
-    """Time every ``PeriodicAverager.sync()`` of this process: (from the pre-hook, whole) seconds."""
+def _time_syncs(record: list[tuple[float, float, Optional[float]]]) -> None:
+    """Time every ``PeriodicAverager.sync()`` of this process: (from the pre-hook, whole, bare) seconds. Every
+    second sync (the same ones on every rank), the pre-hook first times the floor at that point of the run:
+    a bare ``dist.all_reduce`` of one float32 tensor of the sync's bytes and its division ("bare"; ``None``
+    on the others); such a sync's own times are left out of the sync's figures."""
+    import torch.distributed as dist
+
     from lit_slowcal import PeriodicAverager
 
     original = PeriodicAverager.sync
+    bare: dict[int, Tensor] = {}  # per size, the bare all-reduce's tensor
 
     def sync(self: PeriodicAverager) -> None:
         marks: list[float] = []
-        handle = self.register_sync_pre_hook(lambda _: marks.append(time.perf_counter()))
+        floor: list[float] = []
+
+        def pre_hook(averager: PeriodicAverager) -> None:
+            if len(record) % 2:
+                n = _sync_bytes(averager) // 4
+                flat = bare.setdefault(n, torch.zeros(n))
+                begin = time.perf_counter()
+                dist.all_reduce(flat)
+                flat.div_(2)
+                floor.append(time.perf_counter() - begin)
+            marks.append(time.perf_counter())
+
+        handle = self.register_sync_pre_hook(pre_hook)
         start = time.perf_counter()
         try:
             original(self)
         finally:
             handle.remove()
         end = time.perf_counter()
-        record.append((end - marks[0], end - start))
+        record.append((end - marks[0], end - start, floor[0] if floor else None))
 
     PeriodicAverager.sync = sync  # type: ignore[method-assign]
 
@@ -148,7 +172,7 @@ def cnn_run(out: Path, layout: str) -> None:
     import lightning_cnn
     from lightning.pytorch.callbacks import Callback
 
-    record: list[tuple[float, float]] = []
+    record: list[tuple[float, float, Optional[float]]] = []
     _time_syncs(record)
     found: list = []
 
@@ -173,7 +197,7 @@ def _loop_worker(rank: int, port: int, out: Path, layouts: list[str]) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    record: list[tuple[float, float]] = []
+    record: list[tuple[float, float, Optional[float]]] = []
     _time_syncs(record)
     # (a') the CNN's syncs alone: no Trainer, no training between them, a barrier before each.
     sys.path.insert(0, str(ROOT / "examples"))
@@ -187,7 +211,7 @@ def _loop_worker(rank: int, port: int, out: Path, layouts: list[str]) -> None:
             p.grad = torch.zeros_like(p)
         cnn_optimizer.step()  # creates w
         cnn_averager = PeriodicAverager(cnn, cnn_optimizer, sync_every=1, bucket_views=views)
-        for _ in range(50):
+        for _ in range(90):
             dist.barrier()
             cnn_averager.sync()
         _write(out, rank, record[10:], _sync_bytes(cnn_averager), f"alone-{layout}")  # after 10 warm-ups
@@ -201,7 +225,7 @@ def _loop_worker(rank: int, port: int, out: Path, layouts: list[str]) -> None:
         averager.broadcast()
         g = torch.Generator().manual_seed(rank)
         with averager:
-            for _ in range(30):
+            for _ in range(40):
                 x = torch.randn(16, d, generator=g)
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), x).backward()
@@ -212,12 +236,17 @@ def _loop_worker(rank: int, port: int, out: Path, layouts: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _measured(out: Path, name: str = "rank") -> tuple[int, list[float], list[float]]:
+def _measured(out: Path, name: str = "rank") -> tuple[int, list[float], list[float], list[float]]:
+    """(bytes, the syncs' times from the pre-hook, their whole times, the bare all-reduces' times): per
+    sync the slower rank's; the syncs with a bare all-reduce before them give only that."""
     ranks = [json.loads((out / f"{name}{r}.json").read_text()) for r in range(2)]
     assert len(ranks[0]["syncs"]) == len(ranks[1]["syncs"]) and ranks[0]["bytes"] == ranks[1]["bytes"]
-    average = [max(a[0], b[0]) for a, b in zip(ranks[0]["syncs"], ranks[1]["syncs"])]
-    whole = [max(a[1], b[1]) for a, b in zip(ranks[0]["syncs"], ranks[1]["syncs"])]
-    return ranks[0]["bytes"], average, whole
+    pairs = list(zip(ranks[0]["syncs"], ranks[1]["syncs"]))
+    plain = [(a, b) for a, b in pairs if a[2] is None]
+    average = [max(a[0], b[0]) for a, b in plain]
+    whole = [max(a[1], b[1]) for a, b in plain]
+    bare = [max(a[2], b[2]) for a, b in pairs if a[2] is not None]
+    return ranks[0]["bytes"], average, whole, bare
 
 
 def main() -> None:
@@ -271,21 +300,26 @@ def main() -> None:
 
         mp.start_processes(_loop_worker, args=(_port(), out, layouts), nprocs=2, start_method="spawn")
         for layout in layouts:
-            rows.append((f"(a') the same CNN, 40 syncs alone; {layout}", *_measured(out, f"alone-{layout}")))
+            rows.append((f"(a') the same CNN, 80 syncs alone; {layout}", *_measured(out, f"alone-{layout}")))
         for layout in layouts:
-            rows.append((f"(b) 10M parameters, loop, K = 2, 30 steps; {layout}", *_measured(out, f"loop-{layout}")))
+            rows.append((f"(b) 10M parameters, loop, K = 2, 40 steps; {layout}", *_measured(out, f"loop-{layout}")))
     print()
-    print("syncs of real 2-process runs (SlowcalSGD: x and w): predicted by the fit vs measured (medians, slower rank)")
+    print(
+        "syncs of real 2-process runs (SlowcalSGD: x and w): predicted by the fit vs measured (medians, slower rank);"
+    )
+    print("'bare': a dist.all_reduce of one float32 tensor of the same bytes and its division, timed at the same point")
+    print("of the same run (every second sync, before it; those syncs are left out of the sync's figures)")
     print(f"{'run':<58} {'bytes/sync':>12} {'syncs':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  "
-          f"{'whole sync ms':>13}  goal")  # fmt: skip
-    for name, nbytes, average, whole in rows:
+          f"{'whole sync ms':>13} {'bare ms':>8} {'error':>7} {'sync/bare':>9}  goal")  # fmt: skip
+    for name, nbytes, average, whole, bare in rows:
         predicted = ring_seconds(nbytes, 2, latency, bandwidth)
-        got = statistics.median(average)
+        got, floor = statistics.median(average), statistics.median(bare)
         error = (predicted - got) / got
         met = "met" if abs(error) <= GOAL else "NOT met"
         print(
             f"{name:<58} {nbytes:>12,} {len(average):>5} {predicted * 1e3:>13.3f} {got * 1e3:>12.3f} {error:>+7.1%}  "
-            f"{statistics.median(whole) * 1e3:>13.3f}  within {GOAL:.0%}: {met}"
+            f"{statistics.median(whole) * 1e3:>13.3f} {floor * 1e3:>8.3f} {(predicted - floor) / floor:>+7.1%} "
+            f"{got / floor:>9.2f}  within {GOAL:.0%}: {met}"
         )
 
 

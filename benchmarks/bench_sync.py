@@ -8,8 +8,9 @@ order every rep after a warm-up, each process times (a) ``averager.sync()`` (x a
 schedule check on, as shipped), (b) the same with ``bucket_views=True``, and (c) ``dist.all_reduce`` of
 one flat float32 tensor of the same bytes, each after a barrier, so that none includes the ranks' skew;
 and, for the record, (d) the ``bucket_views`` sync without the schedule check (``check_schedule=False``:
-its small all-gather left out), and (e) the shipped sync's own all-reduces alone: one tensor per bucket
-of its layout, all in flight at once, without the copies, the division or the check. A rep's time is
+its small all-gather left out), (e) the shipped sync's own all-reduces alone: one tensor per bucket
+of its layout, all in flight at once, without the copies, the division or the check, and (f) the floor
+of any exact average of those bytes: (c) followed by the division of its result by 2. A rep's time is
 the slower rank's; the table gives the medians, and each ratio is the median of the reps' ratios to
 that rep's all-reduce (the host's drift cancels). Goal: (b)'s ratio <= 1.1.
 
@@ -80,7 +81,9 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
         alone = getattr(_communication, "IN_PLACE_BYTES", None)  # a version of the code without it: no argument
         layout = _communication.buckets(averager._tensors(), averager.bucket_cap_bytes, *[alone] if alone else [])
         own = [torch.randn(sum(t.numel() for t, _ in b)) for b in layout]  # one tensor per all-reduce of the sync
-        times: dict[str, list[float]] = {"sync": [], "all_reduce": [], "views": [], "unchecked": [], "own": []}
+        floor = torch.randn(2 * n)  # the least an exact average of those bytes does: all-reduce, then divide
+        names = ("sync", "all_reduce", "views", "unchecked", "own", "floor")
+        times: dict[str, list[float]] = {name: [] for name in names}
         warmup = 2
         order = list(times)
         shuffle = random.Random(numel)  # the same order on both ranks
@@ -92,6 +95,9 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                 start = time.perf_counter()
                 if name == "all_reduce":
                     dist.all_reduce(flat)
+                elif name == "floor":
+                    dist.all_reduce(floor)
+                    floor.div_(2)
                 elif name == "own":
                     for work in [dist.all_reduce(t, async_op=True) for t in own]:
                         work.wait()
@@ -123,7 +129,7 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                         h.update(o.state[p]["w"].numpy().tobytes())
                     line[key] = h.hexdigest()[:16]
             queue.put(line)
-        del model, optimizer, averager, flat, own, views
+        del model, optimizer, averager, flat, own, views, floor
     dist.destroy_process_group()
 
 
@@ -168,12 +174,12 @@ def main() -> None:
         "(medians of the slower rank; ratio: the median of the reps' ratios to the rep's all_reduce; 'sync': as "
         "shipped; 'bucket_views': PeriodicAverager(bucket_views=True); 'unchecked': bucket_views with "
         "check_schedule=False; 'its all-reduces': the shipped sync's buckets (how many) all-reduced alone, no copy, "
-        "division or check)"
+        "division or check; 'floor': the all_reduce followed by its division by 2, the least an exact average does)"
     )
     print(
         f"{'parameters':>12} {'MB/process':>10} {'reps':>5} {'all_reduce ms':>13} {'sync ms':>8} {'ratio':>6} "
         f"{'bucket_views ms':>15} {'ratio':>6}  {'goal':<20} {'unchecked ms':>12} {'ratio':>6} "
-        f"{'its all-reduces ms':>18} {'ratio':>6}"
+        f"{'its all-reduces ms':>18} {'ratio':>6} {'floor ms':>8} {'ratio':>6}"
     )
     while not queue.empty():
         r = queue.get()
@@ -186,7 +192,8 @@ def main() -> None:
             f"{r['size']:>12,} {8 * r['size'] / 1e6:>10.0f} {r['reps']:>5} {r['all_reduce'] * 1e3:>13.1f} "
             f"{r['sync'] * 1e3:>8.1f} {r['sync_ratio']:>6.3f} {r['views'] * 1e3:>15.1f} {r['views_ratio']:>6.3f}  "
             f"{f'<= {GOAL}x: {met}':<20} {r['unchecked'] * 1e3:>12.1f} {r['unchecked_ratio']:>6.3f} "
-            f"{r['own'] * 1e3:>11.1f} ({r['buckets']:>3}) {r['own_ratio']:>6.3f}" + digests
+            f"{r['own'] * 1e3:>11.1f} ({r['buckets']:>3}) {r['own_ratio']:>6.3f} {r['floor'] * 1e3:>8.1f} "
+            f"{r['floor_ratio']:>6.3f}" + digests
         )
     sys.exit(0)
 
