@@ -51,6 +51,9 @@ SCRIPT = textwrap.dedent(
         ).fit(Sleeper())
 
     if __name__ == "__main__":
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal, also where this process was started with SIGINT
+        # ignored (a shell starts its background commands so; Python then leaves it ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         marker, again = Path(sys.argv[1]), sys.argv[2] == "again"
         try:
             with workers.worker_pool(1, 1) as pool:
