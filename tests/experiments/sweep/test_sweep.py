@@ -225,8 +225,14 @@ def test_every_sweep_parameter_reaches_its_cli_key_as_wandb_passes_it(path, comm
                 assert type(parsed) is type(value) and parsed == value, flag
             checked += 1
     assert checked == sum(len(wandb_values(p)) for p in sweep.params) > 0
-    # and every trial as a whole (linked settings included), plus the --wandb=false passthrough
+    # and trials as a whole (linked settings included), plus the --wandb=false passthrough: every value of
+    # every setting with every method (as the sweep's own check parses them: a parse per value, not per trial)
+    covered: set[tuple[str, str, str]] = set()
     for trial in sw.expand_trials(sweep):
+        settings = {(trial["method"], name, repr(value)) for name, value in trial.items()}
+        if settings <= covered:
+            continue
+        covered |= settings
         cfg = command_line.parse(sw.trial_args(sweep, trial, ["--wandb=false"]))
         assert cfg["fit.method"] == trial["method"] and cfg["fit.wandb"] is False
 
