@@ -15,8 +15,10 @@
 #   (e)      the paper grid (sweeps/paper.yaml, 135 runs) with the README's sweep command, as configured
 #            but on the GPU (--trainer.accelerator=gpu added to its command): its wall time, and its
 #            records against the CPU's stored ones (sweeps/results/paper.jsonl)
+#   (f)      benchmarks/bench_sync.py --sizes 1M,10M on this machine's CPUs (2 gloo processes): one
+#            synchronisation against one all-reduce of the same bytes, on a quieter host than CI's
 # Exit status 0 only if every step passed. Needs no network. PY: the Python to use (default the
-# repository's .venv, else python3); T_DEVICE, T_TESTS, T_MAIN, T_BENCH: the steps' limits in seconds;
+# repository's .venv, else python3); T_DEVICE, T_TESTS, T_MAIN, T_BENCH, T_GRID, T_SYNC: the steps' limits in seconds;
 # KEEP_LOGS: a folder to keep the whole logs in.
 set -euo pipefail
 
@@ -29,14 +31,15 @@ PY=${PY:-.venv/bin/python}
 # lit_slowcal from this checkout, also where it is not installed into $PY's environment (the
 # subprocesses, e.g. examples/torch_loop.py, inherit it).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# Seconds per step, nvidia-smi's 10 included: 10 + 20 + 120 + 2 x 40 + 100 + 150 = 480 < 540. Seen on an
+# Seconds per step, nvidia-smi's 10 included: 10 + 20 + 120 + 2 x 40 + 100 + 130 + 60 = 520 < 540. Seen on an
 # H100 (16 CPUs): device 7 s, tests 65-82 s, main job 18-22 s, benchmark 56-74 s; 151-194 s in all
-# before (e).
+# before (e); (e) 83-85 s on an H100 and an H200.
 T_DEVICE=${T_DEVICE:-20}
 T_TESTS=${T_TESTS:-120}
 T_MAIN=${T_MAIN:-40}
 T_BENCH=${T_BENCH:-100}
-T_GRID=${T_GRID:-150}
+T_GRID=${T_GRID:-130}
+T_SYNC=${T_SYNC:-60}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 # KEEP_LOGS=DIR: copy the steps' whole logs (and the JUnit XML) there at the end.
@@ -133,6 +136,10 @@ run "(e) paper grid" "$T_GRID" "$WORK/grid.txt" bash -c 'TIMEFORMAT="wall %R s (
     "$PY" -m lit_slowcal sweep "$WORK/paper_gpu.yaml" --wandb=false --results "$WORK/paper_gpu.jsonl"
 grep -E "^(stacking|workers|[0-9]+ trials in|[0-9]+ finished|wall )" "$WORK/grid.txt" || tail -n 20 "$WORK/grid.txt"
 
+section "(f) benchmarks/bench_sync.py on this machine's CPUs"
+run "(f) sync benchmark" "$T_SYNC" "$WORK/sync.txt" "$PY" benchmarks/bench_sync.py --sizes 1M,10M --reps 40
+tail -n 4 "$WORK/sync.txt"
+
 section "summary"
 rc=0
 "$PY" - "$WORK" "$DEVICE" "${FAILED[@]+"${FAILED[@]}"}" <<'EOF' || rc=$?
@@ -218,6 +225,12 @@ print(f"(e) paper grid on the GPU: {finished}/{len(gpu_grid)} finished, wall {gr
       + ", ".join(f"{n} {rel(n):.1e}" for n in ("test_acc", "test_loss", "train_objective")))
 if finished != 135:
     failed.append("(e) the paper grid did not finish every run")
+
+sync = open(os.path.join(work, "sync.txt")).read() if os.path.exists(os.path.join(work, "sync.txt")) else ""
+rows = [l for l in sync.splitlines() if "<= 1.1x" in l]
+print("(f) one sync vs one all-reduce of the same bytes, this machine's CPUs (bench_sync.py):" if rows else "(f) sync benchmark: no figures")
+for line in [l for l in sync.splitlines() if l.lstrip().startswith("parameters")] + rows:
+    print("  " + line.rstrip()[:260])
 
 print("GPU check " + ("PASSED" if not failed else "FAILED: " + "; ".join(failed)))
 sys.exit(1 if failed else 0)
