@@ -232,9 +232,8 @@ class PeriodicAverager:
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
-        self.bucket_views = check_bucket_views(bucket_views, self.sharded, self.fragments)
         # The flattened buckets' buffers, kept between syncs; with bucket_views, the buffers the tensors live in.
-        self._flat_pool = _communication.FlatPool(bucket_views)
+        self._flat_pool = _communication.FlatPool(check_bucket_views(bucket_views, self.sharded, self.fragments))
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -581,6 +580,12 @@ class PeriodicAverager:
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
+
+    @property
+    def bucket_views(self) -> bool:
+        """Whether the averaged tensors live in flat buffers that a synchronisation all-reduces where they lie
+        (the argument; its pool holds it)."""
+        return self._flat_pool.bucket_views
 
     # -- machines ----------------------------------------------------------------------------
 
