@@ -148,12 +148,14 @@ def test_test_loss_against_float64():
 @pytest.mark.parametrize("n", [1, 17, 64, 240, 3072, 10000])
 def test_cross_entropy_is_torchs_with_its_gradient_and_each_samples_value_its_own(n, classes):
     """``rounds.cross_entropy`` (classes along the first dimension) against ``F.cross_entropy``: values and
-    gradients bit for bit on an AVX-512 CPU (the machine the stored results come from), within float32
-    rounding on any other; the gradient laid out as torch's; and a sample's value and gradient do not depend
-    on the samples beside it (what makes the single run's and the stacked trials' losses the same), also
-    where the count is not a multiple of the padding."""
+    gradients bit for bit on an AVX-512 CPU (the machine the stored results come from), within a few float32
+    roundings on any other (there exp and the sum over the classes round differently: on AVX2 at most
+    1.31 eps (1 + |value|) apart, eps = 1.19e-7 the rounding step of 1.0); the gradient laid out as torch's;
+    and a sample's value and gradient do not depend on the samples beside it (what makes the single run's and
+    the stacked trials' losses the same), also where the count is not a multiple of the padding."""
     g = torch.Generator().manual_seed(n * classes)
     exact = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    eps = torch.finfo(torch.float32).eps
     for scale in (0.01, 1.0, 30.0):
         z = (torch.randn(n, classes, generator=g) * scale).requires_grad_()
         y = torch.randint(0, classes, (n,), generator=g)
@@ -166,8 +168,13 @@ def test_cross_entropy_is_torchs_with_its_gradient_and_each_samples_value_its_ow
             if exact:
                 assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
             else:
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-                torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+                # |got - want| <= 4 eps (unit + |want|): a value is log(sum exp(z - max)) - (z_y - max), the log
+                # of a sum >= 1 (rounded to an absolute eps or so, however small the loss) less a difference both
+                # compute alike; a gradient is softmax - onehot (p_y - 1 rounded at eps), / n with "mean". 4 eps
+                # is 3 times the AVX2 differences seen, and an error of 1e-4 in a loss below 200 still fails.
+                unit = 1.0 if reduction == "none" else 1.0 / n
+                torch.testing.assert_close(got, want, rtol=4 * eps, atol=4 * eps)
+                torch.testing.assert_close(got_grad, want_grad, rtol=4 * eps, atol=4 * eps * unit)
         per_sample = rounds.cross_entropy(z, y, "none")
         for part in (slice(0, 1), slice(n // 3, n), slice(n - 1, n)):
             alone = rounds.cross_entropy(z[part], y[part], "none")
