@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_slowcal._communication import Tensors
+from lit_slowcal._selection import Tensors
 from lit_slowcal.compression import Compressor, compressor
 
 __all__ = ["CompressedAverage", "accumulation_dtype"]

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lit_slowcal._communication import local
+from lit_slowcal._selection import local
 
 __all__ = ["KEY", "load", "local_state", "select"]
 

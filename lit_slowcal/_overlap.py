@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lit_slowcal._communication import Averaging, Tensors
+from lit_slowcal._communication import Averaging
+from lit_slowcal._selection import Tensors
 from lit_slowcal._validation import check_int
 
 __all__ = ["Round", "check_options", "partition", "saved_round"]

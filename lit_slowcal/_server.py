@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lit_slowcal._communication import local
+from lit_slowcal._selection import local
 from lit_slowcal._validation import check_int
 from lit_slowcal.protocol import declared
 

@@ -1,0 +1,138 @@
+"""The process group and the averager's small collectives: ranks, broadcast, gathers, and the check
+that every rank is at the same point.
+
+Without an initialised process group there is one process, of rank 0 (``world_size``, ``rank``).
+``check_same_point`` opens each of the averager's collectives (``COLLECTIVES``) with one all-gather
+of a fixed length: ranks in different collectives, at different points or set up differently get one
+``RuntimeError`` each, before anything is averaged or gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lit_slowcal._selection import Modules, _as_list, local
+
+if dist.is_available():
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default argument when
+    # it is imported (torch._dynamo imports it, on the first optimizer's construction in a plain
+    # torch loop). Imported after init_process_group it would keep the default group alive past
+    # destroy_process_group: gloo's threads would then run into the interpreter's exit, where a
+    # process occasionally aborts ("terminate called without an active exception"). Imported here,
+    # with lit_slowcal and before any process group, it binds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
+__all__ = ["broadcast_module", "check_same_point", "gather_ints", "gather_objects", "rank", "world_size"]
+
+
+def world_size(process_group: Optional[Any]) -> int:
+    """Processes of ``process_group`` (1 without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def rank(process_group: Optional[Any]) -> int:
+    """This process's rank in ``process_group`` (0 without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(process_group)
+
+
+def gather_objects(obj: Any, dst: int, process_group: Optional[Any]) -> Optional[list[Any]]:
+    """Every rank's ``obj`` (picklable, CPU tensors), in rank order, on group rank ``dst``; ``None`` on the others."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    mine = rank(process_group) == dst
+    out: Optional[list[Any]] = [None] * world_size(process_group) if mine else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=process_group)
+    return out
+
+
+def broadcast_module(
+    modules: Modules, src: int = 0, *, process_group: Optional[Any] = None, extra: Sequence[Tensor] = ()
+) -> None:
+    """Copy group rank ``src``'s parameters and buffers (and the ``extra`` tensors) to every process; of a
+    DTensor, its local shard.
+
+    No-op without an initialised process group of more than one process.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return
+    group = process_group if process_group is not None else dist.group.WORLD
+    src_rank = dist.get_global_rank(group, src)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in _as_list(modules):
+            for t in (*map(local, (*module.parameters(), *module.buffers())), *extra):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    dist.broadcast(t, src=src_rank, group=process_group)
+
+
+def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Optional[Any]) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (one small all-gather of int64 on the device of the optimizer's parameters)."""
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size(process_group))]
+    dist.all_gather(everyone, mine, group=process_group)
+    return [tuple(int(v) for v in t.tolist()) for t in everyone]
+
+
+#: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).
+COLLECTIVES = ("a synchronisation", "gather_state_dict()")
+_SETUP_SLOTS = 16  # the all-gather's length is the same whatever the collective and the setup
+#: The int64 values every rank gives ``check_same_point``'s all-gather: the two counts, the setup's
+#: slots and the collective's code (``lit_slowcal.link`` counts the check's bytes from it).
+CHECK_VALUES = 2 + _SETUP_SLOTS + 1
+
+
+def check_same_point(
+    optimizer: Optimizer,
+    counts: tuple[int, int],
+    process_group: Optional[Any],
+    advice: str,
+    setup: Optional[dict[str, int]] = None,
+    collective: str = COLLECTIVES[0],
+) -> None:
+    """All ranks in the same ``collective`` (one of ``COLLECTIVES``), at the same (steps, backward passes)
+    ``counts`` and, where given, with the same ``setup`` (one small all-gather of a fixed length), or one
+    ``RuntimeError`` on every rank: for the collective or a setup, naming what differs; for counts,
+    ending with ``advice``."""
+    names = list(setup or {})
+    code = COLLECTIVES.index(collective)
+    values = [*counts, *(setup or {}).values()]
+    assert len(names) <= _SETUP_SLOTS
+    everyone = gather_ints(optimizer, [*values, *[0] * (_SETUP_SLOTS - len(names)), code], process_group)
+    codes = [v[-1] for v in everyone]
+    if len(set(codes)) > 1:
+        what = ", ".join(f"rank {r}: {COLLECTIVES[c] if 0 <= c < len(COLLECTIVES) else c}" for r, c in enumerate(codes))
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks are in different collectives ({what}); every rank calls each of them "
+            "(gather_state_dict() too: on every rank, then rank 0 saves what it returns), and nothing was averaged or gathered."
+        )
+    differ = [i for i, name in enumerate(names) if len({values[2 + i] for values in everyone}) > 1]
+    if differ:
+        what = "; ".join(
+            f"{names[i]} (" + ", ".join(f"rank {r}: {values[2 + i]}" for r, values in enumerate(everyone)) + ")"
+            for i in differ
+        )
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks were set up differently: {what}; every rank must build the averager alike "
+            "(the same sync_every, machines per process, participation and its seed, outer optimizer, and model and "
+            "optimizer state to average), and nothing was averaged."
+        )
+    if len({values[:2] for values in everyone}) > 1:
+        ranks = ", ".join(f"rank {r}: {v[0]} steps, {v[1]} backward passes" for r, v in enumerate(everyone))
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks reached this synchronisation at different points ({ranks}); "
+            "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
+            f"skipped optimizer.step()), and averaging now would mix different steps: {advice}."
+        )

@@ -1,0 +1,229 @@
+"""What a synchronisation averages: the machines of a model and the tensors of theirs to average.
+
+A machine is a process of the process group, or one of the m machines a ``SimulatedMachines``
+module hosts in a process (``machines_per_process``). With several optimizers each floating buffer
+is averaged by one of their averagers (``buffer_owners``). Of a model sharded by FSDP2, each rank
+averages its local shards (``check_sharding``, ``local``).
+
+Every tensor comes with whether it is stacked: a parameter or buffer of a ``SimulatedMachines``
+module (or optimizer state of the parameter's shape) holds one slice per machine along dimension 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lit_slowcal.simulated import SimulatedMachines
+
+__all__ = [
+    "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
+    "is_averaged", "local", "machines_per_process", "reshard",
+]  # fmt: skip
+
+Modules = Union[nn.Module, Sequence[nn.Module]]
+#: Tensors to average, each with whether it is stacked (a leading machine dimension).
+Tensors = list[tuple[Tensor, bool]]
+
+
+def all_modules(modules: Modules) -> Iterable[nn.Module]:
+    """Every module of ``modules`` (one module or a sequence of them), submodules included."""
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        yield from module.modules()
+
+
+def machines_per_process(modules: Modules) -> int:
+    """m: machines the ``SimulatedMachines`` of ``modules`` host in this process (1 without any)."""
+    sims = {m.num_machines for m in all_modules(modules) if isinstance(m, SimulatedMachines)}
+    if len(sims) > 1:
+        raise ValueError(f"All SimulatedMachines of a model must host the same number of machines, got {sorted(sims)}")
+    return sims.pop() if sims else 1
+
+
+def buffer_owners(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[list[Tensor]]:
+    """Each floating buffer of ``module`` given to exactly one optimizer's averager: ``out[i]`` for ``optimizers[i]``.
+
+    A buffer belongs to the optimizer that steps the parameters of the smallest submodule holding
+    it whose parameters one optimizer alone steps (a discriminator's BatchNorm statistics go with
+    the discriminator's optimizer); a buffer no single optimizer claims goes to the first. So a
+    buffer is averaged once per round, by one averager, however many optimizers there are.
+    """
+    owner = {id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+    parents: dict[int, Optional[nn.Module]] = {id(module): None}
+    for m in module.modules():
+        for child in m.children():
+            parents.setdefault(id(child), m)
+    out: list[list[Tensor]] = [[] for _ in optimizers]
+    seen: set[int] = set()
+    for m in module.modules():
+        for b in m.buffers(recurse=False):
+            if id(b) in seen or not is_averaged(b):
+                continue
+            seen.add(id(b))
+            index, node = 0, m
+            while node is not None:
+                claims = {owner[id(p)] for p in node.parameters() if id(p) in owner}
+                if len(claims) == 1:
+                    index = claims.pop()
+                    break
+                if len(claims) > 1:
+                    break
+                node = parents.get(id(node))
+            out[index].append(b)
+    return out
+
+
+def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Optional[Any]) -> bool:
+    """Whether the model holds DTensors that ``average`` can average by their local shards; refuse, in one
+    line, what it cannot.
+
+    Supported: FSDP2's ``fully_shard`` over a one-dimensional mesh (placements ``(Shard(0),)``) whose
+    ranks other than this one lie outside ``process_group`` (the replicate dimension of a 2-D mesh):
+    every rank of the group then holds the same shard. Refused: other placements (tensor parallel,
+    HSDP's 2-D mesh), a mesh sharing ranks with the group (an average would mix shards), FSDP1.
+    """
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in all_modules(modules)):
+        raise ValueError(
+            "PeriodicAverager: the model is wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flat "
+            "shards; supported: FSDP2's fully_shard over the shard dimension of a mesh (docs/sharded.md)"
+        )
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return False
+    names = {id(t): name for m in _as_list(modules) for name, t in (*m.named_parameters(), *m.named_buffers())}
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [t for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())]
+    sharded = [t for t in tensors if isinstance(t, dtensor)]
+    if not sharded:
+        return False
+    group = set(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    for t in sharded:
+        name = names.get(id(t), "a parameter of the optimizer")
+        mesh = t.device_mesh
+        if mesh.ndim != 1 or not t.placements[0].is_shard(0):
+            raise ValueError(
+                f"PeriodicAverager: {name!r} is a DTensor with placements {tuple(t.placements)} over a {mesh.ndim}-D "
+                "mesh (tensor parallel or HSDP); supported: FSDP2's fully_shard over a 1-D shard mesh, placements "
+                "(Shard(dim=0),), averaged over the replicate group (docs/sharded.md)"
+            )
+        shared = sorted(set(mesh.mesh.flatten().tolist()) & group - {dist.get_rank()})
+        if shared:
+            raise ValueError(
+                f"PeriodicAverager: {name!r} is sharded with ranks {shared} of the process_group, whose average "
+                "would mix different shards; pass the replicate dimension's group (mesh['replicate'].get_group()) "
+                "as process_group (docs/sharded.md)"
+            )
+    return True
+
+
+def reshard(modules: Modules) -> None:
+    """Reshard every FSDP2 module of ``modules`` that holds its parameters unsharded (as the root does after
+    a forward without backward, an evaluation): its next forward then gathers the shards as they are now,
+    not the full parameters of before an average."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None:
+        return
+    for module in all_modules(modules):
+        if isinstance(module, fsdp):
+            module.reshard()
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the same tensor at every call: writing it writes the DTensor), else ``t``."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def _as_list(modules: Modules) -> list[nn.Module]:
+    return [modules] if isinstance(modules, nn.Module) else list(modules)
+
+
+def _dtensor_type() -> Optional[type]:
+    """``DTensor`` where torch.distributed has it (loaded only if torch already loaded it: no DTensor exists otherwise)."""
+    if not dist.is_available():
+        return None
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
+
+
+def is_averaged(t: Tensor) -> bool:
+    """Whether a synchronisation averages ``t``: a floating-point or complex tensor."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def averaged_tensors(
+    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+) -> Tensors:
+    """The floating tensors to average, each with whether it has a leading machine dimension: every
+    parameter of ``optimizer``, its state under ``keys``, and ``buffers`` (``None``: every buffer of
+    ``modules``), each once; of a DTensor, its local shard (``local``).
+
+    A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
+    optimizer state of such a parameter with the parameter's shape.
+    """
+    return [pair for unit in averaged_units(modules, optimizer, keys, buffers) for pair in unit]
+
+
+def averaged_units(
+    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+) -> list[Tensors]:
+    """``averaged_tensors`` in units, in the same order: a parameter with its state under ``keys``, or
+    a buffer; each unit's first tensor is its parameter or buffer (units with nothing to average left out)."""
+    stacked_ids: set[int] = set()
+    for module in all_modules(modules):
+        if isinstance(module, SimulatedMachines):
+            stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    seen: set[int] = set()
+    out: list[Tensors] = []
+
+    def add(unit: Tensors, t: Tensor, owner: Tensor) -> None:
+        if id(t) not in seen and is_averaged(t):
+            seen.add(id(t))
+            unit.append((local(t), id(owner) in stacked_ids and t.shape == owner.shape))
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit: Tensors = []
+            add(unit, p, p)
+            state = optimizer.state.get(p, {})
+            for key in keys:
+                if isinstance(state.get(key), Tensor):
+                    _check_like(state[key], p, key)
+                    add(unit, state[key], p)
+            out.append(unit)
+    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
+        out.append([])
+        add(out[-1], b, b)
+    return [unit for unit in out if unit]
+
+
+def _check_like(state: Tensor, p: Tensor, key: str) -> None:
+    """Refuse, in one line, averaged state that is not laid out as its parameter (a DTensor of other placements)."""
+    layout = [getattr(t, "placements", None) for t in (state, p)]
+    if layout[0] != layout[1]:
+        raise ValueError(
+            f"PeriodicAverager: the optimizer state {key!r} has placements {layout[0]} and its parameter {layout[1]}; "
+            "averaged state must be sharded as its parameter (docs/sharded.md)"
+        )
+
+
+def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union[int, float]:
+    """Floats one machine sends in a synchronisation of ``tensors`` (one machine's slice of each) when M > 1
+    (a complex number is two); with S < M participants, what they send per machine on average."""
+    floats = sum((t[0].numel() if s else t.numel()) * (2 if t.is_complex() else 1) for t, s in tensors)
+    if participants == num_machines:
+        return floats
+    return floats * participants / num_machines
