@@ -29,7 +29,7 @@ VARIANTS = ("per_machine", "averaged_v", "restart_clock", "reset_v")
 
 
 def _post_sync(variant: str):
-    shipped = AdaptiveSlowcal.post_sync
+    shipped = AdaptiveSlowcal._query_point_of_averages
 
     def post_sync(self: AdaptiveSlowcal) -> None:
         shipped(self)
@@ -54,10 +54,12 @@ def main() -> None:
     args = parser.parse_args()
     from lit_slowcal.experiments import sweep as sw
 
-    shipped = AdaptiveSlowcal.post_sync
+    shipped = AdaptiveSlowcal._query_point_of_averages
     for variant in VARIANTS:
         for lr in args.lrs:
-            AdaptiveSlowcal.post_sync = shipped if variant in ("per_machine", "averaged_v") else _post_sync(variant)
+            AdaptiveSlowcal._query_point_of_averages = (
+                shipped if variant in ("per_machine", "averaged_v") else _post_sync(variant)
+            )
             extra = ["--model.average_second_moment=true"] if variant == "averaged_v" else []
             start = time.perf_counter()
             outcome = sw.run_trial(
@@ -71,7 +73,7 @@ def main() -> None:
                 f"{m.get('floats_communicated', 0) / 8:.3g}  {time.perf_counter() - start:.0f} s  {outcome['status']}",
                 flush=True,
             )
-    AdaptiveSlowcal.post_sync = shipped
+    AdaptiveSlowcal._query_point_of_averages = shipped
 
 
 if __name__ == "__main__":

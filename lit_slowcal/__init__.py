@@ -8,6 +8,7 @@ The core, importable with torch and lightning alone:
   SCAFFOLD (Karimireddy et al. 2020, option II), the paper's other baselines of Table 1;
 * ``PeriodicAverager`` -- averages parameters, floating buffers and declared optimizer state over
   all machines every K optimizer steps; framework-free (a plain torch loop, Fabric, Lightning);
+  ``AveragingOptions`` -- its options (and the strategies'), checked alone and together, in one value;
 * ``SimulatedMachines`` -- m machines stacked in one module and run as one vectorized call;
 * ``PeriodicAveragingStrategy`` -- the Lightning ``Trainer`` strategy, a thin adapter over
   ``PeriodicAverager``; ``PeriodicAveragingFabricStrategy`` the same for Fabric;
@@ -34,6 +35,7 @@ from lit_slowcal.adaptive import AdaptiveSlowcal
 from lit_slowcal.averaging import PeriodicAverager
 from lit_slowcal.link import Link, LinkCounts
 from lit_slowcal.optimizer import SlowcalSGD
+from lit_slowcal.options import AveragingOptions
 from lit_slowcal.scaffold import Scaffold
 from lit_slowcal.simulated import SimulatedMachines
 
@@ -41,6 +43,7 @@ __all__ = [
     "AcceleratedSGD",
     "AdaptiveSlowcal",
     "AtomicCheckpointIO",
+    "AveragingOptions",
     "Link",
     "LinkCounts",
     "PeriodicAverager",

@@ -1,25 +1,22 @@
 """What the Trainer and Fabric strategies share: one ``PeriodicAverager`` per optimizer.
 
-``AveragerSet`` is a mixin of both strategies. It keeps the settings every averager is built with
-(K, extra averaged state, bucket size, the server's options, overlapped rounds, bucket views), the
-averagers by optimizer, each buffer given to one of them (``buffer_owners``), and the operations on
+``AveragerSet`` is a mixin of the three strategies. It keeps the options every averager is built with
+(one ``AveragingOptions``), the averagers by optimizer, each buffer given to one of them (``buffer_owners``), and the operations on
 all of them: K changed mid-run, the round closed, the schedules saved and restored, the counts read
 (floats, bytes, the ring model's ``LinkCounts`` and the DDP reference).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lit_slowcal import _overlap
-from lit_slowcal._validation import check_int
-from lit_slowcal.averaging import PeriodicAverager, buffer_owners, check_bucket_views
-from lit_slowcal.compression import Compressor, compressor
+from lit_slowcal.averaging import PeriodicAverager, buffer_owners
 from lit_slowcal.link import LinkCounts
+from lit_slowcal.options import AveragingOptions
 
 __all__ = ["CHECKPOINT_KEY", "AveragerSet"]
 
@@ -34,51 +31,20 @@ class AveragerSet:
     #: What a rank whose count fell behind should do (``PeriodicAverager.skip_advice``).
     skip_advice = "call optimizer.step() in every iteration on every rank"
 
-    def _init_averagers(
-        self,
-        sync_every: int,
-        average_state: Sequence[str],
-        bucket_cap_mb: float,
-        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]],
-        participation: Optional[Union[int, float]],
-        participation_seed: int,
-        compression: Union[None, str, Compressor] = None,
-        error_feedback: Optional[bool] = None,
-        overlap_delay: int = 0,
-        fragments: int = 1,
-        bucket_views: bool = False,
-    ) -> None:
+    def _init_averagers(self, options: AveragingOptions) -> None:
+        #: Every averager's options (``lit_slowcal.options``); replace them only through ``sync_every``.
+        self.options = options
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
-        check_int("sync_every", sync_every)
-        tau, parts = _overlap.check_options(sync_every, overlap_delay, fragments)
-        # Overlapped rounds (PeriodicAverager): tau steps for a round to land, F fragments taking turns.
-        self.overlap_options = {"overlap_delay": tau, "fragments": parts}
-        self.sync_every = sync_every
-        self.average_state = tuple(average_state)
-        self.bucket_cap_mb = bucket_cap_mb
-        # The server's side of a round (PeriodicAverager): an outer optimizer, partial participation.
-        self.server_options = {
-            "outer_optimizer": outer_optimizer,
-            "participation": participation,
-            "participation_seed": participation_seed,
-        }
-        # How a machine's round change travels (lit_slowcal.compression); checked now, not at the first average.
-        compressor(compression)
-        self.compression_options = {"compression": compression, "error_feedback": error_feedback}
-        # The averaged tensors live in flat buffers (PeriodicAverager); checked now, not at the first average.
-        self._bucket_views = check_bucket_views(bucket_views, sharded=False, fragments=parts)
 
     @property
     def sync_every(self) -> int:
-        return self._sync_every
+        """K; set mid-run (``strategy.sync_every = 16``) it applies to the running averagers too."""
+        return self.options.sync_every
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        """K; set mid-run it applies to the running averagers too."""
-        check_int("sync_every", value)
-        _overlap.check_options(value, **getattr(self, "overlap_options", {}), setting_k=True)
-        self._sync_every = value
-        for averager in getattr(self, "averagers", {}).values():
+        self.options = self.options.with_sync_every(value)
+        for averager in self.averagers.values():
             averager.sync_every = value
 
     @property
@@ -120,10 +86,8 @@ class AveragerSet:
         self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
     ) -> PeriodicAverager:
         averager = PeriodicAverager(
-            modules, optimizer, self.sync_every, process_group=self._averaging_group(), average_state=self.average_state,
-            bucket_cap_mb=self.bucket_cap_mb, buffers=buffers, **self.server_options, **self.compression_options,
-            **self.overlap_options, bucket_views=self._bucket_views,
-        )  # fmt: skip
+            modules, optimizer, options=self.options, process_group=self._averaging_group(), buffers=buffers
+        )
         averager.skip_advice = self.skip_advice
         return averager
 
@@ -134,18 +98,21 @@ class AveragerSet:
 
     def _add_averagers(
         self, root: nn.Module, modules: Any, optimizers: Sequence[Optimizer], restored: Optional[list[dict]] = None
-    ) -> None:
+    ) -> list[PeriodicAverager]:
         """An averager for each of ``optimizers`` that has none, each buffer of ``root`` given to one of
-        them, each schedule restored from ``restored`` (by position) where given."""
+        them, each schedule restored from ``restored`` (by position) where given. Returns the new averagers."""
         owners = buffer_owners(root, optimizers) if len(optimizers) > 1 else None
+        added = []
         for i, optimizer in enumerate(optimizers):
             if id(optimizer) in self.averagers:
                 continue
             averager = self.averagers[id(optimizer)] = self._new_averager(
                 modules, optimizer, owners[i] if owners else None
             )
+            added.append(averager)
             if restored is not None and i < len(restored):
                 averager.load_state_dict(restored[i])
+        return added
 
     def _drop_averagers(self) -> None:
         for averager in self.averagers.values():

@@ -88,7 +88,7 @@ def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Opti
 
 #: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).
 COLLECTIVES = ("a synchronisation", "gather_state_dict()")
-_SETUP_SLOTS = 16  # the all-gather's length is the same whatever the collective and the setup
+_SETUP_SLOTS = 24  # the all-gather's length is the same whatever the collective and the setup
 #: The int64 values every rank gives ``check_same_point``'s all-gather: the two counts, the setup's
 #: slots and the collective's code (``lit_slowcal.link`` counts the check's bytes from it).
 CHECK_VALUES = 2 + _SETUP_SLOTS + 1
@@ -99,16 +99,17 @@ def check_same_point(
     counts: tuple[int, int],
     process_group: Optional[Any],
     advice: str,
-    setup: Optional[dict[str, int]] = None,
+    setup: Optional[dict[str, tuple[int, str]]] = None,
     collective: str = COLLECTIVES[0],
 ) -> None:
     """All ranks in the same ``collective`` (one of ``COLLECTIVES``), at the same (steps, backward passes)
-    ``counts`` and, where given, with the same ``setup`` (one small all-gather of a fixed length), or one
-    ``RuntimeError`` on every rank: for the collective or a setup, naming what differs; for counts,
-    ending with ``advice``."""
+    ``counts`` and, where given, with the same ``setup`` (name -> (an integer code, its readable value);
+    one small all-gather of a fixed length), or one ``RuntimeError`` on every rank: for the collective,
+    naming it; for a setup, naming each setting that differs with every rank's readable value (gathered
+    then, on the error's path only, which every rank takes); for counts, ending with ``advice``."""
     names = list(setup or {})
     code = COLLECTIVES.index(collective)
-    values = [*counts, *(setup or {}).values()]
+    values = [*counts, *(c for c, _ in (setup or {}).values())]
     assert len(names) <= _SETUP_SLOTS
     everyone = gather_ints(optimizer, [*values, *[0] * (_SETUP_SLOTS - len(names)), code], process_group)
     codes = [v[-1] for v in everyone]
@@ -120,14 +121,19 @@ def check_same_point(
         )
     differ = [i for i, name in enumerate(names) if len({values[2 + i] for values in everyone}) > 1]
     if differ:
+        assert setup is not None
+        texts = [setup[names[i]][1] for i in differ]
+        readable = [texts] * len(everyone)
+        if world_size(process_group) > 1:  # every rank is here: the gathered codes differ alike on all
+            dist.all_gather_object(readable, texts, group=process_group)
         what = "; ".join(
-            f"{names[i]} (" + ", ".join(f"rank {r}: {values[2 + i]}" for r, values in enumerate(everyone)) + ")"
-            for i in differ
+            f"{names[i]} (" + ", ".join(f"rank {r}: {mine[k]}" for r, mine in enumerate(readable)) + ")"
+            for k, i in enumerate(differ)
         )
         raise RuntimeError(
             f"PeriodicAverager: the ranks were set up differently: {what}; every rank must build the averager alike "
-            "(the same sync_every, machines per process, participation and its seed, outer optimizer, and model and "
-            "optimizer state to average), and nothing was averaged."
+            "(the same options, machines per process, optimizer, and model and optimizer state to average), and "
+            "nothing was averaged."
         )
     if len({values[:2] for values in everyone}) > 1:
         ranks = ", ".join(f"rank {r}: {v[0]} steps, {v[1]} backward passes" for r, v in enumerate(everyone))

@@ -49,7 +49,7 @@ def average(
     back. With more processes the ring's order of summation depends on the place of a value in the
     buffer, so the buckets stay as they are. At most two flattened buckets are in flight; with a
     ``pool`` they are flattened into its two persistent buffers (``FlatPool``) instead of new memory;
-    with its ``bucket_views`` and no ``weights``, each kind whose tensors all can be reduced in place
+    with its ``bucket_views`` (and ``weights`` or not), each kind whose tensors all can be reduced in place
     lives in one buffer instead, reduced where it lies (``_home``), and only the other kinds are flattened.
     """
     start_average(
@@ -201,14 +201,16 @@ def start_average(
         for piece in _pieces(t) if alone else (t,):
             pending.append(([(piece, False)], None, dist.all_reduce(piece, group=process_group, async_op=True), None))
 
-    if pool is not None and pool.bucket_views and local is None:
-        tensors = _home(tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place)
+    def weigh(t: Tensor) -> None:  # with participation: this machine's weight, as a tensor reduced alone gets it
+        if local is not None:
+            t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
+
+    if pool is not None and pool.bucket_views:
+        tensors = _home(tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place, weigh)
     for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
         if _in_place(bucket):
-            t = bucket[0][0]
-            if local is not None:
-                t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
-            reduce_in_place(t)
+            weigh(bucket[0][0])
+            reduce_in_place(bucket[0][0])
             continue
         while flat_in_flight is not None and sum(item[1] is not None for item in pending) == flat_in_flight:
             _finish(*pending.pop(0), out.divide)
@@ -240,7 +242,13 @@ def _pieces(t: Tensor) -> Sequence[Tensor]:
     return t.view(-1).tensor_split(pieces) if pieces > 1 else (t,)
 
 
-def _home(tensors: Tensors, pool: FlatPool, cap_bytes: Optional[int], reduce: Callable[[Tensor], None]) -> Tensors:
+def _home(
+    tensors: Tensors,
+    pool: FlatPool,
+    cap_bytes: Optional[int],
+    reduce: Callable[[Tensor], None],
+    weigh: Callable[[Tensor], None],
+) -> Tensors:
     """``bucket_views``: the tensors of each kind (device and dtype) that all can be reduced in place live
     in one flat buffer (``FlatPool.home``), reduced where it lies with ``reduce``: whole, or with
     ``cap_bytes`` (more than two processes) in the ranges of the buckets that ``buckets`` gives them, so
@@ -251,6 +259,8 @@ def _home(tensors: Tensors, pool: FlatPool, cap_bytes: Optional[int], reduce: Ca
             rest += items
             continue
         flat = pool.home([t for t, _ in items])
+        for t, _ in items:  # with participation, each tensor weighted where it lies (the same products)
+            weigh(t)
         if cap_bytes is None:
             reduce(flat)
             continue

@@ -31,31 +31,8 @@ from torch import Tensor
 
 from lit_slowcal._communication import Averaging
 from lit_slowcal._selection import Tensors
-from lit_slowcal._validation import check_int
 
-__all__ = ["Round", "check_options", "partition", "saved_round"]
-
-
-def check_options(
-    sync_every: int, overlap_delay: Any = 0, fragments: Any = 1, setting_k: bool = False
-) -> tuple[int, int]:
-    """(tau, F), checked against K: tau >= 0, F >= 1, F divides K and tau < K / F (a round lands before
-    the next starts); else one ``ValueError`` naming the field, ``sync_every`` where K is being set (``setting_k``)."""
-    tau = check_int("overlap_delay", overlap_delay, minimum=0)
-    parts = check_int("fragments", fragments)
-    if setting_k and (sync_every % parts or tau >= sync_every // parts):
-        raise ValueError(
-            f"Invalid sync_every: {sync_every} (must be a multiple of fragments = {parts} and >= "
-            f"(overlap_delay + 1) x fragments = {(tau + 1) * parts})"
-        )
-    if sync_every % parts:
-        raise ValueError(f"Invalid fragments: {parts} (must divide sync_every = {sync_every})")
-    if tau >= sync_every // parts:
-        raise ValueError(
-            f"Invalid overlap_delay: {tau} (must be < sync_every // fragments = {sync_every // parts}: "
-            "a round lands before the next one starts)"
-        )
-    return tau, parts
+__all__ = ["Round", "partition", "saved_round"]
 
 
 def partition(sizes: Sequence[int], parts: int) -> list[int]:

@@ -34,57 +34,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lit_slowcal._selection import local
-from lit_slowcal._validation import check_int
-from lit_slowcal.protocol import declared
 
 __all__ = [
-    "check_options", "check_participation", "load_state", "num_participants", "outer_step", "parameters",
+    "load_state", "num_participants", "outer_step", "parameters",
     "participant_weights", "reset_round_start", "start_outer", "state_dict",
 ]  # fmt: skip
 
 #: A parameter of the inner optimizer, with whether it is stacked (one slice per simulated machine).
 Pairs = list[tuple[Tensor, bool]]
 OuterFactory = Callable[[list[Tensor]], Optimizer]
-
-
-def check_participation(value: Any, num_machines: Optional[int] = None) -> Optional[Union[int, float]]:
-    """``value`` if it is ``None``, an int >= 1 (and <= ``num_machines`` when given), or a fraction in (0, 1]."""
-    if value is None:
-        return None
-    if isinstance(value, float) and not isinstance(value, bool):
-        if not (0.0 < value <= 1.0):
-            raise ValueError(f"Invalid participation: {value!r} (a number of machines >= 1, or a fraction in (0, 1])")
-        return value
-    check_int("participation", value)
-    if num_machines is not None and value > num_machines:
-        raise ValueError(f"Invalid participation: {value} (must be <= M = {num_machines}, the machines in all)")
-    return value
-
-
-def check_options(
-    optimizer: Optimizer,
-    participation: Any,
-    participation_seed: Any,
-    outer_optimizer: Optional[OuterFactory],
-) -> tuple[Optional[Union[int, float]], int, Optional[OuterFactory]]:
-    """The averager's server options checked: (participation, participation_seed, the outer factory).
-
-    The factory is ``outer_optimizer``, else the optimizer's own ``outer_optimizer`` if it declares one.
-    """
-    checked = check_participation(participation)
-    seed = check_int("participation_seed", participation_seed, minimum=0)
-    if seed >= 2**63:
-        raise ValueError(f"Invalid participation_seed: {seed} (must be an integer >= 0 and < 2**63)")
-    protocol = declared(optimizer)
-    if checked is not None and not protocol.supports_participation:
-        raise ValueError(
-            f"Invalid participation: {participation!r} ({type(optimizer).__name__} keeps per-machine state that "
-            "machines outside a round would update; use participation=None)"
-        )
-    factory = outer_optimizer if outer_optimizer is not None else protocol.outer_optimizer
-    if factory is not None and not callable(factory):
-        raise TypeError(f"Invalid outer_optimizer: {factory!r} (a callable params -> torch.optim.Optimizer)")
-    return checked, seed, factory
 
 
 def num_participants(participation: Optional[Union[int, float]], num_machines: int) -> int:

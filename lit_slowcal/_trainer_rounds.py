@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import PeriodicAverager
+from lit_slowcal.options import AveragingOptions
 
 __all__ = ["TrainerRounds"]
 
@@ -39,9 +40,9 @@ class TrainerRounds(AveragerSet):
         "precision plugins is counted alike; a step the LightningModule leaves out is not)"
     )
 
-    def _init_rounds(self, *options: Any) -> None:
-        """The averagers' settings (``AveragerSet._init_averagers``'s arguments, in its order) and the rounds' state."""
-        self._init_averagers(*options)
+    def _init_rounds(self, options: AveragingOptions) -> None:
+        """The averagers' options and the rounds' state."""
+        self._init_averagers(options)
         self._direct = False  # optimizer.step() called without Lightning's dispatch (PeriodicAveragingStrategy)
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed

@@ -10,7 +10,7 @@ docs/adaptive.md.
 
 import math
 from collections.abc import Callable
-from typing import Literal, cast
+from typing import Literal, Optional, cast
 
 import torch
 from torch import Tensor
@@ -148,6 +148,10 @@ class AdaptiveSlowcal(Optimizer):
         super().__init__(params, defaults)
         self.average_second_moment = average_second_moment
         self.averaged_state = ("w", *(("x",) if beta < 1 else ()), *(("v",) if average_second_moment else ()))
+        # The optimizer protocol: with beta = 1 the parameters are x and a synchronisation needs no hook (so
+        # overlapped rounds and an outer optimizer work); with beta < 1 post_sync rebuilds y from the averages.
+        self.post_sync: Optional[Callable[[], None]] = self._query_point_of_averages if beta < 1 else None
+        self.supports_outer_optimizer = beta == 1
 
     def add_param_group(self, param_group: dict) -> None:
         # Check the group's overrides before torch fills in the defaults and stores the group.
@@ -231,7 +235,7 @@ class AdaptiveSlowcal(Optimizer):
         return [(p, self.state[p]) for g in self.param_groups for p in g["params"] if "x" in self.state.get(p, {})]
 
     @torch.no_grad()
-    def post_sync(self) -> None:
+    def _query_point_of_averages(self) -> None:
         """After a synchronisation averaged x and w (``beta < 1``): the query point of the averages,
         :math:`y = \\beta \\bar{x} + (1 - \\beta) \\bar{w}`, in the parameters."""
         beta = self.defaults["beta"]

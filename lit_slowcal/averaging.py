@@ -62,13 +62,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _communication, _machine_state, _overlap, _server, link
-from lit_slowcal._communication import Modules, Tensors, broadcast_module, buffer_owners, machines_per_process
+from lit_slowcal import _collectives, _communication, _machine_state, _overlap, _selection, _server, link
+from lit_slowcal._collectives import broadcast_module
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._hooks import after_every_step, on_every_backward
-from lit_slowcal._server import check_participation
-from lit_slowcal._validation import check_int, check_number
-from lit_slowcal.compression import Compressor
+from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
+from lit_slowcal._validation import check_int
+from lit_slowcal.options import AveragingOptions
 from lit_slowcal.protocol import declared
 
 #: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
@@ -82,8 +82,6 @@ __all__ = [
     "PeriodicAverager",
     "broadcast_module",
     "buffer_owners",
-    "check_bucket_views",
-    "check_participation",
     "machines_per_process",
 ]
 
@@ -96,35 +94,18 @@ class PeriodicAverager:
             ``SimulatedMachines`` submodules hold machines stacked along dimension 0.
         optimizer: the optimizer stepping the machines; its parameters and declared state (see the
             module docstring) are averaged.
-        sync_every: K, optimizer steps between synchronisations (>= 1).
+        sync_every: K, optimizer steps between synchronisations (>= 1; ``options.sync_every``).
+        options: every synchronisation option (``lit_slowcal.options.AveragingOptions``); ``settings``,
+            the same options by name (``compression="int8"``), replace its fields.
         process_group: the processes to average over; ``None``: the default group when
             ``torch.distributed`` is initialised, else this process alone. An FSDP2-sharded model's
             local shards are averaged over it: the mesh's replicate group (docs/sharded.md).
-        average_state: extra per-parameter optimizer state keys to average (``["momentum_buffer"]``: SGD's).
-        bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
         start_step: optimizer steps already taken (a resumed run keeps its sync schedule).
         buffers: the buffers this averager averages; ``None``: every floating buffer of ``module``.
             With several optimizers each buffer belongs to one averager (see ``buffer_owners``).
-        check_schedule: with several processes, compare the ranks' step and backward counts at
-            every synchronisation and raise on a difference (one small all-gather a sync).
-        outer_optimizer: ``params -> Optimizer``, the server's optimizer on the pseudo-gradient
-            (see the module docstring); ``None``: the optimizer's own ``outer_optimizer`` if it
-            declares one, else the plain average.
-        participation: machines taking part in each round: an int S (1 <= S <= M) or a fraction of
-            M in (0, 1]; ``None``: all of them.
-        participation_seed: the seed of the per-round sample of participants.
-        compression: how a machine's round change travels (``lit_slowcal.compression``): ``None`` (the
-            exact average), ``"bf16"``, ``"int8"`` or a ``Compressor``.
-        error_feedback: with ``compression``, keep what each message lost and add it to the next
-            round's change; ``None``: on for a lossy compressor.
-        overlap_delay: tau, optimizer steps a round's average takes to land while training goes on
-            (0: it blocks; see "Overlapped rounds" below); < K / F.
-        fragments: F, the parts of the model that take turns, one round every K / F steps (F divides K).
-        bucket_views: the averaged tensors of each device and dtype become views of one flat buffer at the
-            first synchronisation (``t.data`` rebound; the same tensor objects, the same values), which a
-            blocking exact synchronisation then all-reduces where it lies, with no copy: one collective for
-            a small model with two processes (docs/communication.md, "Bucket views"). Not with an
-            FSDP2-sharded model, whose shards' memory FSDP2 owns, nor with F > 1.
+
+    A combination of options that cannot work with this optimizer or model is refused here, in one
+    line (``AveragingOptions.check_with``).
 
     Overlapped rounds (tau >= 1 or F > 1; docs/communication.md): the averaged tensors are cut into F
     fragments (``_overlap.partition``: contiguous runs of ``_tensors()``, a parameter with its averaged
@@ -162,25 +143,18 @@ class PeriodicAverager:
         self,
         module: Modules,
         optimizer: Optimizer,
-        sync_every: int,
+        sync_every: Optional[int] = None,
         *,
+        options: Optional[AveragingOptions] = None,
         process_group: Optional[Any] = None,
-        average_state: Sequence[str] = (),
-        bucket_cap_mb: float = 25.0,
         start_step: int = 0,
         buffers: Optional[Sequence[Tensor]] = None,
-        check_schedule: bool = True,
-        outer_optimizer: Optional[Callable[[list[Tensor]], Optimizer]] = None,
-        participation: Optional[Union[int, float]] = None,
-        participation_seed: int = 0,
-        compression: Union[None, str, Compressor] = None,
-        error_feedback: Optional[bool] = None,
-        overlap_delay: int = 0,
-        fragments: int = 1,
-        bucket_views: bool = False,
+        **settings: Any,
     ) -> None:
-        check_int("sync_every", sync_every)
-        self.overlap_delay, self.fragments = _overlap.check_options(sync_every, overlap_delay, fragments)
+        #: Every synchronisation option (``lit_slowcal.options``): ``options`` with ``sync_every`` and ``settings``.
+        self.options = AveragingOptions.build(
+            options, **settings, **({} if sync_every is None else {"sync_every": sync_every})
+        )
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")
@@ -190,34 +164,13 @@ class PeriodicAverager:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"Invalid optimizer: {optimizer!r} (a torch.optim.Optimizer)")
         self.optimizer = optimizer
-        protocol = declared(optimizer)  # a member of the optimizer protocol of the wrong kind: one line now
-        if self.fragments > 1 and (protocol.pre_sync is not None or protocol.post_sync is not None):
-            raise ValueError(
-                f"Invalid fragments: {self.fragments} ({type(optimizer).__name__}'s pre_sync/post_sync act on the "
-                "whole model at once; use fragments=1)"
-            )
-        if self.overlap_delay and (protocol.pre_sync is not None or protocol.post_sync is not None):
-            raise ValueError(
-                f"Invalid overlap_delay: {self.overlap_delay} ({type(optimizer).__name__}'s post_sync takes the "
-                "round's average in the step its pre_sync starts it; use overlap_delay=0)"
-            )
         #: Whether the model holds FSDP2 shards (DTensors), averaged by their local tensors (docs/sharded.md).
-        self.sharded = _communication.check_sharding(self.modules, optimizer, process_group)
-        if self.sharded and (self.fragments > 1 or machines_per_process(self.modules) > 1):
-            what = f"fragments={self.fragments}" if self.fragments > 1 else "SimulatedMachines"
-            raise ValueError(
-                f"PeriodicAverager: a sharded model with {what} (fragments cut by local bytes would differ by shard); "
-                "supported with FSDP2: one machine per process, fragments=1 (docs/sharded.md)"
-            )
-        self.sync_every = sync_every
-        if isinstance(average_state, str) or not all(isinstance(k, str) for k in average_state):
-            raise ValueError(f"Invalid average_state: {average_state!r} (a sequence of state key names)")
-        self.average_state = tuple(average_state)
-        check_number("bucket_cap_mb", bucket_cap_mb)
-        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self.sharded = _selection.check_sharding(self.modules, optimizer, process_group)
+        factory = self.options.check_with(
+            optimizer, sharded=self.sharded, machines_per_process=machines_per_process(self.modules)
+        )
         self.process_group = process_group
         self.buffers = None if buffers is None else list(buffers)
-        self.check_schedule = bool(check_schedule)
         self.steps = 0
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
@@ -233,7 +186,7 @@ class PeriodicAverager:
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
         # The flattened buckets' buffers, kept between syncs; with bucket_views, the buffers the tensors live in.
-        self._flat_pool = _communication.FlatPool(check_bucket_views(bucket_views, self.sharded, self.fragments))
+        self._flat_pool = _communication.FlatPool(self.options.bucket_views)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -242,20 +195,15 @@ class PeriodicAverager:
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = (
             OrderedDict()
         )  # weakly referenced by handles
-        participation, participation_seed, factory = _server.check_options(
-            optimizer, participation, participation_seed, outer_optimizer
-        )
-        self.participation = participation
-        self.participation_seed = participation_seed
         self.outer: Optional[Optimizer] = None  # the server's optimizer over self.global_params
         self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
         if factory is not None:
             self.global_params, self.outer = _server.start_outer(factory, self._outer_pairs())
+        self.options.check_tensors(self._tensors(), self.machines_per_process)
         #: The compressed average's anchors and error feedback (``None``: the exact average).
-        self.compressed: Optional[CompressedAverage] = CompressedAverage.build(
-            compression, error_feedback, self._tensors(), self.machines_per_process, self.overlap_delay, self.fragments
-        )
-        if self.fragments > 1:
+        code = self.options.compressor
+        self.compressed = None if code is None else CompressedAverage(code, self.options.lossy_feedback)
+        if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
         if start_step:
             self.resume(start_step)
@@ -264,18 +212,18 @@ class PeriodicAverager:
 
     @property
     def sync_every(self) -> int:
-        return self._sync_every
+        """K, optimizer steps between synchronisations (``options.sync_every``)."""
+        return self.options.sync_every
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        check_int("sync_every", value)
-        _overlap.check_options(value, self.overlap_delay, self.fragments, setting_k=True)
-        self._sync_every = value
+        """K, set mid-run: the options with it (checked against tau and F)."""
+        self.options = self.options.with_sync_every(value)
 
     @property
     def _overlapped(self) -> bool:
         """Whether rounds overlap training or take turns by fragment (tau >= 1 or F > 1)."""
-        return self.overlap_delay > 0 or self.fragments > 1
+        return self.options.overlap_delay > 0 or self.options.fragments > 1
 
     def step(self) -> bool:
         """Count one step of the schedule; synchronise when it is a multiple of K. Returns whether it did.
@@ -305,10 +253,10 @@ class PeriodicAverager:
         fragment's round every K / F steps. Returns whether one started."""
         if self._in_flight is not None and self.steps >= self._in_flight.land_step:
             self._land()
-        period = self.sync_every // self.fragments
+        period = self.sync_every // self.options.fragments
         if self.steps % period:
             return False
-        self._start_round((self.steps // period) % self.fragments)
+        self._start_round((self.steps // period) % self.options.fragments)
         return True
 
     @property
@@ -339,7 +287,7 @@ class PeriodicAverager:
         """
         check_int("steps", steps, minimum=0)
         self._refuse_in_flight("resume()")
-        period = self.sync_every // self.fragments
+        period = self.sync_every // self.options.fragments
         self.steps = steps
         self.num_syncs = steps // period
         self.last_sync_step = self._settled_step = self.num_syncs * period
@@ -349,10 +297,10 @@ class PeriodicAverager:
         """The counts of what was sent, rebuilt as ``num_syncs`` rounds of what is averaged now (with
         fragments, round j sends fragment j mod F; with ``compression``, every round counted as
         compressed); ``floats``: ``floats_communicated`` too."""
-        if self.fragments == 1:
+        if self.options.fragments == 1:
             rounds = [(self._tensors(), self.num_syncs)]
         else:
-            n, F = self.num_syncs, self.fragments
+            n, F = self.num_syncs, self.options.fragments
             rounds = [(tensors, len(range(f or F, n + 1, F))) for f, tensors in enumerate(self._fragments())]
         sizes = [(self._sync_bytes(tensors), count) for tensors, count in rounds]
         if floats:
@@ -361,7 +309,7 @@ class PeriodicAverager:
         self.link_counts = sum(
             (self._link_counts(first, second, syncs=count) for (first, second), count in sizes), link.LinkCounts()
         )
-        self.overlapped_counts = self.link_counts if self.overlap_delay else link.LinkCounts()
+        self.overlapped_counts = self.link_counts if self.options.overlap_delay else link.LinkCounts()
 
     def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
         """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
@@ -412,8 +360,8 @@ class PeriodicAverager:
             state[IN_FLIGHT_KEY] = {
                 "world_size": self.world_size,
                 "machines_per_process": self.machines_per_process,
-                "overlap_delay": self.overlap_delay,
-                "fragments": self.fragments,
+                "overlap_delay": self.options.overlap_delay,
+                "fragments": self.options.fragments,
                 "ranks": {self.rank: self._in_flight.state_dict(self._tensors())},
             }
         return state
@@ -434,15 +382,13 @@ class PeriodicAverager:
         if self.world_size == 1:
             return state
         # Every rank here, or one line on every rank (not a mismatched gather with another collective).
-        _communication.check_same_point(
-            self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()"
-        )
+        _collectives.check_same_point(self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()")
         mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
         own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
         coded = _cpu(state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(self.rank))
         flight = state.pop(IN_FLIGHT_KEY, None)
         round_ = None if flight is None else _cpu(flight.pop("ranks")[self.rank])
-        ranks = _communication.gather_objects(
+        ranks = _collectives.gather_objects(
             (self.rank, own, coded, round_), dst, self.process_group
         )  # on every rank, even with none
         if ranks is None:
@@ -484,7 +430,7 @@ class PeriodicAverager:
         coded = self._saved_compression(state)
         flight = state.get(IN_FLIGHT_KEY)
         if flight is not None:
-            m, tau, F = self.machines_per_process, self.overlap_delay, self.fragments
+            m, tau, F = self.machines_per_process, self.options.overlap_delay, self.options.fragments
             flight = _overlap.saved_round(flight, self.rank, self.world_size, m, tau, F)
         self.steps = int(state["steps"])
         self.num_syncs = int(state["num_syncs"])
@@ -592,12 +538,12 @@ class PeriodicAverager:
     @property
     def world_size(self) -> int:
         """Processes averaged over (1 without an initialised process group)."""
-        return _communication.world_size(self.process_group)
+        return _collectives.world_size(self.process_group)
 
     @property
     def rank(self) -> int:
         """This process's rank in the process group (0 without an initialised process group)."""
-        return _communication.rank(self.process_group)
+        return _collectives.rank(self.process_group)
 
     @property
     def machines_per_process(self) -> int:
@@ -619,7 +565,7 @@ class PeriodicAverager:
     def _floats(self, tensors: Tensors) -> Union[int, float]:
         if self.num_machines == 1:
             return 0
-        return _communication.floats_sent(tensors, self.num_machines, self.participants)
+        return _selection.floats_sent(tensors, self.num_machines, self.participants)
 
     def bytes_per_sync(self) -> Union[int, float]:
         """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent: the payload
@@ -654,13 +600,13 @@ class PeriodicAverager:
     @property
     def participants(self) -> int:
         """S: the machines that take part in each round."""
-        return _server.num_participants(self.participation, self.num_machines)
+        return _server.num_participants(self.options.participation, self.num_machines)
 
     def participant_weights(self, round_index: Optional[int] = None) -> Optional[Tensor]:
         """The weights (1/S for the participants, 0 for the others) of the M machines in round
         ``round_index`` (the next synchronisation's by default); ``None`` when all take part."""
         r = self.num_syncs if round_index is None else round_index
-        return _server.participant_weights(self.num_machines, self.participants, self.participation_seed, r)
+        return _server.participant_weights(self.num_machines, self.participants, self.options.participation_seed, r)
 
     # -- the synchronisation -----------------------------------------------------------------
 
@@ -700,13 +646,13 @@ class PeriodicAverager:
     def _begin_round(self, fragment: Optional[int]) -> Tensors:
         """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``,
         and the counts of what it sends. Returns the tensors it averages (``fragment``'s, or all)."""
-        if self.world_size > 1 and (self.check_schedule or not self._setup_checked):
+        if self.world_size > 1 and (self.options.check_schedule or not self._setup_checked):
             # Every rank at the same step (and, the first time, set up alike), or one error on all.
-            self.check_setup(counts=self.check_schedule)
+            self.check_setup(counts=self.options.check_schedule)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
         if self.sharded:  # the full parameters an evaluation left gathered would outlive the average
-            _communication.reshard(self.modules)
+            _selection.reshard(self.modules)
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
@@ -732,15 +678,15 @@ class PeriodicAverager:
         """Fragment ``fragment``'s scheduled round: blocking with tau = 0, else started to land tau steps later."""
         if self._in_flight is not None:  # K made smaller mid-run: the last round lands before the next starts
             self._land()
-        tensors = self._begin_round(fragment if self.fragments > 1 else None)
+        tensors = self._begin_round(fragment if self.options.fragments > 1 else None)
         weights = self.participant_weights()
         with torch.no_grad():
-            if self.overlap_delay == 0:
+            if self.options.overlap_delay == 0:
                 self._average(tensors, weights)
                 self._outer_step(tensors, tensors)
                 self._end_round()
                 return
-            land = self.steps + self.overlap_delay
+            land = self.steps + self.options.overlap_delay
             start = lambda result: self._start_average(result, weights)  # noqa: E731
             self._in_flight = _overlap.Round(tensors, land, start, fragment)
             self.overlapped_counts += self._link_counts(link.payload_bytes(tensors))
@@ -771,29 +717,29 @@ class PeriodicAverager:
         ]
         _server.outer_step(self.outer, [g for g, _ in chosen], [pair for _, pair in chosen])
 
-    def setup_fingerprint(self) -> dict[str, int]:
-        """What every rank must agree on before anything is averaged, as integers (names as the options)."""
+    def setup_fingerprint(self) -> dict[str, tuple[int, str]]:
+        """What every rank must agree on before anything is averaged: every option (``AveragingOptions.agreement``)
+        and what the model and optimizer make of them, each as (an integer code, its readable value)."""
         tensors = self._tensors()
         shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(s)}:{int(t.is_contiguous())}" for t, s in tensors)
+        keys = ",".join(self._averaged_keys())
+        kind = type(self.optimizer).__qualname__
+        crc = lambda text: zlib.crc32(text.encode())  # noqa: E731
         return {
-            "sync_every": self.sync_every,
-            "machines per process": self.machines_per_process,
-            "participation (S)": self.participants,
-            "participation_seed": self.participation_seed,
-            "outer_optimizer": int(self.outer is not None),
-            "averaged tensors": len(tensors),
-            "their shapes, dtypes and contiguity (crc32)": zlib.crc32(shapes.encode()),
-            "averaged state keys (crc32)": zlib.crc32(",".join(self._averaged_keys()).encode()),
-            "optimizer (crc32 of its class)": zlib.crc32(type(self.optimizer).__qualname__.encode()),
-            "overlap_delay": self.overlap_delay,
-            "fragments": self.fragments,
-            "bucket_views": int(self.bucket_views),
+            **self.options.agreement(),
+            "machines per process": (self.machines_per_process, str(self.machines_per_process)),
+            "participation (S)": (self.participants, str(self.participants)),
+            "an outer optimizer in use": (int(self.outer is not None), str(self.outer is not None)),
+            "averaged tensors": (len(tensors), str(len(tensors))),
+            "their shapes, dtypes and contiguity": (crc(shapes), f"crc32 {crc(shapes):08x}"),
+            "averaged state keys": (crc(keys), repr(keys)),
+            "optimizer": (crc(kind), kind),
         }
 
     def check_setup(self, counts: bool = False) -> None:
         """With several processes, check in one small all-gather (a collective: every rank calls it) that
-        every rank built the averager alike (``setup_fingerprint``: K, the machines, participation, the
-        outer optimizer, the shapes, dtypes and contiguity of what is averaged, ``bucket_views``), and
+        every rank built the averager alike (``setup_fingerprint``: every option, the machines, the optimizer,
+        the shapes, dtypes and contiguity of what is averaged), and
         with ``counts`` that every rank is at the same step; raise one ``RuntimeError`` on every rank
         naming what differs.
 
@@ -804,10 +750,10 @@ class PeriodicAverager:
             return
         setup = None if self._setup_checked else self.setup_fingerprint()
         point = (self.steps, self.backward_passes) if counts else (0, 0)
-        _communication.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
+        _collectives.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
         self._setup_checked = True
         # What this process sends in the check's ring all-gather: its int64 values to each other process.
-        sent = (self.world_size - 1) * _communication.CHECK_VALUES * 8
+        sent = (self.world_size - 1) * _collectives.CHECK_VALUES * 8
         self.link_counts += link.LinkCounts(check_bytes=sent)
 
     def broadcast(self, src: int = 0) -> None:
@@ -822,7 +768,7 @@ class PeriodicAverager:
         """
         self.check_setup()
         if self.sharded:
-            _communication.reshard(self.modules)
+            _selection.reshard(self.modules)
         tensors = self._tensors()
         broadcast_module(self.modules, src, process_group=self.process_group, extra=[t for t, _ in tensors])
         if self.outer is not None:
@@ -839,18 +785,18 @@ class PeriodicAverager:
 
     def _averaged_keys(self) -> tuple[str, ...]:
         """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.average_state)))
+        return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.options.average_state)))
 
     def _tensors(self) -> Tensors:
-        """The floating tensors to average (``_communication.averaged_tensors``): the parameters, the
+        """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state``, the buffers."""
-        return _communication.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+        return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
 
     def _average(self, tensors: Tensors, weights: Optional[Tensor] = None) -> Optional[tuple[int, int]]:
         """Replace every tensor by its average over the machines: exactly (``_communication.average``), or
         with ``compression`` the tensors that have an anchor compressed (``lit_slowcal._compressed``).
         Returns ``None`` when all went exactly, else one participant's bytes in the two stages."""
-        m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
+        m, group, cap = self.machines_per_process, self.process_group, self.options.bucket_cap_bytes
         coded = self.compressed
         if coded is None or self.num_machines == 1 or not coded.ready(tensors):
             _communication.average(
@@ -867,42 +813,32 @@ class PeriodicAverager:
 
     def _start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
         """Start ``_average``'s all-reduces without waiting for them (``_communication.start_average``)."""
-        m, group, cap = self.machines_per_process, self.process_group, self.bucket_cap_bytes
+        m, group, cap = self.machines_per_process, self.process_group, self.options.bucket_cap_bytes
         return _communication.start_average(
             tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap
         )
 
     def _units(self) -> list[Tensors]:
-        """``_tensors()`` in units: a parameter with its averaged state, or a buffer (``_communication.averaged_units``)."""
-        return _communication.averaged_units(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+        """``_tensors()`` in units: a parameter with its averaged state, or a buffer (``_selection.averaged_units``)."""
+        return _selection.averaged_units(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
 
     def _fragments(self) -> list[Tensors]:
         """The F fragments of ``_tensors()``: runs of units balanced by the bytes of the units' parameters
         and buffers, which do not change as optimizer state appears (``_overlap.partition``)."""
         units = self._units()
-        starts = _overlap.partition([link.payload_bytes(unit[:1]) for unit in units], self.fragments)
+        starts = _overlap.partition([link.payload_bytes(unit[:1]) for unit in units], self.options.fragments)
         ends = [*starts[1:], len(units)]
         return [[pair for unit in units[a:b] for pair in unit] for a, b in zip(starts, ends)]
 
     def _buckets(self, tensors: Tensors) -> list[Tensors]:
         """The buckets of one synchronisation: one all-reduce each (``_communication.buckets``)."""
-        return _communication.buckets(tensors, self.bucket_cap_bytes)
+        return _communication.buckets(tensors, self.options.bucket_cap_bytes)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
-
-
-def check_bucket_views(value: Any, sharded: bool, fragments: int) -> bool:
-    """``bucket_views``, or one line naming what is allowed: a bool, False with a sharded model or F > 1."""
-    if not isinstance(value, bool) or (value and (sharded or fragments > 1)):
-        raise ValueError(
-            f"Invalid bucket_views: {value!r} (True or False; False with an FSDP2-sharded model, whose shards' memory "
-            "FSDP2 owns, and with fragments > 1, whose rounds average parts of the model's buffer)"
-        )
-    return value
 
 
 def _cpu(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -22,16 +22,15 @@ Round boundaries as with the Trainer (docs/library.md): ``fabric.save`` closes t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import broadcast_module
-from lit_slowcal.compression import Compressor
+from lit_slowcal.options import AveragingOptions, option_keywords
 
 __all__ = ["PeriodicAveragingFabricStrategy"]
 
@@ -41,38 +40,17 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
 
     Args:
         sync_every: K, optimizer steps between synchronisations (>= 1).
-        average_state: extra optimizer state keys to average (``PeriodicAverager``).
-        bucket_cap_mb: largest flattened buffer of one all-reduce.
-        outer_optimizer, participation, participation_seed: the server's side of a round
-            (``PeriodicAverager``).
-        compression, error_feedback: how a machine's round change travels (``lit_slowcal.compression``).
-        overlap_delay, fragments: overlapped rounds (``PeriodicAverager``).
-        bucket_views: the averaged tensors become views of flat buffers, all-reduced where they lie
-            (``PeriodicAverager``).
-        **kwargs: passed to Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``, ...).
+        options: every synchronisation option (``lit_slowcal.options.AveragingOptions``), or each by name
+            (``compression="int8"``); a bad value or combination is refused here, in one line.
+        **kwargs: the options by name; the rest passed to Fabric's ``DDPStrategy`` (``process_group_backend``,
+            ``timeout``, ...).
     """
 
-    def __init__(
-        self,
-        sync_every: int = 1,
-        average_state: Sequence[str] = (),
-        bucket_cap_mb: float = 25.0,
-        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
-        participation: Optional[Union[int, float]] = None,
-        participation_seed: int = 0,
-        compression: Union[None, str, Compressor] = None,
-        error_feedback: Optional[bool] = None,
-        overlap_delay: int = 0,
-        fragments: int = 1,
-        bucket_views: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    @option_keywords
+    def __init__(self, sync_every: int = 1, *, options: Optional[AveragingOptions] = None, **kwargs: Any) -> None:
+        averaging = AveragingOptions.build(options, sync_every=sync_every, **AveragingOptions.take(kwargs))
         super().__init__(**kwargs)
-        self._init_averagers(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback,
-            overlap_delay, fragments, bucket_views,
-        )  # fmt: skip
+        self._init_averagers(averaging)
         self.modules: list[nn.Module] = []
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step
@@ -92,6 +70,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
             self._create_averagers()
             if id(optimizer) not in self.averagers:  # not set up through fabric.setup
                 self.averagers[id(optimizer)] = self._new_averager(self.modules, optimizer)
+                self.averagers[id(optimizer)].check_setup()
         output = super().optimizer_step(optimizer, **kwargs)
         self.averagers[id(optimizer)].step()
         return output
@@ -99,8 +78,10 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
     def _create_averagers(self) -> None:
         """An averager for every optimizer set up so far, each schedule restored from a loaded state."""
         if self.optimizers:
-            self._add_averagers(nn.ModuleList(self.modules), self.modules, self.optimizers, self._restored)
+            added = self._add_averagers(nn.ModuleList(self.modules), self.modules, self.optimizers, self._restored)
             self._restored = None
+            for averager in added:  # every rank built alike, before the first step (a collective: all ranks are here)
+                averager.check_setup()
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         # Every rank calls fabric.save: the round closes everywhere, and the file holds the average.

@@ -5,7 +5,9 @@ by the optimizer, never special-cased in the averager. Every member is optional:
 declares nothing and gets plain Local-SGD. ``SyncOptimizer`` is the protocol as a type (for readers
 and type checkers; an optimizer need not inherit from it), and ``declared(optimizer)`` is the one
 place that reads it, each member with its default and checked, so that a wrong declaration is one
-line at construction rather than a failure at the first synchronisation.
+line at construction rather than a failure at the first synchronisation. A hook that does nothing
+for an optimizer's settings is ``None`` on that instance (``AdaptiveSlowcal(beta=1).post_sync``), so
+that the averager allows what a hook would forbid (overlapped rounds).
 
 ===========================  ===========================================================================
 member                       meaning
@@ -20,6 +22,8 @@ member                       meaning
                              averager is given none (``Scaffold`` with ``server_lr != 1``)
 ``supports_participation``   ``False`` where machines outside a round would leave per-machine state
                              stale (``Scaffold``): partial participation is refused
+``supports_outer_optimizer`` ``False`` where ``post_sync`` rewrites the parameters from averaged state
+                             (``AdaptiveSlowcal`` with ``beta < 1``): an outer optimizer is refused
 ``swap_output()``            exchange the parameters with the method's output where the two differ
                              (``AcceleratedSGD``: x^md and x^ag); called around evaluation
 ===========================  ===========================================================================
@@ -44,6 +48,7 @@ class SyncOptimizer(Protocol):
 
     averaged_state: tuple[str, ...]
     supports_participation: bool
+    supports_outer_optimizer: bool
 
     @property
     def outer_optimizer(self) -> Optional[OuterFactory]: ...
@@ -64,6 +69,7 @@ class Declared:
     post_sync: Optional[Callable[[], None]] = None
     outer_optimizer: Optional[OuterFactory] = None
     supports_participation: bool = True
+    supports_outer_optimizer: bool = True
     swap_output: Optional[Callable[[], None]] = None
 
 
@@ -81,14 +87,15 @@ def declared(optimizer: Any) -> Declared:
     keys = getattr(optimizer, "averaged_state", ())
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
         raise TypeError(f"Invalid {name}.averaged_state: {keys!r} (a tuple of state key names)")
-    supports = getattr(optimizer, "supports_participation", True)
-    if not isinstance(supports, bool):
-        raise TypeError(f"Invalid {name}.supports_participation: {supports!r} (True or False)")
+    supports = {key: getattr(optimizer, key, True) for key in ("supports_participation", "supports_outer_optimizer")}
+    for key, value in supports.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"Invalid {name}.{key}: {value!r} (True or False)")
     return Declared(
         averaged_state=tuple(keys),
         pre_sync=_callable(optimizer, "pre_sync"),
         post_sync=_callable(optimizer, "post_sync"),
         outer_optimizer=_callable(optimizer, "outer_optimizer"),
-        supports_participation=supports,
+        **supports,
         swap_output=_callable(optimizer, "swap_output"),
     )

@@ -20,7 +20,6 @@ feedback. A resume on the same mesh continues the run exactly; on another mesh i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -28,16 +27,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
-from torch.optim import Optimizer
 
 from lit_slowcal._averagers import CHECKPOINT_KEY
-from lit_slowcal._communication import broadcast_module, local
+from lit_slowcal._collectives import broadcast_module
+from lit_slowcal._selection import local
 from lit_slowcal._trainer_rounds import TrainerRounds
 from lit_slowcal._validation import check_int
 from lit_slowcal.checkpoint_io import read_checkpoint
-from lit_slowcal.compression import Compressor
 from lit_slowcal.files import atomic_path
+from lit_slowcal.options import AveragingOptions, option_keywords
 
 __all__ = ["ShardedAveragingStrategy"]
 
@@ -69,10 +67,10 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         replicate_size: R, the replicas (machines): ``"auto"``, the number of nodes.
         shard_size: S, the processes a replica is sharded over: ``"auto"``, the devices of a node.
             R x S must be the number of processes.
-        average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed, compression,
-            error_feedback, overlap_delay: as ``PeriodicAveragingStrategy``'s.
-        fragments: 1 (F > 1 is refused with a sharded model).
-        **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
+        options: every synchronisation option, or each by name, as ``PeriodicAveragingStrategy``'s
+            (``fragments`` > 1 and ``bucket_views`` are refused with a sharded model).
+        **kwargs: the options by name; the rest passed to ``ModelParallelStrategy`` (``process_group_backend``,
+            ``timeout``).
 
     Example:
         >>> trainer = Trainer(strategy=ShardedAveragingStrategy(sync_every=16), num_nodes=2, devices=8)  # doctest: +SKIP
@@ -80,30 +78,21 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
 
     strategy_name = "sharded_averaging"
 
+    @option_keywords
     def __init__(
         self,
         sync_every: int = 1,
         replicate_size: Size = "auto",
         shard_size: Size = "auto",
-        average_state: Sequence[str] = (),
-        bucket_cap_mb: float = 25.0,
-        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
-        participation: Optional[Union[int, float]] = None,
-        participation_seed: int = 0,
-        compression: Union[None, str, Compressor] = None,
-        error_feedback: Optional[bool] = None,
-        overlap_delay: int = 0,
-        fragments: int = 1,
+        *,
+        options: Optional[AveragingOptions] = None,
         **kwargs: Any,
     ) -> None:
         for name, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
             if size != "auto":
                 check_int(name, size)
-        if fragments != 1:
-            raise ValueError(
-                f"Invalid fragments: {fragments!r} (fragments cut by local bytes would differ by shard; "
-                "ShardedAveragingStrategy supports fragments=1)"
-            )
+        averaging = AveragingOptions.build(options, sync_every=sync_every, **AveragingOptions.take(kwargs))
+        averaging.check_sharded()  # F = 1, no bucket views: refused now, in one line
         for name in ("data_parallel_size", "tensor_parallel_size"):
             if name in kwargs:
                 raise ValueError(f"ShardedAveragingStrategy sets {name} itself; give replicate_size and shard_size")
@@ -114,10 +103,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
             )
         super().__init__(data_parallel_size=replicate_size, tensor_parallel_size=shard_size, **kwargs)
         self.replicate_size, self.shard_size = replicate_size, shard_size
-        self._init_rounds(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback, overlap_delay, fragments,
-        )  # fmt: skip
+        self._init_rounds(averaging)
 
     # -- the mesh --------------------------------------------------------------------------
 

@@ -17,8 +17,7 @@ the schedule goes on unchanged. Checkpoints hold every optimizer's schedule, so 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from torch.optim import Optimizer
 from lit_slowcal._trainer_rounds import TrainerRounds
 from lit_slowcal.averaging import broadcast_module, machines_per_process
 from lit_slowcal.checkpoint_io import AtomicCheckpointIO
-from lit_slowcal.compression import Compressor
+from lit_slowcal.options import AveragingOptions, option_keywords
 
 __all__ = ["PeriodicAveragingStrategy"]
 
@@ -72,19 +71,11 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
     Args:
         sync_every: K, the number of optimizer steps between synchronisations (>= 1). It can also
             be set after construction (``trainer.strategy.sync_every = 16``).
-        average_state: extra optimizer state keys to average besides ``optimizer.averaged_state``.
-        bucket_cap_mb: largest flattened buffer of one all-reduce (``PeriodicAverager``).
-        outer_optimizer: ``params -> Optimizer``, the server's optimizer on the round's pseudo-gradient
-            (DiLoCo: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``; ``PeriodicAverager``).
-        participation: machines taking part in each round: an int S or a fraction of M (``PeriodicAverager``).
-        participation_seed: the seed of the per-round sample of participants.
-        compression, error_feedback: how a machine's round change travels (``None``, ``"bf16"``,
-            ``"int8"``; ``lit_slowcal.compression``), and its error feedback (``PeriodicAverager``).
-        overlap_delay, fragments: overlapped rounds, tau steps for a round to land and F fragments
-            taking turns (``PeriodicAverager``); a closed round lands what is in flight first.
-        bucket_views: the averaged tensors become views of flat buffers that a synchronisation
-            all-reduces where they lie, with no copy (``PeriodicAverager``).
-        **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...).
+        options: every synchronisation option (``lit_slowcal.options.AveragingOptions``); each option may
+            also be given by name (``compression="int8"``, ``outer_optimizer=...``), replacing its field.
+            A bad value or combination is refused here, in one line.
+        **kwargs: the options by name; the rest passed to ``DDPStrategy`` (``process_group_backend``,
+            ``timeout``, ``start_method``, ...).
 
     Example:
         >>> trainer = Trainer(strategy=PeriodicAveragingStrategy(sync_every=16), devices=2)  # doctest: +SKIP
@@ -93,32 +84,18 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
 
     strategy_name = "periodic_averaging"
 
-    def __init__(
-        self,
-        sync_every: int = 1,
-        average_state: Sequence[str] = (),
-        bucket_cap_mb: float = 25.0,
-        outer_optimizer: Optional[Callable[[Iterable[Tensor]], Optimizer]] = None,
-        participation: Optional[Union[int, float]] = None,
-        participation_seed: int = 0,
-        compression: Union[None, str, Compressor] = None,
-        error_feedback: Optional[bool] = None,
-        overlap_delay: int = 0,
-        fragments: int = 1,
-        bucket_views: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    @option_keywords
+    def __init__(self, sync_every: int = 1, *, options: Optional[AveragingOptions] = None, **kwargs: Any) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
                 "PeriodicAveragingStrategy does its own averaging; do not pass model_averaging_period or ddp_comm_state"
             )
+        settings = AveragingOptions.take(kwargs)
+        averaging = AveragingOptions.build(options, sync_every=sync_every, **settings)  # one line, before anything
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
-        self._init_rounds(
-            sync_every, average_state, bucket_cap_mb, outer_optimizer, participation, participation_seed,
-            compression, error_feedback, overlap_delay, fragments, bucket_views,
-        )  # fmt: skip
+        self._init_rounds(averaging)
 
     @property
     def machines_per_rank(self) -> int:
@@ -210,8 +187,7 @@ class periodic_averaging(PeriodicAveragingStrategy):  # noqa: N801 (the register
 class periodic_averaging_spawn(PeriodicAveragingStrategy):  # noqa: N801
     """``PeriodicAveragingStrategy`` starting its processes with ``spawn``, under its registered name."""
 
-    def __init__(
-        self, sync_every: int = 1, average_state: Sequence[str] = (), bucket_cap_mb: float = 25.0, **kwargs: Any
-    ) -> None:
+    @option_keywords
+    def __init__(self, sync_every: int = 1, **kwargs: Any) -> None:
         kwargs.setdefault("start_method", "spawn")
-        super().__init__(sync_every, average_state, bucket_cap_mb, **kwargs)
+        super().__init__(sync_every, **kwargs)

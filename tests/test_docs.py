@@ -232,7 +232,7 @@ def test_instance_attributes_are_read_from_the_classes_own_code() -> None:
     assert isinstance(members["in_round"], property)
     # Inherited from our mixin, not from Lightning: AveragerSet's members count, DDPStrategy's do not.
     strategy = public_members(lit_slowcal.PeriodicAveragingStrategy)
-    assert {"close_rounds", "num_syncs", "averagers", "server_options"} <= set(strategy)
+    assert {"close_rounds", "num_syncs", "averagers", "options"} <= set(strategy)
     assert "barrier" not in strategy and "root_device" not in strategy
     assert "zero_grad" not in public_members(lit_slowcal.SlowcalSGD)
 

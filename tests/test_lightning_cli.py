@@ -43,8 +43,8 @@ def _strategy(tmp_path: Path, *args: str):
 def test_naming_the_configs_strategy_again_keeps_its_other_init_args(tmp_path, args):
     strategy = _strategy(tmp_path, *args)
     assert strategy.sync_every == (30 if any("sync_every" in a for a in args) else 20)
-    assert strategy.server_options["participation"] == 0.5
-    outer = strategy.server_options["outer_optimizer"]([torch.zeros(1, requires_grad=True)])
+    assert strategy.options.participation == 0.5
+    outer = strategy.options.outer_optimizer([torch.zeros(1, requires_grad=True)])
     assert type(outer) is torch.optim.SGD
     assert {k: outer.defaults[k] for k in ("lr", "momentum", "nesterov")} == {
         "lr": 0.7,
@@ -56,4 +56,4 @@ def test_naming_the_configs_strategy_again_keeps_its_other_init_args(tmp_path, a
 def test_another_strategy_on_the_command_line_replaces_the_configs(tmp_path):
     strategy = _strategy(tmp_path, "--trainer.strategy=periodic_averaging_spawn", "--trainer.strategy.sync_every=7")
     assert type(strategy).__name__ == "periodic_averaging_spawn" and strategy.sync_every == 7
-    assert strategy.server_options["outer_optimizer"] is None and strategy.server_options["participation"] is None
+    assert strategy.options.outer_optimizer is None and strategy.options.participation is None

@@ -357,7 +357,7 @@ def test_the_trainer_strategy_overlaps_rounds_as_a_plain_loop_does():
     strategy = PeriodicAveragingStrategy(sync_every=K, overlap_delay=tau)
     trainer = fit(Regression("slowcal"), strategy, steps)
     (averager,) = strategy.averagers.values()
-    assert (averager.overlap_delay, averager.num_syncs, averager.in_round) == (tau, 3, False)
+    assert (averager.options.overlap_delay, averager.num_syncs, averager.in_round) == (tau, 3, False)
 
     plain = Regression("slowcal")
     opt = plain.configure_optimizers()
@@ -414,7 +414,7 @@ def test_bad_values_are_one_line_each():
     strategy = PeriodicAveragingStrategy(sync_every=4, overlap_delay=1, fragments=2)
     with pytest.raises(ValueError, match=r"Invalid sync_every: 3 \(must be a multiple of fragments = 2"):
         strategy.sync_every = 3
-    assert strategy.overlap_options == {"overlap_delay": 1, "fragments": 2}
+    assert (strategy.options.overlap_delay, strategy.options.fragments, strategy.sync_every) == (1, 2, 4)
 
 
 # -- two gloo processes --------------------------------------------------------------------------

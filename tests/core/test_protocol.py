@@ -10,7 +10,10 @@ from torch import nn
 from lit_slowcal import AcceleratedSGD, PeriodicAverager, Scaffold, SlowcalSGD
 from lit_slowcal.protocol import Declared, SyncOptimizer, declared
 
-MEMBERS = ("averaged_state", "pre_sync", "post_sync", "outer_optimizer", "supports_participation", "swap_output")
+MEMBERS = (
+    "averaged_state", "pre_sync", "post_sync", "outer_optimizer", "supports_participation", "supports_outer_optimizer",
+    "swap_output",
+)  # fmt: skip
 
 
 def _params():

@@ -128,8 +128,9 @@ def _reference(
                     p0.copy_(x_s)
                     p1.copy_(x_s)
         for opt in optimizers:
-            if hasattr(opt, "post_sync"):
-                opt.post_sync()
+            hook = getattr(opt, "post_sync", None)
+            if hook is not None:
+                hook()
     return [p.detach().clone() for p in models[0].parameters()]
 
 

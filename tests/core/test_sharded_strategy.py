@@ -252,7 +252,8 @@ def test_registered_by_name():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"fragments": 2}, "Invalid fragments: 2 (fragments cut by local bytes would differ by shard;"),
+        ({"fragments": 2, "sync_every": 2}, "Invalid options for an FSDP2-sharded model: fragments=2 (fragments cut"),
+        ({"bucket_views": True}, "Invalid options for an FSDP2-sharded model: bucket_views=True (fragments cut"),
         ({"save_distributed_checkpoint": False}, "Invalid save_distributed_checkpoint: False"),
         ({"data_parallel_size": 2}, "ShardedAveragingStrategy sets data_parallel_size itself;"),
         ({"replicate_size": 0}, "Invalid replicate_size: 0"),

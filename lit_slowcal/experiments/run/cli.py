@@ -33,6 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,7 +48,6 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_slowcal._validation import check_int, check_number, is_int
-from lit_slowcal.averaging import check_participation
 from lit_slowcal.experiments._lightning import KeepCommandLineModelArgs
 from lit_slowcal.experiments.data.datamodule import ProblemDataModule
 from lit_slowcal.experiments.measure.diagnostics import Diagnostics
@@ -58,6 +58,7 @@ from lit_slowcal.experiments.run.options import (
     ConfigFile,
     OneLineErrorParser,
     add_options,
+    averaging_options,
     compression_options,
     links_of,
     overlap_options,
@@ -71,6 +72,7 @@ from lit_slowcal.experiments.train.architectures import get_architecture
 from lit_slowcal.experiments.train.methods import get_method, method_names
 from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.shape import RunShape
+from lit_slowcal.options import AveragingOptions, check_participation
 from lit_slowcal.protocol import declared
 from lit_slowcal.strategy import PeriodicAveragingStrategy
 
@@ -165,8 +167,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if self.subcommand == "fit":  # refused now, before anything is built
             links_of(get("link"))
             step_seconds_of(get("step_seconds"))
-            compression_options(get)
-            overlap_options(get)
+            averaging_options(get)
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
@@ -355,11 +356,30 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
                     "keeps per-machine state that machines outside a round would update; leave participation unset)"
                 )
         seed = self.setting("seed_everything")
-        strategy.server_options.update(
-            participation=participation, participation_seed=seed if isinstance(seed, int) and seed >= 0 else 0
-        )
-        strategy.compression_options.update(compression_options(self.setting))
-        strategy.overlap_options.update(overlap_options(self.setting))
+        ours = {
+            "participation": participation,
+            "participation_seed": seed if isinstance(seed, int) and seed >= 0 else 0,
+            **compression_options(self.setting),
+            **overlap_options(self.setting),
+        }
+        strategy.options = replace(strategy.options, **self._settled(strategy.options, ours))
+
+    @staticmethod
+    def _settled(options: AveragingOptions, ours: dict[str, Any]) -> dict[str, Any]:
+        """The run's options (``--participation``, ``--compression``, ...) where set, else the strategy's own
+        (``trainer.strategy.init_args``); one line where both are set and differ."""
+        defaults = AveragingOptions()
+        settled = {}
+        for name, value in ours.items():
+            own, default = getattr(options, name), getattr(defaults, name)
+            if name == "participation_seed" or value != default:
+                if own not in (default, value) and name != "participation_seed":
+                    raise ValueError(
+                        f"Invalid trainer.strategy.init_args.{name}: {own!r} with --{name}={value!r} (one setting "
+                        f"in two places; give --{name} only)"
+                    )
+                settled[name] = value
+        return settled
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()

@@ -24,13 +24,13 @@ from typing import Any, Optional, Union
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lit_slowcal._overlap import check_options as check_overlap
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
 from lit_slowcal.link import Link
+from lit_slowcal.options import AveragingOptions, check_overlap
 
 __all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
 
@@ -198,18 +198,22 @@ def compression_options(get: Callable[[str], Any]) -> dict[str, Any]:
 
 def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
     """The strategy's ``overlap_delay`` and ``fragments`` from ``--overlap_delay`` and ``--fragments``, checked
-    against the run's synchronisation period (tau < K / F, F divides K) and ``--compression``; one line for
-    anything else."""
+    against the run's synchronisation period (tau < K / F, F divides K); one line for anything else."""
     tau, parts = get("overlap_delay"), get("fragments")
     if tau != 0 or parts != 1:
         period = steps_between_syncs(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
         tau, parts = check_overlap(period, tau, parts)
-        if get("compression") is not None:
-            raise ValueError(
-                f"Invalid compression: {get('compression')!r} with --overlap_delay={tau} --fragments={parts} "
-                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
-            )
     return {"overlap_delay": tau, "fragments": parts}
+
+
+def averaging_options(get: Callable[[str], Any]) -> AveragingOptions:
+    """The run's synchronisation options (K from the run's shape, ``--compression``, ``--overlap_delay``, ...),
+    checked alone and together by ``AveragingOptions`` itself: one line for anything that cannot work."""
+    coded, overlap = compression_options(get), overlap_options(get)
+    if coded["compression"] is None and overlap == {"overlap_delay": 0, "fragments": 1}:
+        return AveragingOptions(**coded, **overlap)  # nothing that depends on K
+    period = steps_between_syncs(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
+    return AveragingOptions(sync_every=period, **coded, **overlap)
 
 
 #: How a round travels (docs/communication.md): (option, type, default, help).

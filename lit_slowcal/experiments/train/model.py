@@ -324,7 +324,7 @@ class MachinesModel(pl.LightningModule):
             sent=strategy.link_counts,
             ddp=strategy.ddp_counts(),
             overlapped=strategy.overlapped_counts,
-            overlap_delay=strategy.overlap_options["overlap_delay"],
+            overlap_delay=strategy.options.overlap_delay,
         )
 
     def use_links(self, links: Sequence[Link], step_seconds: Optional[float] = None) -> None:

@@ -44,7 +44,7 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
         ),
         (
             ["--compression=int8", "--overlap_delay=1"],
-            "Invalid compression: 'int8' with --overlap_delay=1 --fragments=1 (compressed rounds are blocking",
+            "Invalid compression: 'int8' with overlap_delay=1, fragments=1 (compressed rounds are blocking",
         ),
     ],
 )
@@ -114,4 +114,4 @@ def test_a_resume_with_another_compression_or_overlap_is_another_run(tmp_path, c
     code, err = command(capsys, "--ckpt_path=last", run_dir=runs)
     assert code != 0 and 'compression "int8" in the checkpoint, null now' in error_line(err)
     code, err = command(capsys, "--compression=int8", "--overlap_delay=1", "--ckpt_path=last", run_dir=runs)
-    assert code != 0 and "Invalid compression: 'int8' with --overlap_delay=1" in error_line(err)
+    assert code != 0 and "Invalid compression: 'int8' with overlap_delay=1" in error_line(err)

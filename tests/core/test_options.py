@@ -1,0 +1,283 @@
+"""``AveragingOptions``: every option alone, every pair that works or is refused (docs/communication.md's table,
+row by row), refusals where the user constructs the averager or a strategy, and ranks that differ in any option."""
+
+import dataclasses
+import functools
+import inspect
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_slowcal import (
+    AdaptiveSlowcal,
+    AveragingOptions,
+    PeriodicAverager,
+    PeriodicAveragingFabricStrategy,
+    PeriodicAveragingStrategy,
+    Scaffold,
+    ShardedAveragingStrategy,
+    SimulatedMachines,
+    SlowcalSGD,
+)
+from lit_slowcal.options import OPTION_NAMES
+from tests.helpers import finish_rank, spawn_ranks
+
+OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+#: Every pair of options that is refused on its own (no optimizer or model needed): (id, settings, message start).
+REFUSED_PAIRS = [
+    ("fragments_not_dividing_k", {"sync_every": 6, "fragments": 4}, "Invalid fragments: 4 (must divide sync_every = 6)"),
+    ("overlap_delay_of_a_whole_period", {"sync_every": 4, "fragments": 2, "overlap_delay": 2},
+     "Invalid overlap_delay: 2 (must be < sync_every // fragments = 2"),
+    ("compression_with_overlap_delay", {"sync_every": 4, "compression": "int8", "overlap_delay": 1},
+     "Invalid compression: 'int8' with overlap_delay=1, fragments=1 (compressed rounds are blocking"),
+    ("compression_with_fragments", {"sync_every": 4, "compression": "bf16", "fragments": 2},
+     "Invalid compression: 'bf16' with overlap_delay=0, fragments=2 (compressed rounds are blocking"),
+    ("error_feedback_without_compression", {"error_feedback": True},
+     "Invalid error_feedback: True with compression=None (it applies to compressed rounds"),
+    ("bucket_views_with_fragments", {"sync_every": 4, "fragments": 2, "bucket_views": True},
+     "Invalid bucket_views: True with fragments=2 (those rounds send copies or codes"),
+    ("bucket_views_with_overlap_delay", {"sync_every": 4, "overlap_delay": 1, "bucket_views": True},
+     "Invalid bucket_views: True with overlap_delay=1 (those rounds send copies or codes"),
+    ("bucket_views_with_compression", {"compression": "int8", "bucket_views": True},
+     "Invalid bucket_views: True with compression='int8' (those rounds send copies or codes"),
+]  # fmt: skip
+
+#: Every pair that works (each runs a few rounds below): (id, settings).
+WORKING_PAIRS = [
+    ("participation_with_outer_optimizer", {"sync_every": 2, "participation": 1, "outer_optimizer": OUTER}),
+    ("participation_with_compression", {"sync_every": 2, "participation": 0.5, "compression": "int8"}),
+    ("participation_with_overlap", {"sync_every": 4, "participation": 1, "overlap_delay": 1, "fragments": 2}),
+    ("participation_with_bucket_views", {"sync_every": 2, "participation": 1, "bucket_views": True}),
+    ("outer_optimizer_with_compression", {"sync_every": 2, "outer_optimizer": OUTER, "compression": "bf16"}),
+    ("outer_optimizer_with_overlap", {"sync_every": 4, "outer_optimizer": OUTER, "overlap_delay": 1, "fragments": 2}),
+    ("outer_optimizer_with_bucket_views", {"sync_every": 2, "outer_optimizer": OUTER, "bucket_views": True}),
+    ("compression_with_error_feedback_off", {"sync_every": 2, "compression": "int8", "error_feedback": False}),
+    ("overlap_delay_with_fragments", {"sync_every": 4, "overlap_delay": 1, "fragments": 2}),
+    ("average_state_with_compression", {"sync_every": 2, "average_state": ("momentum_buffer",), "compression": "int8"}),
+    ("check_schedule_off_with_overlap", {"sync_every": 4, "check_schedule": False, "overlap_delay": 1}),
+    ("bucket_cap_mb_with_bucket_views", {"sync_every": 2, "bucket_cap_mb": 1e-4, "bucket_views": True}),
+]  # fmt: skip
+
+
+def _one_line(error):
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("settings, message", [r[1:] for r in REFUSED_PAIRS], ids=[r[0] for r in REFUSED_PAIRS])
+def test_a_refused_pair_is_refused_in_one_line_by_the_options_the_averager_and_every_strategy(settings, message):
+    model = nn.Linear(3, 2)
+    makers = {
+        "AveragingOptions": lambda: AveragingOptions(**settings),
+        "PeriodicAverager": lambda: PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings),
+        # Where the user constructs a strategy: nothing waits for fit.
+        "PeriodicAveragingStrategy": lambda: PeriodicAveragingStrategy(**settings),
+        "PeriodicAveragingFabricStrategy": lambda: PeriodicAveragingFabricStrategy(**settings),
+        "ShardedAveragingStrategy": lambda: ShardedAveragingStrategy(**settings),
+    }
+    for name, make in makers.items():
+        with pytest.raises(ValueError) as error:
+            make()
+        assert _one_line(error).startswith(message), (name, str(error.value))
+
+
+@pytest.mark.parametrize("settings", [r[1] for r in WORKING_PAIRS], ids=[r[0] for r in WORKING_PAIRS])
+def test_a_working_pair_runs_rounds_on_simulated_machines_and_lands_one_model(settings):
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Linear(3, 2), 4)
+    optimizer = torch.optim.SGD(machines.parameters(), lr=0.1, momentum=0.5)
+    averager = PeriodicAverager(machines, optimizer, options=AveragingOptions(**settings)).attach()
+    x = torch.randn(4, 5, 3)
+    for _ in range(2 * settings["sync_every"]):
+        optimizer.zero_grad()
+        machines(x).square().sum().backward()
+        optimizer.step()
+    averager.close_round()
+    assert averager.num_syncs >= 2 and averager.bytes_communicated > 0
+    weight = machines.weight.detach()
+    assert torch.equal(weight, weight[:1].expand_as(weight))  # one model on every machine
+    assert torch.isfinite(weight).all()
+
+
+def test_options_are_one_value_built_once_and_replaced_with_their_checks():
+    options = AveragingOptions(sync_every=4, compression="int8")
+    assert AveragingOptions.build(options) is options
+    assert AveragingOptions.build(options, sync_every=8) == dataclasses.replace(options, sync_every=8)
+    assert options.average_state == () and AveragingOptions(average_state=["w"]).average_state == ("w",)
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(options, overlap_delay=1)  # replace checks the pair too
+    assert _one_line(error).startswith("Invalid compression: 'int8' with overlap_delay=1")
+    with pytest.raises(TypeError) as error:
+        AveragingOptions.build(options, compresion="int8")
+    assert _one_line(error).startswith("Invalid averaging option: 'compresion' (one of sync_every, average_state,")
+    strategy = PeriodicAveragingStrategy(sync_every=4, options=options, participation=2)
+    assert strategy.options == dataclasses.replace(options, participation=2)
+    with pytest.raises(ValueError, match=r"^Invalid sync_every: 6 \(must be a multiple of fragments = 4"):
+        PeriodicAveragingStrategy(sync_every=4, fragments=4).sync_every = 6
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"participation": 0}, "Invalid participation: 0 (must be an integer >= 1)"),
+        ({"participation": 1.5}, "Invalid participation: 1.5 (a number of machines >= 1, or a fraction in (0, 1])"),
+        ({"participation_seed": 2**63}, "Invalid participation_seed: 9223372036854775808 (must be an integer >= 0 and < 2**63)"),
+        ({"bucket_views": 1}, "Invalid bucket_views: 1 (True or False)"),
+        ({"check_schedule": "yes"}, "Invalid check_schedule: 'yes' (True or False)"),
+        ({"compression": "int4"}, "Invalid compression: 'int4' (None, one of 'bf16', 'int8'"),
+        ({"error_feedback": "on", "compression": "int8"}, "Invalid error_feedback: 'on' (True, False, or None"),
+        ({"average_state": "w"}, "Invalid average_state: 'w' (a sequence of state key names)"),
+        ({"bucket_cap_mb": 0}, "Invalid bucket_cap_mb: 0 (must be a finite number > 0)"),
+        ({"overlap_delay": -1}, "Invalid overlap_delay: -1 (must be an integer >= 0)"),
+    ],
+)  # fmt: skip
+def test_every_bad_value_is_one_line_at_construction_of_every_strategy(settings, message):
+    for make in (
+        AveragingOptions,
+        PeriodicAveragingStrategy,
+        PeriodicAveragingFabricStrategy,
+        ShardedAveragingStrategy,
+    ):
+        with pytest.raises(ValueError) as error:
+            make(**settings)
+        assert _one_line(error).startswith(message), (make, str(error.value))
+
+
+def test_the_rules_that_need_the_optimizer_or_the_model_refuse_where_the_averager_is_built():
+    w = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError) as error:
+        PeriodicAverager(nn.Linear(1, 1), Scaffold([w], lr=0.1), 4, overlap_delay=1)
+    assert _one_line(error).startswith("Invalid overlap_delay: 1 (Scaffold's post_sync takes")
+    with pytest.raises(ValueError) as error:
+        PeriodicAverager(nn.Linear(1, 1), Scaffold([w], lr=0.1), 2, participation=1)
+    assert _one_line(error).startswith("Invalid participation: 1 (Scaffold keeps per-machine state")
+    with pytest.raises(ValueError) as error:  # its post_sync would overwrite the outer step: refused, not discarded
+        PeriodicAverager(nn.Linear(1, 1), AdaptiveSlowcal([w], lr=0.1, beta=0.5), 2, outer_optimizer=OUTER)
+    assert _one_line(error).startswith("Invalid outer_optimizer: partial(torch.optim.sgd.SGD, lr=0.7")
+    with pytest.raises(ValueError) as error:
+        PeriodicAverager(nn.Linear(1, 1), AdaptiveSlowcal([w], lr=0.1, beta=0.5), 4, overlap_delay=1)
+    assert _one_line(error).startswith("Invalid overlap_delay: 1 (AdaptiveSlowcal's post_sync")
+    machines = SimulatedMachines(nn.Linear(3, 2), 2)
+    loose = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([*machines.parameters(), loose], lr=0.1)
+    with pytest.raises(ValueError) as error:
+        PeriodicAverager(machines, optimizer, 2, compression="int8")
+    assert _one_line(error).startswith("Invalid compression: 'int8' with 2 simulated machines per process and 1")
+
+
+def test_adaptive_slowcal_with_beta_one_overlaps_and_takes_an_outer_optimizer_as_slowcal_sgd_does():
+    """Its sync hooks do nothing with beta = 1: overlapped rounds and an outer step work, and its parameters
+    follow SlowcalSGD's (the same x and w recursion with the AdaGrad/Adam normalisation off is not comparable, so
+    the check is that the overlapped run equals the same run's plain-loop replay)."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        machines = SimulatedMachines(nn.Linear(3, 1), 2)
+        optimizer = AdaptiveSlowcal(machines.parameters(), lr=0.05)
+        assert optimizer.post_sync is None
+        averager = PeriodicAverager(machines, optimizer, 4, overlap_delay=1, outer_optimizer=OUTER).attach()
+        for _ in range(9):
+            optimizer.zero_grad()
+            machines(torch.randn(2, 6, 3)).square().mean().backward()
+            optimizer.step()
+        averager.close_round()
+        runs.append(machines.weight.detach().clone())
+    assert averager.num_syncs == 3 and torch.equal(*runs) and torch.isfinite(runs[0]).all()
+
+
+def test_the_strategies_list_every_option_by_name_for_lightning_cli_declared_once():
+    for cls in (PeriodicAveragingStrategy, PeriodicAveragingFabricStrategy, ShardedAveragingStrategy):
+        parameters = inspect.signature(cls.__init__).parameters
+        assert set(OPTION_NAMES) | {"options"} <= set(parameters), cls
+        assert parameters["compression"].default is None and parameters["sync_every"].default == 1
+    fields = [f.name for f in dataclasses.fields(AveragingOptions) if f.init]
+    assert list(OPTION_NAMES) == fields and "compression" in fields and "error_feedback" in fields
+
+
+# -- ranks that differ in one option ------------------------------------------------------------
+
+#: Per option: (the settings both ranks share, rank 0's value, rank 1's value, the readable values).
+DIFFERING = {
+    "sync_every": ({}, 2, 4, ("2", "4")),
+    "average_state": ({}, (), ("momentum_buffer",), ("()", "('momentum_buffer',)")),
+    "bucket_cap_mb": ({}, 25.0, 1.0, ("25.0", "1.0")),
+    "check_schedule": ({}, True, False, ("True", "False")),
+    "outer_optimizer": ({}, None, OUTER, ("None", "partial(torch.optim.sgd.SGD, lr=0.7, momentum=0.9, nesterov=True)")),
+    "participation": ({}, None, 1, ("None", "1")),
+    "participation_seed": ({}, 0, 3, ("0", "3")),
+    "compression": ({}, None, "int8", ("None", "Int8(block_size=256)")),
+    "error_feedback": ({"compression": "int8"}, None, False, ("None", "False")),
+    "overlap_delay": ({"sync_every": 4}, 0, 1, ("0", "1")),
+    "fragments": ({"sync_every": 4}, 1, 2, ("1", "2")),
+    "bucket_views": ({}, False, True, ("False", "True")),
+}  # fmt: skip
+
+
+def _differing_worker(rank, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    outcomes = {}
+    for name, (shared, *values, _) in DIFFERING.items():
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        averager = PeriodicAverager(model, optimizer, options=AveragingOptions(**{**shared, name: values[rank]}))
+        try:
+            averager.broadcast()  # where a run starts: before the first step
+            outcomes[name] = ("no error", "")
+        except RuntimeError as err:
+            outcomes[name] = ("RuntimeError", str(err))
+    # Bucket views with participation: the same bits as the plain weighted average, each of 2 x 2 machines
+    # weighted where it lies (one of two processes' machines takes part in some rounds, both in others).
+    for views in (False, True):
+        torch.manual_seed(rank)
+        model = nn.ModuleList([nn.Linear(300, 500), nn.Linear(5, 3)])  # a tensor reduced alone, and small ones
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        averager = PeriodicAverager(model, optimizer, 2, participation=1, participation_seed=4, bucket_views=views)
+        averager.attach()
+        for _ in range(6):
+            optimizer.zero_grad()
+            (model[0](torch.randn(4, 300)).square().mean() + model[1](torch.randn(4, 5)).square().mean()).backward()
+            optimizer.step()
+        outcomes[f"bucket_views={views}"] = [p.detach().clone() for p in model.parameters()]
+        outcomes[f"weights={views}"] = [averager.participant_weights(r).tolist() for r in range(3)]
+    finish_rank(outcomes, out, rank)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return spawn_ranks(_differing_worker, 2, str(tmp_path_factory.mktemp("options")))
+
+
+@pytest.mark.slow
+def test_bucket_views_with_participation_give_the_bits_of_the_plain_weighted_average(two_ranks):
+    weights = two_ranks[0]["weights=False"]
+    assert sorted(map(tuple, weights)) != [weights[0]] * 3 and all(sorted(w) == [0.0, 1.0] for w in weights)
+    for outcomes in two_ranks:
+        plain, views = outcomes["bucket_views=False"], outcomes["bucket_views=True"]
+        assert all(torch.equal(a, b) for a, b in zip(plain, views))
+    assert all(torch.equal(a, b) for a, b in zip(two_ranks[0]["bucket_views=True"], two_ranks[1]["bucket_views=True"]))
+
+
+@pytest.mark.slow
+def test_ranks_that_differ_in_any_option_stop_before_the_first_step_in_one_line_naming_it_and_both_values(two_ranks):
+    """Each option, one rank's value against the other's: one line on every rank, nothing hangs (a rank with
+    compression and one without waited forever at the first synchronisation before)."""
+    assert set(DIFFERING) == set(OPTION_NAMES)  # a new option is checked here by being declared
+    for outcomes in two_ranks:
+        for name, (_, _, _, (zero, one)) in DIFFERING.items():
+            kind, message = outcomes[name]
+            assert kind == "RuntimeError" and "\n" not in message, (name, message)
+            assert message.startswith("PeriodicAverager: the ranks were set up differently: "), message
+            assert f"{name} (rank 0: {zero}, rank 1: {one})" in message, (name, message)
+
+
+def test_momentum_state_on_a_slowcal_run_is_the_declared_w_only():
+    """``average_state`` adds to the declared keys (SlowcalSGD's w), once each."""
+    model = nn.Linear(2, 1)
+    averager = PeriodicAverager(model, SlowcalSGD(model.parameters(), lr=0.1), 2, average_state=("w", "extra"))
+    assert averager._averaged_keys() == ("w", "extra")
