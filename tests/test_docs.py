@@ -227,7 +227,7 @@ def test_the_api_check_finds_an_undocumented_method_property_and_argument(monkey
 
 def test_instance_attributes_are_read_from_the_classes_own_code() -> None:
     members = public_members(lit_slowcal.PeriodicAverager)
-    for name in ("steps", "num_syncs", "floats_communicated", "optimizer", "global_params"):
+    for name in ("steps", "num_syncs", "last_sync_step", "optimizer", "global_params"):
         assert name in members and members[name] is None
     assert isinstance(members["in_round"], property)
     # Inherited from our mixin, not from Lightning: AveragerSet's members count, DDPStrategy's do not.

@@ -281,3 +281,42 @@ def test_momentum_state_on_a_slowcal_run_is_the_declared_w_only():
     model = nn.Linear(2, 1)
     averager = PeriodicAverager(model, SlowcalSGD(model.parameters(), lr=0.1), 2, average_state=("w", "extra"))
     assert averager._averaged_keys() == ("w", "extra")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"sync_every": 4},
+        {"sync_every": 4, "compression": "int8"},
+        {"sync_every": 4, "compression": "bf16", "participation": 2},
+        {"sync_every": 4, "fragments": 2},
+        {"sync_every": 4, "fragments": 4, "overlap_delay": 0},
+        {"sync_every": 4, "overlap_delay": 1, "fragments": 2},
+        {"sync_every": 4, "overlap_delay": 2},
+    ],
+    ids=["exact", "int8", "bf16_participation", "fragments", "four_fragments", "overlapped_fragments", "overlapped"],
+)
+def test_the_counts_agree_for_every_kind_of_round(settings):
+    """``bytes_per_sync() x num_syncs == bytes_communicated`` (and the floats) after whole periods of K steps, for
+    the exact, compressed, fragmented and overlapped rounds alike (with F fragments this was F times off), and a
+    schedule resumed at that step counts the same."""
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)), 4)
+    optimizer = torch.optim.SGD(machines.parameters(), lr=0.1)
+    averager = PeriodicAverager(machines, optimizer, options=AveragingOptions(**settings)).attach()
+    averager.broadcast()  # the compressed rounds' anchors: every round compressed
+    for _ in range(3 * settings["sync_every"]):
+        optimizer.zero_grad()
+        machines(torch.randn(4, 2, 5)).square().sum().backward()
+        optimizer.step()
+    assert averager.num_syncs == 3 * settings.get("fragments", 1)
+    assert averager.bytes_per_sync() * averager.num_syncs == pytest.approx(averager.bytes_communicated, rel=1e-12)
+    assert averager.floats_per_sync() * averager.num_syncs == pytest.approx(averager.floats_communicated, rel=1e-12)
+    floats = sum(p[0].numel() for p in machines.parameters())
+    assert averager.floats_communicated == pytest.approx(3 * floats * averager.participants / 4, rel=1e-12)
+    resumed = PeriodicAverager(machines, optimizer, options=AveragingOptions(**settings), start_step=averager.steps)
+    assert resumed.bytes_communicated == pytest.approx(averager.bytes_communicated, rel=1e-12)
+    assert resumed.link_counts.state_dict() == pytest.approx(averager.link_counts.state_dict(), rel=1e-12)
+    assert (resumed.overlapped_counts == averager.overlapped_counts) and resumed.floats_communicated == pytest.approx(
+        averager.floats_communicated, rel=1e-12
+    )
