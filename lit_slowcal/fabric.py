@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
 from lit_slowcal.averaging import broadcast_module
@@ -55,16 +56,19 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         self.optimizers: list[Optimizer] = []  # in set-up order
         self._restored: Optional[list[dict[str, Any]]] = None  # schedules loaded before the first step
 
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The module itself (no DDP wrapper), with rank 0's parameters and buffers on every process."""
         broadcast_module(module, src=0)
         self.modules.append(module)
         return module
 
+    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         self.optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if id(optimizer) not in self.averagers:  # before the first step: the round starts at the set-up weights
             self._create_averagers()
@@ -83,6 +87,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
             for averager in added:  # every rank built alike, before the first step (a collective: all ranks are here)
                 averager.check_setup()
 
+    @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         # Every rank calls fabric.save: the round closes everywhere, and the file holds the average.
         self.close_rounds()
@@ -92,6 +97,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
             state = {**state, CHECKPOINT_KEY: schedules}
         super().save_checkpoint(path, state, *args, **kwargs)
 
+    @override
     def load_checkpoint(
         self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None, *args: Any, **kwargs: Any
     ) -> dict[str, Any]:
@@ -104,6 +110,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         return remainder
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "periodic_averaging",

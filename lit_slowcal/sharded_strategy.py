@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from lit_slowcal._averagers import CHECKPOINT_KEY
 from lit_slowcal._collectives import broadcast_module
@@ -113,6 +114,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         shard = self.num_processes if self.shard_size == "auto" else int(self.shard_size)
         return replicate, shard
 
+    @override
     def setup_environment(self) -> None:
         replicate, shard = self.mesh_shape()
         world = self.num_nodes * self.num_processes
@@ -137,10 +139,12 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         return self.replicate_mesh.get_group()
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every process its own data: a replica's batch is its shards' batches (FSDP2 averages their gradients).
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
@@ -167,6 +171,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
             replicate, shard = self.mesh_shape()
             checkpoint[CHECKPOINT_KEY] = {"mesh": {"replicate": replicate, "shard": shard}}
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         optimizers = self._torch_optimizers()
         saved = bool(optimizers) and all(id(o) in self.averagers for o in optimizers)
@@ -192,6 +197,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         return read_checkpoint(self._state_file(Path(self.broadcast(checkpoint_path))))["averagers"]
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "sharded_averaging",

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lit_slowcal._trainer_rounds import TrainerRounds
 from lit_slowcal.averaging import broadcast_module, machines_per_process
@@ -107,6 +108,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
         """M = world_size x m."""
         return self.world_size * self.machines_per_rank
 
+    @override
     def setup_distributed(self) -> None:
         # One process fitting: no process group (its set-up, and the gloo collectives that
         # torchmetrics and Lightning then run on every evaluation, cost time for nothing). What
@@ -123,12 +125,14 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
         )
         super().setup_distributed()
 
+    @override
     def teardown(self) -> None:
         super().teardown()
         if getattr(self, "_own_group", False) and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._own_group = False
 
+    @override
     def configure_ddp(self) -> None:
         # No DistributedDataParallel wrapper: gradients stay local. Start every rank from rank 0's
         # weights (x_0 = w_0 identical on all machines); simulated machines are identical copies already.
@@ -154,6 +158,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
             return False
         return not any(is_overridden(hook, cb, Callback) for cb in trainer.callbacks for hook in _STEP_HOOKS)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if not self._direct:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -161,6 +166,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
         return closure_loss.detach()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, start_method in (("periodic_averaging", "popen"), ("periodic_averaging_spawn", "spawn")):
             strategy_registry.register(
