@@ -62,19 +62,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _collectives, _communication, _machine_state, _overlap, _selection, _server, link
+from lit_slowcal import _averager_state, _collectives, _communication, _overlap, _selection, _server, link
+from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
 from lit_slowcal._collectives import broadcast_module
 from lit_slowcal._compressed import CompressedAverage
+from lit_slowcal._counts import Counts, counted
 from lit_slowcal._hooks import after_every_step, on_every_backward
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
 from lit_slowcal.protocol import declared
-
-#: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
-COMPRESSION_KEY = "compression"
-#: The key of ``PeriodicAverager.state_dict()`` that holds an overlapped round in flight.
-IN_FLIGHT_KEY = "in_flight"
 
 __all__ = [
     "COMPRESSION_KEY",
@@ -176,12 +173,8 @@ class PeriodicAverager:
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
         self._settled_step = 0  # steps at the last blocking synchronisation of the whole model
         self._in_flight: Optional[_overlap.Round] = None  # an overlapped round started and not landed
-        self.floats_communicated: Union[int, float] = 0  # per machine, over all synchronisations; 0 with one machine
-        self.bytes_communicated: Union[int, float] = 0  # the same in bytes, in the dtypes sent
-        self.link_counts = link.LinkCounts()  # one participant's, for the ring model (lit_slowcal.link)
-        #: The part of ``link_counts`` sent by overlapped rounds (tau >= 1), whose seconds training hides up to
-        #: tau steps of compute a round (``lit_slowcal.link.hidden_seconds``).
-        self.overlapped_counts = link.LinkCounts()
+        #: What was sent so far, every kind of round counted alike (``lit_slowcal._counts``).
+        self.counts = Counts()
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -297,19 +290,13 @@ class PeriodicAverager:
         """The counts of what was sent, rebuilt as ``num_syncs`` rounds of what is averaged now (with
         fragments, round j sends fragment j mod F; with ``compression``, every round counted as
         compressed); ``floats``: ``floats_communicated`` too."""
-        if self.options.fragments == 1:
-            rounds = [(self._tensors(), self.num_syncs)]
-        else:
-            n, F = self.num_syncs, self.options.fragments
-            rounds = [(tensors, len(range(f or F, n + 1, F))) for f, tensors in enumerate(self._fragments())]
-        sizes = [(self._sync_bytes(tensors), count) for tensors, count in rounds]
-        if floats:
-            self.floats_communicated = sum(count * self._floats(tensors) for tensors, count in rounds)
-        self.bytes_communicated = sum(count * self._bytes(first) for (first, _), count in sizes)
-        self.link_counts = sum(
-            (self._link_counts(first, second, syncs=count) for (first, second), count in sizes), link.LinkCounts()
-        )
-        self.overlapped_counts = self.link_counts if self.options.overlap_delay else link.LinkCounts()
+        n, F = self.num_syncs, self.options.fragments
+        parts = [self._tensors()] if F == 1 else self._fragments()
+        rounds = [(tensors, self._sync_bytes(tensors), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)]
+        sent = Counts.rebuilt(rounds, self.num_machines, self.participants, overlapped=self.options.overlap_delay > 0)
+        if not floats:
+            sent.floats = self.counts.floats
+        self.counts = sent
 
     def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
         """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
@@ -328,8 +315,9 @@ class PeriodicAverager:
     def state_dict(self) -> dict[str, Any]:
         """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
         keeps tensors a synchronisation leaves per machine, e.g. AdamW's moments; see
-        ``lit_slowcal._machine_state``) and, with an outer optimizer, the round's start and the outer
-        optimizer's state.
+        ``lit_slowcal._machine_state``), with an outer optimizer the round's start and the outer
+        optimizer's state, with ``compression`` the anchors and error feedback (``"compression"``); the
+        keys: ``lit_slowcal._averager_state``.
 
         Local: it holds this process's machines only. A single file for all processes is
         ``gather_state_dict()``'s. With overlapped rounds it also holds ``"settled_step"`` (the last
@@ -337,34 +325,8 @@ class PeriodicAverager:
         keeps the round under ``"in_flight"`` (``_overlap.Round.state_dict``): a run loaded from it lands
         the round at the same step with the same values, without communicating it again.
         """
-        state: dict[str, Any] = {
-            "steps": self.steps,
-            "num_syncs": self.num_syncs,
-            "last_sync_step": self.last_sync_step,
-            "floats_communicated": self.floats_communicated,
-            "bytes_communicated": self.bytes_communicated,
-            "link_counts": self.link_counts.state_dict(),
-        }
-        if self._overlapped:
-            state["settled_step"] = self._settled_step
-            state["overlapped_counts"] = self.overlapped_counts.state_dict()
-        if self.outer is not None:
-            state["outer"] = _server.state_dict(self.outer, self.global_params)
-        own = _machine_state.local_state(self.optimizer, self._averaged_keys())
-        if own:  # absent where the optimizer keeps no tensor per machine (SGD without momentum, SlowcalSGD)
-            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {self.rank: own}}
-        if self.compressed is not None:  # the anchors and this process's error feedback, per averaged tensor
-            coded = self.compressed.state_dict()
-            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {self.rank: coded}}
-        if self._in_flight is not None:  # this process's machines' snapshot and the average, by tensor place
-            state[IN_FLIGHT_KEY] = {
-                "world_size": self.world_size,
-                "machines_per_process": self.machines_per_process,
-                "overlap_delay": self.options.overlap_delay,
-                "fragments": self.options.fragments,
-                "ranks": {self.rank: self._in_flight.state_dict(self._tensors())},
-            }
-        return state
+        settled = self._settled_step if self._overlapped else None
+        return _averager_state.state_dict(self, self._averaged_keys(), settled, self._in_flight, self._tensors)
 
     def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
         """``state_dict()`` with every process's per-machine state, on group rank ``dst`` (``None`` on the
@@ -378,28 +340,7 @@ class PeriodicAverager:
             optimizer.load_state_dict(saved["optimizer"])  # first: it holds rank 0's per-machine state
             averager.load_state_dict(saved["averager"])    # then each rank's own
         """
-        state = self.state_dict()
-        if self.world_size == 1:
-            return state
-        # Every rank here, or one line on every rank (not a mismatched gather with another collective).
-        _collectives.check_same_point(self.optimizer, (0, 0), self.process_group, "", collective="gather_state_dict()")
-        mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(self.rank, {})
-        own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
-        coded = _cpu(state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(self.rank))
-        flight = state.pop(IN_FLIGHT_KEY, None)
-        round_ = None if flight is None else _cpu(flight.pop("ranks")[self.rank])
-        ranks = _collectives.gather_objects(
-            (self.rank, own, coded, round_), dst, self.process_group
-        )  # on every rank, even with none
-        if ranks is None:
-            return None
-        if any(per for _, per, _, _ in ranks):
-            state[_machine_state.KEY] = {"world_size": self.world_size, "ranks": {r: per for r, per, _, _ in ranks}}
-        if coded is not None:
-            state[COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": {r: c for r, _, c, _ in ranks}}
-        if flight is not None:
-            state[IN_FLIGHT_KEY] = {**flight, "ranks": {r: f for r, _, _, f in ranks}}
-        return state
+        return _averager_state.gather_state_dict(self, dst)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` or ``gather_state_dict()`` returned: the schedule, this process's
@@ -416,68 +357,17 @@ class PeriodicAverager:
         number of processes with state that differs between them; see ``lit_slowcal._machine_state``),
         for an outer optimizer's state given to an averager without one, and for a round in flight
         given to an averager with another ``overlap_delay`` or ``fragments``, another number of
-        processes or of machines per process. Raises ``RuntimeError`` while this averager has a round
-        in flight of its own (``close_round()`` first).
+        processes or of machines per process, and for a compressed run's state (``"compression"``) given
+        to an averager without ``compression`` or on another number of processes. Raises ``RuntimeError``
+        while this averager has a round in flight of its own (``close_round()`` first).
         """
         self._refuse_in_flight("load_state_dict()")
-        if "outer" in state and self.outer is None:
-            raise ValueError(
-                "Cannot load the averager's state: it holds an outer optimizer's state (the round's start and its "
-                "moments) and this averager has no outer_optimizer; build it with the same outer_optimizer"
-            )
-        saved = state.get(_machine_state.KEY)
-        own = None if saved is None else _machine_state.select(saved, self.rank, self.world_size)
-        coded = self._saved_compression(state)
-        flight = state.get(IN_FLIGHT_KEY)
-        if flight is not None:
-            m, tau, F = self.machines_per_process, self.options.overlap_delay, self.options.fragments
-            flight = _overlap.saved_round(flight, self.rank, self.world_size, m, tau, F)
-        self.steps = int(state["steps"])
-        self.num_syncs = int(state["num_syncs"])
-        # States saved before the key existed come from schedules that synchronised every K only.
-        self.last_sync_step = int(state.get("last_sync_step", self.steps - self.steps % self.sync_every))
-        self._settled_step = int(state.get("settled_step", self.last_sync_step))
-        self.overlapped_counts = link.LinkCounts.from_state_dict(state.get("overlapped_counts", {}))
-        floats = state["floats_communicated"]
-        self.floats_communicated = floats if isinstance(floats, float) else int(floats)
-        if "link_counts" in state:
-            sent = state.get("bytes_communicated", 0)
-            self.bytes_communicated = sent if isinstance(sent, float) else int(sent)
-            self.link_counts = link.LinkCounts.from_state_dict(state["link_counts"])
-        else:  # saved before the byte counts existed: num_syncs synchronisations of what is averaged now
-            self._count_from_syncs(floats=False)
-        if self.outer is not None and "outer" in state:
-            _server.load_state(self.outer, self.global_params, state["outer"])
-        if self.compressed is not None:
-            self.compressed.load_state_dict(coded)
-        self._in_flight = None if flight is None else _overlap.Round.from_state_dict(flight)
-        if own is not None:
-            keys = self._averaged_keys()
-            _machine_state.load(self.optimizer, own, keys)
-            # The optimizer's own load_state_dict, if it comes after (the other order), gives this rank
-            # rank 0's per-machine state: this rank's is put back after it, until the next step.
+        recount = lambda: self._count_from_syncs(floats=False)  # noqa: E731
+        loaded = _averager_state.load_state_dict(self, state, self._averaged_keys(), recount)
+        self._settled_step, self._in_flight = loaded.settled_step, loaded.in_flight
+        if loaded.reload is not None:  # this rank's per-machine state, put back after the optimizer's own load
             self._drop_reload_hook()
-            self._reload_hook = self.optimizer.register_load_state_dict_post_hook(
-                lambda o: _machine_state.load(o, own, keys)
-            )
-
-    def _saved_compression(self, state: dict[str, Any]) -> dict[str, list[Optional[Tensor]]]:
-        """This process's anchors and error feedback in ``state`` (none: the next synchronisation is exact), or
-        one line where they cannot be taken."""
-        saved = state.get(COMPRESSION_KEY)
-        if saved is not None and self.compressed is None:
-            raise ValueError(
-                "Cannot load the averager's state: it holds a compressed run's anchors and error feedback and this "
-                "averager has compression=None; build it with the same compression"
-            )
-        if saved is None or self.compressed is None:
-            return {}
-        if int(saved["world_size"]) != self.world_size:
-            raise ValueError(
-                f"Cannot resume the compressed synchronisation's error feedback of {saved['world_size']} processes on "
-                f"{self.world_size}: it is kept per process; resume on {saved['world_size']} processes"
-            )
-        return saved["ranks"][self.rank]
+            self._reload_hook = self.optimizer.register_load_state_dict_post_hook(loaded.reload)
 
     def _refuse_in_flight(self, what: str) -> None:
         """One ``RuntimeError`` line while a round is in flight (``what`` cannot run then)."""
@@ -557,39 +447,25 @@ class PeriodicAverager:
         """M = processes x m."""
         return self.world_size * self.machines_per_process
 
-    def floats_per_sync(self) -> Union[int, float]:
-        """Floats one machine sends per synchronisation (the averaged tensors of one machine); 0 with
-        one machine in all, which sends nothing."""
-        return self._floats(self._tensors())
+    floats_communicated = counted("floats", "Floats one machine has sent over all rounds (S/M of a participant's).")
+    bytes_communicated = counted("bytes", "The same in bytes, in the dtypes sent (a compressed round's message).")
+    link_counts = counted("link", "One participant's ``LinkCounts`` over all rounds, for the ring model.")
+    overlapped_counts = counted("overlapped", "The part of ``link_counts`` sent by overlapped rounds (tau >= 1).")
 
-    def _floats(self, tensors: Tensors) -> Union[int, float]:
+    def floats_per_sync(self) -> Union[int, float]:
+        """Floats one machine sends per synchronisation: one machine's averaged tensors (S/M of them with S < M
+        participants; with F fragments, a round sends one fragment: 1/F of them on average); 0 with one machine."""
         if self.num_machines == 1:
             return 0
-        return _selection.floats_sent(tensors, self.num_machines, self.participants)
+        return _selection.floats_sent(self._tensors(), self.num_machines, self.participants) / self.options.fragments
 
     def bytes_per_sync(self) -> Union[int, float]:
-        """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent: the payload
-        of one machine's averaged tensors (with S < M participants, S/M of it: the average over the
-        machines); 0 with one machine in all. On the ring a participant sends 2 (S - 1) / S times the
-        payload (``link_counts``). With ``compression``, its message: the codes and per-block values of
-        the first stage (``lit_slowcal.compression``)."""
-        return self._bytes(self._sync_bytes(self._tensors())[0])
-
-    def _bytes(self, payload: int) -> Union[int, float]:
-        """What one machine sends on average for a participant's ``payload`` bytes: S/M of it; 0 with one machine."""
-        if self.num_machines == 1:
-            return 0
-        return payload if self.participants == self.num_machines else payload * self.participants / self.num_machines
-
-    def _link_counts(self, payload: int, second: Optional[int] = None, syncs: int = 1) -> link.LinkCounts:
-        """The counts of ``syncs`` synchronisations of ``payload`` bytes among the S participants (with
-        ``second``, a compressed one: ``payload`` bytes in its first stage, ``second`` in its second);
-        none with one machine."""
-        if self.num_machines == 1:
-            return link.LinkCounts()
-        if second is None:
-            return link.LinkCounts.of_syncs(payload, self.participants, syncs)
-        return link.LinkCounts.of_stages(payload, second, self.participants, syncs)
+        """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent (with
+        ``compression``, the first stage's message: codes and per-block values); so that ``bytes_per_sync()
+        x num_syncs`` is ``bytes_communicated`` after whole periods of K steps. On the ring a participant
+        sends 2 (S - 1) / S times its payload (``link_counts``)."""
+        first = self._sync_bytes(self._tensors())[0]
+        return Counts.per_machine(first, self.num_machines, self.participants) / self.options.fragments
 
     def ddp_counts(self) -> link.LinkCounts:
         """The DDP reference: what DDP would have sent over the ``steps`` taken so far, one all-reduce of one
@@ -629,23 +505,24 @@ class PeriodicAverager:
         """
         if self._in_flight is not None:
             self._land()
-        tensors = self._begin_round(None)
+        self._blocking_round(self._begin_round(None))
+        self._settled_step = self.steps
+
+    def _blocking_round(self, tensors: Tensors) -> None:
+        """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
+        every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors."""
         with torch.no_grad():
             stages = self._average(tensors, self.participant_weights())
-            if self.outer is not None:
-                _server.outer_step(self.outer, self.global_params, self._outer_pairs(tensors))
-        if self.compressed is not None:  # counted now: what went exactly (no anchor yet) and what compressed
-            first, second = stages or (link.payload_bytes(tensors), None)
-            self.bytes_communicated += self._bytes(first)
-            self.link_counts += self._link_counts(first, second)
+            self._outer_step(tensors, tensors)
+        first, second = stages or (link.payload_bytes(tensors), None)  # what went exactly, or compressed
+        self.counts.add(tensors, first, second, self.num_machines, self.participants)
         self._end_round()
         if self.compressed is not None:  # what every machine holds now: the next round's anchor
             self.compressed.anchor(tensors)
-        self._settled_step = self.steps
 
     def _begin_round(self, fragment: Optional[int]) -> Tensors:
-        """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``,
-        and the counts of what it sends. Returns the tensors it averages (``fragment``'s, or all)."""
+        """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``.
+        Returns the tensors it averages (``fragment``'s, or all)."""
         if self.world_size > 1 and (self.options.check_schedule or not self._setup_checked):
             # Every rank at the same step (and, the first time, set up alike), or one error on all.
             self.check_setup(counts=self.options.check_schedule)
@@ -656,13 +533,7 @@ class PeriodicAverager:
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
-        tensors = self._tensors() if fragment is None else self._fragments()[fragment]
-        self.floats_communicated += self._floats(tensors)
-        if self.compressed is None:  # a compressed round counts its bytes once they are known (sync)
-            payload = link.payload_bytes(tensors)
-            self.bytes_communicated += self._bytes(payload)
-            self.link_counts += self._link_counts(payload)
-        return tensors
+        return self._tensors() if fragment is None else self._fragments()[fragment]
 
     def _end_round(self, count: bool = True) -> None:
         """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
@@ -679,17 +550,16 @@ class PeriodicAverager:
         if self._in_flight is not None:  # K made smaller mid-run: the last round lands before the next starts
             self._land()
         tensors = self._begin_round(fragment if self.options.fragments > 1 else None)
+        if self.options.overlap_delay == 0:
+            self._blocking_round(tensors)
+            return
         weights = self.participant_weights()
         with torch.no_grad():
-            if self.options.overlap_delay == 0:
-                self._average(tensors, weights)
-                self._outer_step(tensors, tensors)
-                self._end_round()
-                return
             land = self.steps + self.options.overlap_delay
             start = lambda result: self._start_average(result, weights)  # noqa: E731
             self._in_flight = _overlap.Round(tensors, land, start, fragment)
-            self.overlapped_counts += self._link_counts(link.payload_bytes(tensors))
+        payload, machines = link.payload_bytes(tensors), self.num_machines
+        self.counts.add(tensors, payload, None, machines, self.participants, overlapped=True)
         self.num_syncs += 1
         self.last_sync_step = self.steps
 
@@ -754,7 +624,7 @@ class PeriodicAverager:
         self._setup_checked = True
         # What this process sends in the check's ring all-gather: its int64 values to each other process.
         sent = (self.world_size - 1) * _collectives.CHECK_VALUES * 8
-        self.link_counts += link.LinkCounts(check_bytes=sent)
+        self.counts.link += link.LinkCounts(check_bytes=sent)
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.
@@ -839,13 +709,3 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
-
-
-def _cpu(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``state`` with every tensor of its lists on the CPU (what ``gather_state_dict`` sends)."""
-    if state is None:
-        return None
-    return {
-        k: [v.cpu() if isinstance(v, Tensor) else v for v in vs] if isinstance(vs, list) else vs
-        for k, vs in state.items()
-    }
