@@ -44,6 +44,9 @@ from lit_slowcal.protocol import declared
 __all__ = ["OPTION_NAMES", "AveragingOptions", "check_overlap", "check_participation", "option_keywords"]
 
 OuterFactory = Callable[[Iterable[Tensor]], Optimizer]
+#: S or a fraction of M. Made at import, int first: typing caches a Union by its members, so whichever order
+#: is made first in a process is every later equal Union's, and a parser trying float first reads "4" as 4.0.
+Participation = Optional[Union[int, float]]
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class AveragingOptions:
     bucket_cap_mb: float = 25.0
     check_schedule: bool = True
     outer_optimizer: Optional[OuterFactory] = None
-    participation: Optional[Union[int, float]] = None
+    participation: Participation = None
     participation_seed: int = 0
     compression: Union[None, str, Compressor] = None
     error_feedback: Optional[bool] = None
