@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_slowcal._selection import Tensors
-from lit_slowcal.compression import Compressor, compressor
+from lit_slowcal.compression import Compressor
+from lit_slowcal.link import LinkCounts
 
 __all__ = ["CompressedAverage", "accumulation_dtype"]
 
@@ -96,33 +97,6 @@ class CompressedAverage:
         self.owner_errors: dict[int, Tensor] = {}  # the second stage's, on the blocks this process reduces
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._loaded = False  # a loaded state, not yet on the tensors' devices
-
-    @classmethod
-    def build(
-        cls, compression: Any, error_feedback: Any, tensors: Tensors, machines_per_process: int, delay: int, parts: int
-    ) -> Optional[CompressedAverage]:
-        """The averager's compressed average for ``compression`` (``None``: none), each option checked against
-        the averaged ``tensors``, the machines per process and the overlap (``delay``, ``parts``): one line."""
-        code = compressor(compression)
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise ValueError(
-                f"Invalid error_feedback: {error_feedback!r} (True, False, or None: on for a lossy compressor)"
-            )
-        if code is None:
-            return None
-        loose = [t for t, s in tensors if not s] if machines_per_process > 1 else []
-        if loose:
-            raise ValueError(
-                f"Invalid compression: {code.name!r} with {machines_per_process} simulated machines per process "
-                f"and {len(loose)} averaged tensors outside SimulatedMachines (of shape {tuple(loose[0].shape)}); "
-                "compression needs every averaged tensor to hold one slice per machine"
-            )
-        if delay or parts > 1:
-            raise ValueError(
-                f"Invalid compression: {code.name!r} with overlap_delay={delay}, fragments={parts} "
-                "(compressed rounds are blocking rounds of the whole model; use one or the other)"
-            )
-        return cls(code, code.lossy if error_feedback is None else error_feedback)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -222,6 +196,11 @@ class CompressedAverage:
             first += coded
             second += coded if self.code.second_stage else n * torch.empty(0, dtype=acc).element_size()
         return first, second
+
+    @staticmethod
+    def link_counts(first: int, second: Optional[int], participants: int) -> LinkCounts:
+        """One round's ring counts: an all-to-all of ``first`` bytes, then an all-gather of ``second``."""
+        return LinkCounts.of_stages(first, first if second is None else second, participants)
 
     def _layout(self, items: Tensors, world: int) -> _Layout:
         sizes = [t[0].numel() if s else t.numel() for t, s in items]

@@ -1,8 +1,8 @@
 """What one machine sends, counted in one place for every kind of round (exact, compressed, overlapped).
 
-A round of ``tensors`` among M machines of which S take part sends, per participant, a message of
-``first`` bytes (the payload in the tensors' dtypes; a compressed round's codes and per-block values)
-and, for a compressed round, ``second`` bytes in its second stage. ``Counts.add`` adds one round:
+A round of ``tensors`` among M machines of which S take part sends, per participant, a message (the
+payload in the tensors' dtypes; a coded round's codes) and the ring counts its engine gives
+(``lit_slowcal._rounds.Sent``). ``Counts.add`` adds one round:
 ``floats`` and ``bytes`` per machine (S/M of a participant's), ``link`` for the ring model
 (``lit_slowcal.link.LinkCounts``) and, for an overlapped round, ``overlapped`` (the part training
 hides). With one machine in all nothing is sent. ``Counts.rebuilt`` is the same sum for a resumed
@@ -12,7 +12,7 @@ schedule's rounds, so a resume and a run that took them count alike.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional, Union
+from typing import Union
 
 from lit_slowcal import link
 from lit_slowcal._selection import Tensors, floats_sent
@@ -38,52 +38,40 @@ class Counts:
             return 0
         return amount if participants == machines else amount * participants / machines
 
-    @staticmethod
-    def of_rounds(
-        first: int, second: Optional[int], machines: int, participants: int, rounds: int = 1
-    ) -> link.LinkCounts:
-        """``rounds`` rounds' ring counts: ``first`` bytes a participant (a compressed round: ``first`` in its first
-        stage, ``second`` in its second); none with one machine."""
-        if machines == 1:
-            return link.LinkCounts()
-        if second is None:
-            return link.LinkCounts.of_syncs(first, participants, rounds)
-        return link.LinkCounts.of_stages(first, second, participants, rounds)
-
     def add(
         self,
         tensors: Tensors,
-        first: int,
-        second: Optional[int],
+        sent: tuple[int, link.LinkCounts],
         machines: int,
         participants: int,
         *,
         rounds: int = 1,
         overlapped: bool = False,
     ) -> None:
-        """Count ``rounds`` rounds of ``tensors`` whose participants each sent ``first`` (and ``second``) bytes."""
+        """Count ``rounds`` rounds of ``tensors`` in which each participant sent ``sent`` (its message's bytes
+        and ring counts, a round engine's ``Sent``)."""
         if machines == 1:
             return
         self.floats += rounds * floats_sent(tensors, machines, participants)
-        self.bytes += rounds * self.per_machine(first, machines, participants)
-        sent = self.of_rounds(first, second, machines, participants, rounds)
-        self.link += sent
+        self.bytes += rounds * self.per_machine(sent[0], machines, participants)
+        ring = sent[1].times(rounds) if rounds != 1 else sent[1]
+        self.link += ring
         if overlapped:
-            self.overlapped += sent
+            self.overlapped += ring
 
     @classmethod
     def rebuilt(
         cls,
-        rounds: Iterable[tuple[Tensors, tuple[int, Optional[int]], int]],
+        rounds: Iterable[tuple[Tensors, tuple[int, link.LinkCounts], int]],
         machines: int,
         participants: int,
         overlapped: bool,
     ) -> Counts:
-        """The counts of ``rounds``: (tensors, their (first, second) bytes, how many such rounds)."""
+        """The counts of ``rounds``: (tensors, what a participant sent in one such round, how many such rounds)."""
         counts = cls()
-        for tensors, (first, second), n in rounds:
+        for tensors, sent, n in rounds:
             if n:
-                counts.add(tensors, first, second, machines, participants, rounds=n, overlapped=overlapped)
+                counts.add(tensors, sent, machines, participants, rounds=n, overlapped=overlapped)
         return counts
 
 

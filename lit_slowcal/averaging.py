@@ -64,12 +64,15 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal import _averager_state, _collectives, _communication, _overlap, _selection, _server, link
 from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
+from lit_slowcal._coded import CodedAverage
 from lit_slowcal._collectives import broadcast_module
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._counts import Counts, counted
 from lit_slowcal._hooks import after_every_step, on_every_backward
+from lit_slowcal._rounds import CodedRound, Engine, ExactRound
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
+from lit_slowcal.compression import Code
 from lit_slowcal.options import AveragingOptions
 from lit_slowcal.protocol import declared
 
@@ -178,8 +181,6 @@ class PeriodicAverager:
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
-        # The flattened buckets' buffers, kept between syncs; with bucket_views, the buffers the tensors live in.
-        self._flat_pool = _communication.FlatPool(self.options.bucket_views)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -193,9 +194,8 @@ class PeriodicAverager:
         if factory is not None:
             self.global_params, self.outer = _server.start_outer(factory, self._outer_pairs())
         self.options.check_tensors(self._tensors(), self.machines_per_process)
-        #: The compressed average's anchors and error feedback (``None``: the exact average).
-        code = self.options.compressor
-        self.compressed = None if code is None else CompressedAverage(code, self.options.lossy_feedback)
+        #: How a round's tensors become their average, and what that sends (``lit_slowcal._rounds``).
+        self.engine: Engine = _engine(self.options, self.num_machines, self.machines_per_process, process_group)
         if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
         if start_step:
@@ -292,25 +292,29 @@ class PeriodicAverager:
         compressed); ``floats``: ``floats_communicated`` too."""
         n, F = self.num_syncs, self.options.fragments
         parts = [self._tensors()] if F == 1 else self._fragments()
-        rounds = [(tensors, self._sync_bytes(tensors), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)]
+        S = self.participants
+        rounds = [
+            (tensors, self.engine.sent(tensors, S), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)
+        ]
         sent = Counts.rebuilt(rounds, self.num_machines, self.participants, overlapped=self.options.overlap_delay > 0)
         if not floats:
             sent.floats = self.counts.floats
         self.counts = sent
 
-    def _sync_bytes(self, tensors: Tensors) -> tuple[int, Optional[int]]:
-        """One participant's bytes in a synchronisation of ``tensors``: the payload, or with ``compression``
-        those of its two stages (as if every tensor had an anchor)."""
-        if self.compressed is None:
-            return link.payload_bytes(tensors), None
-        return self.compressed.message_bytes(tensors)
-
     def stage_bytes(self) -> tuple[int, int]:
         """One participant's bytes in the two stages of a synchronisation (``LinkCounts.of_stages``): the
         payload twice (the ring all-reduce's halves), or with ``compression`` its first-stage message and
         the mean's (as if every tensor had an anchor)."""
-        first, second = self._sync_bytes(self._tensors())
-        return first, first if second is None else second
+        if self.compressed is None:
+            payload = link.payload_bytes(self._tensors())
+            return payload, payload
+        return self.compressed.message_bytes(self._tensors())
+
+    @property
+    def compressed(self) -> Optional[CompressedAverage]:
+        """With ``compression``, the anchors and error feedback (``CompressedAverage``, or ``CodedAverage`` for a
+        ``Code``); ``None`` for the exact average."""
+        return self.engine.state if isinstance(self.engine, CodedRound) else None
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule, this process's per-machine optimizer state (``"per_machine"``, where the optimizer
@@ -420,8 +424,8 @@ class PeriodicAverager:
     @property
     def bucket_views(self) -> bool:
         """Whether the averaged tensors live in flat buffers that a synchronisation all-reduces where they lie
-        (the argument; its pool holds it)."""
-        return self._flat_pool.bucket_views
+        (``options.bucket_views``; the exact engine's pool holds it)."""
+        return self.engine.pool.bucket_views
 
     # -- machines ----------------------------------------------------------------------------
 
@@ -464,7 +468,7 @@ class PeriodicAverager:
         ``compression``, the first stage's message: codes and per-block values); so that ``bytes_per_sync()
         x num_syncs`` is ``bytes_communicated`` after whole periods of K steps. On the ring a participant
         sends 2 (S - 1) / S times its payload (``link_counts``)."""
-        first = self._sync_bytes(self._tensors())[0]
+        first = self.engine.sent(self._tensors(), self.participants).bytes
         return Counts.per_machine(first, self.num_machines, self.participants) / self.options.fragments
 
     def ddp_counts(self) -> link.LinkCounts:
@@ -512,13 +516,11 @@ class PeriodicAverager:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
         every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors."""
         with torch.no_grad():
-            stages = self._average(tensors, self.participant_weights())
+            sent = self.engine.average(tensors, self.participant_weights())
             self._outer_step(tensors, tensors)
-        first, second = stages or (link.payload_bytes(tensors), None)  # what went exactly, or compressed
-        self.counts.add(tensors, first, second, self.num_machines, self.participants)
+        self.counts.add(tensors, sent, self.num_machines, self.participants)
         self._end_round()
-        if self.compressed is not None:  # what every machine holds now: the next round's anchor
-            self.compressed.anchor(tensors)
+        self.engine.settle(tensors)  # what every machine holds now: a coded round's next anchors
 
     def _begin_round(self, fragment: Optional[int]) -> Tensors:
         """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``.
@@ -556,10 +558,10 @@ class PeriodicAverager:
         weights = self.participant_weights()
         with torch.no_grad():
             land = self.steps + self.options.overlap_delay
-            start = lambda result: self._start_average(result, weights)  # noqa: E731
+            start = lambda result: self.engine.start(result, weights)  # noqa: E731
             self._in_flight = _overlap.Round(tensors, land, start, fragment)
-        payload, machines = link.payload_bytes(tensors), self.num_machines
-        self.counts.add(tensors, payload, None, machines, self.participants, overlapped=True)
+        sent = self.engine.sent(tensors, self.participants)
+        self.counts.add(tensors, sent, self.num_machines, self.participants, overlapped=True)
         self.num_syncs += 1
         self.last_sync_step = self.steps
 
@@ -643,8 +645,7 @@ class PeriodicAverager:
         broadcast_module(self.modules, src, process_group=self.process_group, extra=[t for t, _ in tensors])
         if self.outer is not None:
             _server.reset_round_start(self.global_params, self._outer_pairs())
-        if self.compressed is not None:
-            self.compressed.anchor(tensors)
+        self.engine.settle(tensors)
 
     # -- what is averaged ---------------------------------------------------------------------
 
@@ -661,32 +662,6 @@ class PeriodicAverager:
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state``, the buffers."""
         return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
-
-    def _average(self, tensors: Tensors, weights: Optional[Tensor] = None) -> Optional[tuple[int, int]]:
-        """Replace every tensor by its average over the machines: exactly (``_communication.average``), or
-        with ``compression`` the tensors that have an anchor compressed (``lit_slowcal._compressed``).
-        Returns ``None`` when all went exactly, else one participant's bytes in the two stages."""
-        m, group, cap = self.machines_per_process, self.process_group, self.options.bucket_cap_bytes
-        coded = self.compressed
-        if coded is None or self.num_machines == 1 or not coded.ready(tensors):
-            _communication.average(
-                tensors,
-                weights,
-                machines_per_process=m,
-                process_group=group,
-                bucket_cap_bytes=cap,
-                pool=self._flat_pool,
-            )
-            return None
-        participants = None if weights is None else weights > 0
-        return coded.average(tensors, participants, machines_per_process=m, process_group=group)
-
-    def _start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
-        """Start ``_average``'s all-reduces without waiting for them (``_communication.start_average``)."""
-        m, group, cap = self.machines_per_process, self.process_group, self.options.bucket_cap_bytes
-        return _communication.start_average(
-            tensors, weights, machines_per_process=m, process_group=group, bucket_cap_bytes=cap
-        )
 
     def _units(self) -> list[Tensors]:
         """``_tensors()`` in units: a parameter with its averaged state, or a buffer (``_selection.averaged_units``)."""
@@ -709,3 +684,13 @@ class PeriodicAverager:
             f"{type(self).__name__}(sync_every={self.sync_every}, optimizer={type(self.optimizer).__name__}, "
             f"steps={self.steps}, num_syncs={self.num_syncs})"
         )
+
+
+def _engine(options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any]) -> Engine:
+    """The round engine of ``options``: exact, or coded by its compressor (a block ``Compressor`` or a ``Code``)."""
+    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
+    code = options.compressor
+    if code is None:
+        return exact
+    state = (CodedAverage if isinstance(code, Code) else CompressedAverage)(code, options.lossy_feedback)
+    return CodedRound(state, exact)

@@ -47,20 +47,34 @@ as zeros with scale 0), the values ``round(v / scale)`` (half to even) clamped t
 mean is encoded the same way for the second stage. A float32 tensor then travels at a quarter of
 its bytes plus 4 bytes a block.
 
-Another compressor is a subclass of ``Compressor`` (``encode``, ``decode``, ``second_stage``,
+Another block compressor is a subclass of ``Compressor`` (``encode``, ``decode``, ``second_stage``,
 ``block_size``), passed as the ``compression`` argument itself.
+
+Any other code: ``Code``
+------------------------
+A ``Code`` sees one machine's whole change of one tensor (flat, in the accumulation dtype) and
+chooses what travels: ``encode(change) -> message`` (any picklable value: tensors of indices and
+values, a low-rank pair, ...), ``decode(message, numel, dtype) -> Tensor`` and
+``message_bytes(numel, dtype)``, the bytes its message has (what ``bytes_communicated`` counts). Every
+participant's messages reach every process (an all-gather of the pickled messages); ``reduce(messages,
+numel, dtype)`` turns the participants' messages, in machine order, into their mean change: by
+default the sum of the decoded changes in machine order divided by S; a code may gather instead
+(``TopK``-like codes: add each message's values at its indices). Every machine ends the round at
+``anchor + reduce(...)``; error feedback is the same as above, for any lossy code: each machine keeps
+``delta_i + e_i - decode(encode(delta_i + e_i))``. docs/communication.md ("A code of your own")
+gives a sparse code written against this interface alone.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lit_slowcal._validation import check_int
 
-__all__ = ["BFloat16", "Compressor", "Int8", "compressor"]
+__all__ = ["BFloat16", "Code", "Compressor", "Int8", "compressor"]
 
 
 class Compressor:
@@ -128,16 +142,51 @@ class Int8(Compressor):
         return codes.to(dtype).mul_(per_block.to(dtype).unsqueeze(-1))
 
 
+class Code:
+    """A code of one machine's whole change of one tensor (see the module docstring, "Any other code").
+
+    ``encode(change)`` gets a 1-D tensor (the change plus its error feedback, in the accumulation dtype:
+    float32, or float64 for float64 tensors) and returns the message; ``decode(message, numel, dtype)``
+    returns the change the message stands for; ``message_bytes(numel, dtype)`` the bytes of a message of
+    ``numel`` values, which every message of that size must have. ``reduce`` may be overridden.
+    """
+
+    #: Whether decoding loses information (error feedback is on by default when it does).
+    lossy: bool = True
+    #: The name ``repr`` and error messages use.
+    name: str = "code"
+
+    def encode(self, change: Tensor) -> Any:
+        raise NotImplementedError
+
+    def decode(self, message: Any, numel: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def message_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def reduce(self, messages: list[Any], numel: int, dtype: torch.dtype) -> Tensor:
+        """The participants' mean change: their decoded changes summed in machine order, divided by their number."""
+        total = self.decode(messages[0], numel, dtype).clone()
+        for message in messages[1:]:
+            total.add_(self.decode(message, numel, dtype))
+        return total.div_(len(messages))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
 #: The compressors the ``compression`` argument names.
 NAMES = {"bf16": BFloat16, "int8": Int8}
 
 
-def compressor(spec: Union[None, str, Compressor]) -> Optional[Compressor]:
-    """The compressor ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, or a ``Compressor``."""
-    if spec is None or isinstance(spec, Compressor):
+def compressor(spec: Union[None, str, Compressor, Code]) -> Union[None, Compressor, Code]:
+    """The code ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, a ``Compressor`` or a ``Code``."""
+    if spec is None or isinstance(spec, (Compressor, Code)):
         return spec
     if isinstance(spec, str) and spec in NAMES:
         return NAMES[spec]()
     raise ValueError(
-        f"Invalid compression: {spec!r} (None, one of {', '.join(map(repr, NAMES))}, or a lit_slowcal.compression.Compressor)"
+        f"Invalid compression: {spec!r} (None, one of {', '.join(map(repr, NAMES))}, a lit_slowcal.compression.Compressor "
+        "or a lit_slowcal.compression.Code)"
     )

@@ -193,6 +193,25 @@ class LinkCounts:
             ring_hops=syncs * ring_hops(P),
         )
 
+    @classmethod
+    def of_gather(cls, message: int, participants: int, syncs: int = 1) -> LinkCounts:
+        """The counts of ``syncs`` rounds in which every participant's ``message`` bytes reach every other (a ring
+        all-gather: each sends (P - 1) messages and costs P - 1 latencies; a ``Code``'s round)."""
+        check_int("syncs", syncs, minimum=0)
+        P = participants
+        return cls(
+            syncs=syncs,
+            payload_bytes=syncs * message,
+            ring_bytes=syncs * float((P - 1) * message if P > 1 else 0),
+            ring_hops=syncs * max(P - 1, 0),
+        )
+
+    def times(self, n: int) -> LinkCounts:
+        """The counts of ``n`` such runs (each field times ``n``; the check's bytes too)."""
+        return LinkCounts(
+            n * self.syncs, n * self.payload_bytes, n * self.ring_bytes, n * self.ring_hops, n * self.check_bytes
+        )
+
     def __add__(self, other: LinkCounts) -> LinkCounts:
         if not isinstance(other, LinkCounts):
             return NotImplemented

@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
             averager.sync()
     finally:
         dist.all_reduce = all_reduce
-    pool = {b.untyped_storage().data_ptr() for slots in averager._flat_pool.buffers.values() for b in slots}
+    pool = {b.untyped_storage().data_ptr() for slots in averager.engine.pool.buffers.values() for b in slots}
     plain = {**_plain_syncs(rank, world), **_view_syncs(rank, world)}
     if rank == 0:
         torch.save(
@@ -172,7 +172,7 @@ def _plain_syncs(rank: int, world: int) -> dict:
         averager.sync()
         out["plain_expected"] += _reference(before, [False] * len(pairs), world, weighted=False)
         out["plain_after"] += [t.detach().clone() for t, _ in pairs]
-        out["plain_views"].append([id(v) for *_, views in averager._flat_pool.layouts.values() for v in views])
+        out["plain_views"].append([id(v) for *_, views in averager.engine.pool.layouts.values() for v in views])
     return out
 
 

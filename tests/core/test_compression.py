@@ -371,7 +371,10 @@ def test_a_compressor_of_ones_own_plugs_in():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"compression": "fp4"}, r"^Invalid compression: 'fp4' \(None, one of 'bf16', 'int8', or a lit_slowcal"),
+        (
+            {"compression": "fp4"},
+            r"^Invalid compression: 'fp4' \(None, one of 'bf16', 'int8', a lit_slowcal.compression.Compressor or a lit_slowcal",
+        ),
         ({"compression": "int8", "error_feedback": "yes"}, r"^Invalid error_feedback: 'yes' \(True, False, or None"),
         (
             {"compression": "int8", "overlap_delay": 1},

@@ -1,0 +1,93 @@
+"""A round of any whole-tensor ``Code`` (``lit_slowcal.compression.Code``): encode, gather, reduce.
+
+``CodedAverage`` keeps the anchors and the error feedback as ``CompressedAverage`` does (by a tensor's
+place among the averaged tensors, saved and resumed alike; ``owner_errors`` stays empty: there is no
+second stage). One round of ``ready`` tensors, per tensor and per machine i of this process:
+``c_i = value_i - anchor + e_i`` in the accumulation dtype, ``message_i = code.encode(c_i)`` and, with
+error feedback, ``e_i <- c_i - code.decode(message_i)`` (a machine outside the round keeps its buffer).
+Every process's messages reach every process in one all-gather of Python objects; every process then
+computes ``anchor + code.reduce(the participants' messages, in machine order)``, the same bits on all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lit_slowcal._compressed import CompressedAverage, accumulation_dtype
+from lit_slowcal._selection import Tensors
+from lit_slowcal.compression import Code
+from lit_slowcal.link import LinkCounts
+
+__all__ = ["CodedAverage"]
+
+
+class CodedAverage(CompressedAverage):
+    """Anchors, error feedback and the gathered reduce of a ``Code`` (see the module docstring)."""
+
+    code: Code  # type: ignore[assignment]
+
+    def __init__(self, code: Code, error_feedback: bool) -> None:
+        super().__init__(code, error_feedback)  # type: ignore[arg-type]
+
+    def average(
+        self,
+        tensors: Tensors,
+        participants: Optional[Tensor],
+        *,
+        machines_per_process: int,
+        process_group: Optional[Any],
+    ) -> tuple[int, int]:
+        """Replace every tensor by ``anchor + reduce(messages)`` and move the anchors there (see the module
+        docstring). Returns one machine's message bytes, and 0 (no second stage)."""
+        if self._loaded:
+            self.to(tensors)
+            self._loaded = False
+        m, code = machines_per_process, self.code
+        world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank(process_group) if world > 1 else 0
+        mine = None if participants is None else participants[rank * m : (rank + 1) * m].tolist()
+        messages: list[list[Any]] = []  # [tensor][machine of this process]
+        first = 0
+        for k, (t, s) in enumerate(tensors):
+            acc, n = accumulation_dtype(t.dtype), self.anchors[k].numel()
+            changes = t.detach().reshape(m if s else 1, n).to(acc) - self.anchors[k].reshape(1, n).to(acc)
+            e = self.errors.get(k)
+            if e is not None:
+                changes += e.reshape(-1, n)
+            sent = [code.encode(change.clone()) for change in changes]
+            if self.error_feedback:
+                if e is None:
+                    e = self.errors[k] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=t.device)
+                for i, message in enumerate(sent):
+                    if mine is None or mine[i]:
+                        e.view(-1, n)[i] = changes[i] - code.decode(message, n, acc)
+            messages.append(sent)
+            first += code.message_bytes(n, acc)
+        everyone: list[Any] = [messages]
+        if world > 1:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, messages, group=process_group)
+        keep = None if participants is None else participants.tolist()
+        for k, (t, s) in enumerate(tensors):
+            acc, a = accumulation_dtype(t.dtype), self.anchors[k]
+            ordered = [message for process in everyone for message in process[k]]  # machine order, rank-major
+            chosen = ordered if keep is None else [msg for msg, p in zip(ordered, keep) if p]
+            mean = code.reduce(chosen, a.numel(), acc).to(a.device)
+            new = (a.to(acc).reshape(-1) + mean).to(t.dtype).view(a.shape)
+            a.copy_(new)
+            t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
+        return first, 0
+
+    def message_bytes(self, tensors: Tensors) -> tuple[int, int]:
+        """One machine's message bytes for a round of ``tensors`` (``Code.message_bytes``), and 0."""
+        return sum(self.code.message_bytes(t[0].numel() if s else t.numel(), accumulation_dtype(t.dtype))
+                   for t, s in tensors), 0  # fmt: skip
+
+    @staticmethod
+    def link_counts(first: int, second: Optional[int], participants: int) -> LinkCounts:
+        """One round's ring counts: every participant's message to every other (a ring all-gather)."""
+        return LinkCounts.of_gather(first, participants)

@@ -1,0 +1,119 @@
+"""The round engines: how a round's tensors become their average over the machines, and what that sends.
+
+``PeriodicAverager`` keeps the schedule, the state and the checks; it hands a round's tensors to one
+engine, through one small interface:
+
+- ``average(tensors, weights) -> Sent``: replace every tensor by its (weighted) mean over the M
+  machines, blocking; return what one participant sent (``Sent``: its message's bytes, and its
+  ring counts for ``lit_slowcal.link``);
+- ``sent(tensors, participants) -> Sent``: what such a round sends, without running it (``bytes_per_sync``,
+  a resumed schedule's counts);
+- ``settle(tensors)``: after the round (the outer step and ``post_sync`` applied): what every machine
+  now holds becomes the next round's starting point (a coded round's anchors);
+- ``start(tensors, weights)``: the exact average's collectives started, not waited for (an overlapped
+  round, ``lit_slowcal._overlap.Round``, which lands tau steps later).
+
+``ExactRound``: bucketed all-reduces (``lit_slowcal._communication``); a participant sends the payload,
+2 (S - 1) / S of it on the ring. ``CodedRound``: the round's change since its anchor travels encoded
+(``lit_slowcal.compression``: a block ``Compressor`` in two stages, ``lit_slowcal._compressed``; any
+whole-tensor ``Code`` gathered, ``lit_slowcal._coded``), each state counting its own bytes; a tensor
+without an anchor yet goes exactly. The outer optimizer's step is the averager's, once, after any engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+from torch import Tensor
+
+from lit_slowcal import _communication, link
+from lit_slowcal._coded import CodedAverage
+from lit_slowcal._compressed import CompressedAverage
+from lit_slowcal._selection import Tensors
+
+__all__ = ["CodedRound", "Engine", "ExactRound", "Sent"]
+
+
+class Sent(NamedTuple):
+    """What one participant sent in one round: its message's bytes, and its counts for the ring model."""
+
+    bytes: int
+    link: link.LinkCounts
+
+
+class ExactRound:
+    """The exact (weighted) mean: every tensor all-reduced in buckets (``_communication.average``)."""
+
+    def __init__(
+        self, machines: int, machines_per_process: int, process_group: Optional[Any], bucket_cap_bytes: int,
+        bucket_views: bool,
+    ) -> None:  # fmt: skip
+        self.machines = machines  # M
+        self.machines_per_process = machines_per_process
+        self.process_group = process_group
+        self.bucket_cap_bytes = bucket_cap_bytes
+        #: The flattened buckets' buffers, kept between rounds; with bucket views, the buffers the tensors live in.
+        self.pool = _communication.FlatPool(bucket_views)
+
+    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
+        _communication.average(
+            tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
+            bucket_cap_bytes=self.bucket_cap_bytes, pool=self.pool,
+        )  # fmt: skip
+        return self.sent(tensors, _participants(weights))
+
+    def start(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
+        return _communication.start_average(
+            tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
+            bucket_cap_bytes=self.bucket_cap_bytes,
+        )  # fmt: skip
+
+    def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
+        payload = link.payload_bytes(tensors)
+        return Sent(payload, link.LinkCounts.of_syncs(payload, participants or self.machines))
+
+    def settle(self, tensors: Tensors) -> None:
+        pass
+
+
+class CodedRound:
+    """A round's change encoded (``state``: a block compressor's or a whole-tensor code's anchors, error
+    feedback and reduce); tensors without anchors, and rounds among one machine, go through ``exact``."""
+
+    def __init__(self, state: Union[CompressedAverage, CodedAverage], exact: ExactRound) -> None:
+        self.state = state
+        self.exact = exact
+        self.machines = exact.machines
+
+    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
+        if self.machines == 1 or not self.state.ready(tensors):
+            return self.exact.average(tensors, weights)
+        participants = None if weights is None else weights > 0
+        first, second = self.state.average(
+            tensors, participants, machines_per_process=self.exact.machines_per_process,
+            process_group=self.exact.process_group,
+        )  # fmt: skip
+        return Sent(first, self.state.link_counts(first, second, _participants(weights) or self.machines))
+
+    def start(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
+        return self.exact.start(tensors, weights)
+
+    def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
+        first, second = self.state.message_bytes(tensors)
+        return Sent(first, self.state.link_counts(first, second, participants or self.machines))
+
+    def settle(self, tensors: Tensors) -> None:
+        self.state.anchor(tensors)
+
+    @property
+    def pool(self) -> _communication.FlatPool:
+        """The exact rounds' buffers (``ExactRound.pool``)."""
+        return self.exact.pool
+
+
+Engine = Union[ExactRound, CodedRound]
+
+
+def _participants(weights: Optional[Tensor]) -> Optional[int]:
+    """S, the machines with a weight (``None``: all)."""
+    return None if weights is None else int((weights > 0).sum())
