@@ -310,9 +310,9 @@ def test_two_processes_count_the_hand_value_and_the_checks_apart(tmp_path):
     out = results[0]
     # x and w of one machine's 15 + 3 float32 parameters: 2 * 18 * 4 = 144 bytes a sync. M = 4 machines
     # (2 processes x 2): 2 * 3/4 * 144 = 216 bytes and 6 hops a sync, 3 syncs.
-    # The checks: 4 all-gathers (broadcast's set-up check, one per sync) of 19 int64 values that each
-    # process sends to the 1 other: 4 * 19 * 8 = 608 bytes.
-    whole = {"syncs": 3, "payload_bytes": 432, "ring_bytes": 648.0, "ring_hops": 18, "check_bytes": 608}
+    # The checks: 4 all-gathers (broadcast's set-up check, one per sync) of 27 int64 values (2 counts, 24
+    # set-up slots, the collective's code) that each process sends to the 1 other: 4 * 27 * 8 = 864 bytes.
+    whole = {"syncs": 3, "payload_bytes": 432, "ring_bytes": 648.0, "ring_hops": 18, "check_bytes": 864}
     assert out["syncs"] == 3 and out["whole"] == whole and out["bytes"] == 432
     # The resumed averager's first sync checks its set-up in the same single all-gather: the same counts.
     assert out["resumed"] == whole
