@@ -4,7 +4,8 @@ that every rank is at the same point.
 Without an initialised process group there is one process, of rank 0 (``world_size``, ``rank``).
 ``check_same_point`` opens each of the averager's collectives (``COLLECTIVES``) with one all-gather
 of a fixed length: ranks in different collectives, at different points or set up differently get one
-``RuntimeError`` each, before anything is averaged or gathered.
+``RuntimeError`` each, before anything is averaged or gathered. ``Machines`` is ``PeriodicAverager``'s
+part that names its machines: the processes, m per process, M, and the S that take part in a round.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lit_slowcal._selection import Modules, _as_list, local
+from lit_slowcal import _server
+from lit_slowcal._selection import Modules, _as_list, local, machines_per_process
+from lit_slowcal.options import AveragingOptions
 
 if dist.is_available():
     # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default argument when
@@ -28,7 +31,7 @@ if dist.is_available():
     # with lit_slowcal and before any process group, it binds None.
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["broadcast_module", "check_same_point", "gather_ints", "gather_objects", "rank", "world_size"]
+__all__ = ["Machines", "broadcast_module", "check_same_point", "gather_ints", "gather_objects", "rank", "world_size"]
 
 
 def world_size(process_group: Optional[Any]) -> int:
@@ -142,3 +145,46 @@ def check_same_point(
             "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
             f"skipped optimizer.step()), and averaging now would mix different steps: {advice}."
         )
+
+
+class Machines:
+    """An averager's machines (mixed into ``PeriodicAverager``): P processes of ``process_group`` hosting m each."""
+
+    process_group: Optional[Any]
+    modules: list[nn.Module]
+    options: AveragingOptions
+    num_syncs: int
+    _machines: Optional[int]
+
+    @property
+    def world_size(self) -> int:
+        """Processes averaged over (1 without an initialised process group)."""
+        return world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group (0 without an initialised process group)."""
+        return rank(self.process_group)
+
+    @property
+    def machines_per_process(self) -> int:
+        """m: machines hosted by this process (1 unless the model holds ``SimulatedMachines``)."""
+        if self._machines is None:
+            self._machines = machines_per_process(self.modules)
+        return self._machines
+
+    @property
+    def num_machines(self) -> int:
+        """M = processes x m."""
+        return self.world_size * self.machines_per_process
+
+    @property
+    def participants(self) -> int:
+        """S: the machines that take part in each round."""
+        return _server.num_participants(self.options.participation, self.num_machines)
+
+    def participant_weights(self, round_index: Optional[int] = None) -> Optional[Tensor]:
+        """The weights (1/S for the participants, 0 for the others) of the M machines in round
+        ``round_index`` (the next synchronisation's by default); ``None`` when all take part."""
+        r = self.num_syncs if round_index is None else round_index
+        return _server.participant_weights(self.num_machines, self.participants, self.options.participation_seed, r)

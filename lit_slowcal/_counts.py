@@ -6,20 +6,28 @@ payload in the tensors' dtypes; a coded round's codes) and the ring counts its e
 ``floats`` and ``bytes`` per machine (S/M of a participant's), ``link`` for the ring model
 (``lit_slowcal.link.LinkCounts``) and, for an overlapped round, ``overlapped`` (the part training
 hides). With one machine in all nothing is sent. ``Counts.rebuilt`` is the same sum for a resumed
-schedule's rounds, so a resume and a run that took them count alike.
+schedule's rounds, so a resume and a run that took them count alike. ``Counted`` is
+``PeriodicAverager``'s part that reads them (``bytes_per_sync``, ``floats_communicated``, ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lit_slowcal import link
+from lit_slowcal._rounds import Engine
 from lit_slowcal._selection import Tensors, floats_sent
+from lit_slowcal.options import AveragingOptions
 
-__all__ = ["Counts", "counted"]
+__all__ = ["Counted", "Counts", "counted"]
 
 Number = Union[int, float]
+
+
+def counted(name: str, doc: str) -> property:
+    """A property of an object holding ``counts`` (a ``Counts``) that reads and writes its ``name``."""
+    return property(lambda self: getattr(self.counts, name), lambda self, v: setattr(self.counts, name, v), doc=doc)
 
 
 class Counts:
@@ -75,6 +83,78 @@ class Counts:
         return counts
 
 
-def counted(name: str, doc: str) -> property:
-    """A property of an object holding ``counts`` (a ``Counts``) that reads and writes its ``name``."""
-    return property(lambda self: getattr(self.counts, name), lambda self, v: setattr(self.counts, name, v), doc=doc)
+class Counted:
+    """What an averager has sent and sends a round (mixed into ``PeriodicAverager``; its ``counts`` hold it)."""
+
+    counts: Counts
+    options: AveragingOptions
+    engine: Engine
+    steps: int
+    num_syncs: int
+
+    if TYPE_CHECKING:  # what the averager gives its parts
+
+        @property
+        def num_machines(self) -> int: ...
+
+        @property
+        def participants(self) -> int: ...
+
+        @property
+        def compressed(self) -> Optional[Any]: ...
+
+        def _tensors(self) -> Tensors: ...
+
+        def _fragments(self) -> list[Tensors]: ...
+
+        def _outer_pairs(self) -> Tensors: ...
+
+    floats_communicated = counted("floats", "Floats one machine has sent over all rounds (S/M of a participant's).")
+    bytes_communicated = counted("bytes", "The same in bytes, in the dtypes sent (a compressed round's message).")
+    link_counts = counted("link", "One participant's ``LinkCounts`` over all rounds, for the ring model.")
+    overlapped_counts = counted("overlapped", "The part of ``link_counts`` sent by overlapped rounds (tau >= 1).")
+
+    def floats_per_sync(self) -> Union[int, float]:
+        """Floats one machine sends per synchronisation: one machine's averaged tensors (S/M of them with S < M
+        participants; with F fragments, a round sends one fragment: 1/F of them on average); 0 with one machine."""
+        if self.num_machines == 1:
+            return 0
+        return floats_sent(self._tensors(), self.num_machines, self.participants) / self.options.fragments
+
+    def bytes_per_sync(self) -> Union[int, float]:
+        """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent (with
+        ``compression``, the first stage's message: codes and per-block values); so that ``bytes_per_sync()
+        x num_syncs`` is ``bytes_communicated`` after whole periods of K steps. On the ring a participant
+        sends 2 (S - 1) / S times its payload (``link_counts``)."""
+        first = self.engine.sent(self._tensors(), self.participants).bytes
+        return Counts.per_machine(first, self.num_machines, self.participants) / self.options.fragments
+
+    def ddp_counts(self) -> link.LinkCounts:
+        """The DDP reference: what DDP would have sent over the ``steps`` taken so far, one all-reduce of one
+        machine's parameter gradients (the optimizer's parameters, in their dtype) among all M machines
+        every step (``lit_slowcal.link.ddp_counts``; no participation, no check)."""
+        return link.ddp_counts(link.payload_bytes(self._outer_pairs()), self.steps, self.num_machines)
+
+    def _count_from_syncs(self, floats: bool = True) -> None:
+        """The counts of what was sent, rebuilt as ``num_syncs`` rounds of what is averaged now (with
+        fragments, round j sends fragment j mod F; with ``compression``, every round counted as
+        compressed); ``floats``: ``floats_communicated`` too."""
+        n, F = self.num_syncs, self.options.fragments
+        parts = [self._tensors()] if F == 1 else self._fragments()
+        S = self.participants
+        rounds = [
+            (tensors, self.engine.sent(tensors, S), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)
+        ]
+        sent = Counts.rebuilt(rounds, self.num_machines, self.participants, overlapped=self.options.overlap_delay > 0)
+        if not floats:
+            sent.floats = self.counts.floats
+        self.counts = sent
+
+    def stage_bytes(self) -> tuple[int, int]:
+        """One participant's bytes in the two stages of a synchronisation (``LinkCounts.of_stages``): the
+        payload twice (the ring all-reduce's halves), or with ``compression`` its first-stage message and
+        the mean's (as if every tensor had an anchor)."""
+        if self.compressed is None:
+            payload = link.payload_bytes(self._tensors())
+            return payload, payload
+        return self.compressed.message_bytes(self._tensors())

@@ -8,7 +8,13 @@ the fragment's tensors and starts the snapshot's average; training goes on on th
 tau steps later the round lands: live <- avg + (live - snapshot). With tau < K / F a round lands
 before the next one starts, so at most one is in flight.
 
-The averager keeps the round in flight (a ``Round``) and calls what is here.
+``OverlappedSchedule`` is ``PeriodicAverager``'s part that runs them: it keeps the round in flight (a
+``Round``), starts a fragment's round every K / F steps (blocking with tau = 0; else a snapshot whose
+average the round engine starts, ``engine.start``), lands it tau steps later (the outer optimizer's
+step on the snapshot's average, the merge, ``optimizer.post_sync()``), and counts it when it starts.
+A round's participants are drawn when it starts; each fragment's round is one of ``num_syncs``,
+``last_sync_step`` its start. ``close_round()`` lands a round in flight, then synchronises the whole
+model. An optimizer that declares ``pre_sync`` or ``post_sync`` is refused with tau >= 1 or F > 1.
 
 A checkpoint taken while a round is in flight holds it (``PeriodicAverager.state_dict()["in_flight"]``)::
 
@@ -24,15 +30,20 @@ averager can continue it; ``Round.from_state_dict`` restores it without communic
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from lit_slowcal import link
 from lit_slowcal._communication import Averaging
-from lit_slowcal._selection import Tensors
+from lit_slowcal._counts import Counts
+from lit_slowcal._rounds import Engine
+from lit_slowcal._selection import Tensors, averaged_units
+from lit_slowcal.options import AveragingOptions
 
-__all__ = ["Round", "partition", "saved_round"]
+__all__ = ["OverlappedSchedule", "Round", "partition", "saved_round"]
 
 
 def partition(sizes: Sequence[int], parts: int) -> list[int]:
@@ -189,3 +200,111 @@ def saved_round(
             "gather_state_dict() on every rank, or every rank's state_dict() in a file of its own"
         )
     return ranks[rank]
+
+
+class OverlappedSchedule:
+    """The overlapped and fragmented rounds of an averager (mixed into ``PeriodicAverager``; see the module
+    docstring)."""
+
+    options: AveragingOptions
+    engine: Engine
+    counts: Counts
+    modules: list[nn.Module]
+    optimizer: Optimizer
+    buffers: Optional[list[Tensor]]
+    steps: int
+    num_syncs: int
+    last_sync_step: int
+    _in_flight: Optional[Round]
+
+    if TYPE_CHECKING:  # what the averager gives its parts
+
+        @property
+        def sync_every(self) -> int: ...
+
+        @property
+        def num_machines(self) -> int: ...
+
+        @property
+        def participants(self) -> int: ...
+
+        def participant_weights(self, round_index: Optional[int] = None) -> Optional[Tensor]: ...
+
+        def _tensors(self) -> Tensors: ...
+
+        def _averaged_keys(self) -> tuple[str, ...]: ...
+
+        def _begin_round(self, fragment: Optional[int]) -> Tensors: ...
+
+        def _blocking_round(self, tensors: Tensors) -> None: ...
+
+        def _end_round(self, count: bool = True) -> None: ...
+
+        def _outer_step(self, live: Tensors, averaged: Tensors) -> None: ...
+
+    @property
+    def _overlapped(self) -> bool:
+        """Whether rounds overlap training or take turns by fragment (tau >= 1 or F > 1)."""
+        return self.options.overlap_delay > 0 or self.options.fragments > 1
+
+    def _overlapped_step(self) -> bool:
+        """``step()``'s schedule with overlapped rounds: land the round in flight at its step, start a
+        fragment's round every K / F steps. Returns whether one started."""
+        if self._in_flight is not None and self.steps >= self._in_flight.land_step:
+            self._land()
+        period = self.sync_every // self.options.fragments
+        if self.steps % period:
+            return False
+        self._start_round((self.steps // period) % self.options.fragments)
+        return True
+
+    def _refuse_in_flight(self, what: str) -> None:
+        """One ``RuntimeError`` line while a round is in flight (``what`` cannot run then)."""
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"PeriodicAverager.{what}: a round is in flight (it lands at step {self._in_flight.land_step}); "
+                "call close_round() first"
+            )
+
+    def _start_round(self, fragment: int) -> None:
+        """Fragment ``fragment``'s scheduled round: blocking with tau = 0, else started to land tau steps later."""
+        if self._in_flight is not None:  # K made smaller mid-run: the last round lands before the next starts
+            self._land()
+        tensors = self._begin_round(fragment if self.options.fragments > 1 else None)
+        if self.options.overlap_delay == 0:
+            self._blocking_round(tensors)
+            return
+        weights = self.participant_weights()
+        with torch.no_grad():
+            land = self.steps + self.options.overlap_delay
+            start = lambda result: self.engine.start(result, weights)  # noqa: E731
+            self._in_flight = Round(tensors, land, start, fragment)
+        sent = self.engine.sent(tensors, self.participants)
+        self.counts.add(tensors, sent, self.num_machines, self.participants, overlapped=True)
+        self.num_syncs += 1
+        self.last_sync_step = self.steps
+
+    def _land(self) -> None:
+        """The round in flight lands: wait for its average, the outer optimizer's step on it, the merge
+        live <- avg + (live - snapshot), ``optimizer.post_sync()``."""
+        landing = self._in_flight
+        assert landing is not None
+        live = landing.bind(self._tensors)  # a restored round finds its live tensors (one line if it cannot)
+        self._in_flight = None
+        landing.wait()
+        with torch.no_grad():
+            self._outer_step(live, landing.result)
+            landing.merge()
+        self._end_round(count=False)
+
+    def _units(self) -> list[Tensors]:
+        """``_tensors()`` in units: a parameter with its averaged state, or a buffer (``_selection.averaged_units``)."""
+        return averaged_units(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+
+    def _fragments(self) -> list[Tensors]:
+        """The F fragments of ``_tensors()``: runs of units balanced by the bytes of the units' parameters
+        and buffers, which do not change as optimizer state appears (``_overlap.partition``)."""
+        units = self._units()
+        starts = partition([link.payload_bytes(unit[:1]) for unit in units], self.options.fragments)
+        ends = [*starts[1:], len(units)]
+        return [[pair for unit in units[a:b] for pair in unit] for a, b in zip(starts, ends)]

@@ -30,8 +30,10 @@ from lit_slowcal import _communication, link
 from lit_slowcal._coded import CodedAverage
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._selection import Tensors
+from lit_slowcal.compression import Code
+from lit_slowcal.options import AveragingOptions
 
-__all__ = ["CodedRound", "Engine", "ExactRound", "Sent"]
+__all__ = ["CodedRound", "Engine", "ExactRound", "Sent", "engine_for"]
 
 
 class Sent(NamedTuple):
@@ -117,3 +119,13 @@ Engine = Union[ExactRound, CodedRound]
 def _participants(weights: Optional[Tensor]) -> Optional[int]:
     """S, the machines with a weight (``None``: all)."""
     return None if weights is None else int((weights > 0).sum())
+
+
+def engine_for(options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any]) -> Engine:
+    """The round engine of ``options``: exact, or coded by its compressor (a block ``Compressor`` or a ``Code``)."""
+    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
+    code = options.compressor
+    if code is None:
+        return exact
+    state = (CodedAverage if isinstance(code, Code) else CompressedAverage)(code, options.lossy_feedback)
+    return CodedRound(state, exact)

@@ -12,6 +12,7 @@ module (or optimizer state of the parameter's shape) holds one slice per machine
 from __future__ import annotations
 
 import sys
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
@@ -24,7 +25,7 @@ from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
     "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
-    "is_averaged", "local", "machines_per_process", "reshard",
+    "fingerprint", "is_averaged", "local", "machines_per_process", "reshard",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -227,3 +228,17 @@ def floats_sent(tensors: Tensors, num_machines: int, participants: int) -> Union
     if participants == num_machines:
         return floats
     return floats * participants / num_machines
+
+
+def fingerprint(tensors: Tensors, keys: Sequence[str], optimizer: Optimizer) -> dict[str, tuple[int, str]]:
+    """What every rank's averaged tensors must share, each as (an integer code, its readable value): their number,
+    shapes, dtypes and contiguity, the averaged state keys and the optimizer's class (``check_same_point``)."""
+    shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(s)}:{int(t.is_contiguous())}" for t, s in tensors)
+    joined, kind = ",".join(keys), type(optimizer).__qualname__
+    crc = lambda text: zlib.crc32(text.encode())  # noqa: E731
+    return {
+        "averaged tensors": (len(tensors), str(len(tensors))),
+        "their shapes, dtypes and contiguity": (crc(shapes), f"crc32 {crc(shapes):08x}"),
+        "averaged state keys": (crc(joined), repr(joined)),
+        "optimizer": (crc(kind), kind),
+    }

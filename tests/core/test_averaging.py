@@ -283,7 +283,9 @@ def test_buckets_group_by_dtype_and_respect_the_cap():
     d64 = torch.zeros(10, dtype=torch.float64)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)
     averager = PeriodicAverager(nn.Linear(1, 1), optimizer, 1, bucket_cap_mb=1600 / 2**20)  # 400 float32
-    buckets = averager._buckets([(a32, False), (d64, False), (b32, False), (c32, False)])
+    buckets = communication.buckets(
+        [(a32, False), (d64, False), (b32, False), (c32, False)], averager.options.bucket_cap_bytes
+    )
     assert [[t.numel() for t, _ in b] for b in buckets] == [[100, 300], [50], [10]]
 
 
