@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -39,7 +40,7 @@ class _Unguarded(PeriodicAveragingStrategy):
         super()._create_averagers()
         for averager in self.averagers.values():
             averager.remove_hooks()
-            averager.check_schedule = False
+            averager.options = dataclasses.replace(averager.options, check_schedule=False)
 
     def close_rounds(self) -> bool:
         return False
@@ -81,7 +82,7 @@ def _sync_worker(rank: int, port: int, syncs: int, queue) -> None:
         result = {}
         for _ in range(3):  # alternate, keep each side's best of three
             for check in (True, False):
-                averager.check_schedule = check
+                averager.options = dataclasses.replace(averager.options, check_schedule=check)
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(n):

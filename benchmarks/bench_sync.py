@@ -79,7 +79,9 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
         n = sum(p.numel() for p in model.parameters())
         flat = torch.randn(2 * n)  # the same bytes as x and w, one tensor
         alone = getattr(_communication, "IN_PLACE_BYTES", None)  # a version of the code without it: no argument
-        layout = _communication.buckets(averager._tensors(), averager.bucket_cap_bytes, *[alone] if alone else [])
+        layout = _communication.buckets(
+            averager._tensors(), averager.options.bucket_cap_bytes, *[alone] if alone else []
+        )
         own = [torch.randn(sum(t.numel() for t, _ in b)) for b in layout]  # one tensor per all-reduce of the sync
         floor = torch.randn(2 * n)  # the least an exact average of those bytes does: all-reduce, then divide
         names = ("sync", "all_reduce", "views", "unchecked", "own", "floor")
