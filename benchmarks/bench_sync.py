@@ -24,6 +24,7 @@ that average alike print the same digests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -92,7 +93,7 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
         for i in range(warmup + (reps if n < 20_000_000 else max(5, reps // 2))):
             shuffle.shuffle(order)  # no measurement always follows the same one
             for name in order:
-                views[2].check_schedule = name != "unchecked"
+                views[2].options = dataclasses.replace(views[2].options, check_schedule=name != "unchecked")
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "all_reduce":

@@ -37,7 +37,7 @@ from lit_slowcal._overlap import OverlappedSchedule
 from lit_slowcal._rounds import CodedRound, Engine, engine_for
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
-from lit_slowcal.options import AveragingOptions
+from lit_slowcal.options import OPTION_NAMES, AveragingOptions
 from lit_slowcal.protocol import declared
 
 __all__ = [
@@ -383,6 +383,13 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state``, the buffers."""
         return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in OPTION_NAMES and name != "sync_every":  # an option lives in ``options`` only: never set silently
+            raise AttributeError(
+                f"PeriodicAverager.{name} is an option: averager.options = dataclasses.replace(averager.options, {name}=...)"
+            )
+        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return (

@@ -320,3 +320,13 @@ def test_the_counts_agree_for_every_kind_of_round(settings):
     assert (resumed.overlapped_counts == averager.overlapped_counts) and resumed.floats_communicated == pytest.approx(
         averager.floats_communicated, rel=1e-12
     )
+
+
+def test_an_option_set_on_the_averager_is_refused_not_ignored():
+    model = nn.Linear(2, 1)
+    averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    with pytest.raises(AttributeError, match=r"^PeriodicAverager.check_schedule is an option: averager.options = "):
+        averager.check_schedule = False
+    averager.options = dataclasses.replace(averager.options, check_schedule=False)
+    averager.sync_every = 4  # K stays settable: it replaces the options
+    assert (averager.options.check_schedule, averager.options.sync_every) == (False, 4)
