@@ -168,6 +168,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             links_of(get("link"))
             step_seconds_of(get("step_seconds"))
             averaging_options(get)
+            init = get("trainer.strategy.init_args")
+            if init is not None:  # the strategy's own options and the run's: one line now if both give one
+                ours = {**compression_options(get), **overlap_options(get), "participation": get("participation")}
+                self._settled(lambda name: init.get(name, getattr(AveragingOptions(), name)), ours)
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
@@ -362,16 +366,18 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             **compression_options(self.setting),
             **overlap_options(self.setting),
         }
-        strategy.options = replace(strategy.options, **self._settled(strategy.options, ours))
+        strategy.options = replace(
+            strategy.options, **self._settled(lambda name: getattr(strategy.options, name), ours)
+        )
 
     @staticmethod
-    def _settled(options: AveragingOptions, ours: dict[str, Any]) -> dict[str, Any]:
+    def _settled(own_value: Callable[[str], Any], ours: dict[str, Any]) -> dict[str, Any]:
         """The run's options (``--participation``, ``--compression``, ...) where set, else the strategy's own
-        (``trainer.strategy.init_args``); one line where both are set and differ."""
+        (``trainer.strategy.init_args``, read by ``own_value``); one line where both are set and differ."""
         defaults = AveragingOptions()
         settled = {}
         for name, value in ours.items():
-            own, default = getattr(options, name), getattr(defaults, name)
+            own, default = own_value(name), getattr(defaults, name)
             if name == "participation_seed" or value != default:
                 if own not in (default, value) and name != "participation_seed":
                     raise ValueError(

@@ -115,3 +115,20 @@ def test_a_resume_with_another_compression_or_overlap_is_another_run(tmp_path, c
     assert code != 0 and 'compression "int8" in the checkpoint, null now' in error_line(err)
     code, err = command(capsys, "--compression=int8", "--overlap_delay=1", "--ckpt_path=last", run_dir=runs)
     assert code != 0 and "Invalid compression: 'int8' with overlap_delay=1" in error_line(err)
+
+
+def test_the_strategys_own_compression_in_a_config_is_kept_and_a_second_value_refused(tmp_path, capsys):
+    """``trainer.strategy.init_args.compression: int8`` with ``--compression`` unset sends int8 (it was silently
+    replaced by the unset top-level setting, and the run sent float32); given in both places with two values,
+    one line names both before anything is built."""
+    strategy = ["--trainer.strategy=periodic_averaging", "--trainer.strategy.compression=int8"]
+    code, err = command(capsys, *strategy, run_dir=tmp_path / "own")
+    assert code == 0, err
+    row = last_train_row(tmp_path / "own")
+    assert float(row["ring_bytes_per_machine"]) == RING
+    code, err = command(capsys, *strategy, "--compression=bf16", run_dir=tmp_path / "both")
+    assert code != 0 and (
+        "Invalid trainer.strategy.init_args.compression: 'int8' with --compression='bf16' (one setting in two places"
+        in error_line(err)
+    )
+    assert not (tmp_path / "both" / RUN).exists()
