@@ -13,8 +13,9 @@ Which combinations work (docs/communication.md, "Which options combine", gives t
 - ``compression`` with ``overlap_delay`` >= 1 or ``fragments`` > 1: refused (a compressed round is a
   blocking round of the whole model).
 - ``error_feedback`` needs ``compression``.
-- ``bucket_views`` with ``fragments`` > 1, ``overlap_delay`` >= 1 or ``compression``: refused (those
-  rounds send copies or codes, never the model's buffer where it lies); with ``participation`` it works.
+- ``bucket_views`` with ``fragments`` > 1 or ``overlap_delay`` >= 1: refused (those rounds send a fragment
+  or a snapshot, never the model's buffer where it lies); with ``participation`` it works, and with
+  ``compression`` it serves the rounds that go exactly (the first, a tensor without an anchor).
 - ``participation``, ``outer_optimizer``, ``check_schedule``, ``bucket_cap_mb`` combine with everything.
 - With the optimizer: ``pre_sync``/``post_sync`` declared with ``overlap_delay`` >= 1 or ``fragments`` > 1;
   ``participation`` with an optimizer that does not support it; ``outer_optimizer`` with one whose
@@ -134,16 +135,12 @@ class AveragingOptions:
                 f"Invalid compression: {code.name!r} with overlap_delay={tau}, fragments={parts} "
                 "(compressed rounds are blocking rounds of the whole model; use one or the other)"
             )
-        if self.bucket_views:
-            other = (
-                f"fragments={parts}" if parts > 1 else f"overlap_delay={tau}" if tau else
-                f"compression={code.name!r}" if code is not None else None
-            )  # fmt: skip
-            if other is not None:
-                raise ValueError(
-                    f"Invalid bucket_views: True with {other} (those rounds send copies or codes, never the model's "
-                    "buffer where it lies; use bucket_views=False)"
-                )
+        if self.bucket_views and (parts > 1 or tau):
+            other = f"fragments={parts}" if parts > 1 else f"overlap_delay={tau}"
+            raise ValueError(
+                f"Invalid bucket_views: True with {other} (those rounds send a fragment or a snapshot, never the "
+                "model's buffer where it lies; use bucket_views=False)"
+            )
 
     @property
     def bucket_cap_bytes(self) -> int:

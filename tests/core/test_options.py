@@ -39,11 +39,9 @@ REFUSED_PAIRS = [
     ("error_feedback_without_compression", {"error_feedback": True},
      "Invalid error_feedback: True with compression=None (it applies to compressed rounds"),
     ("bucket_views_with_fragments", {"sync_every": 4, "fragments": 2, "bucket_views": True},
-     "Invalid bucket_views: True with fragments=2 (those rounds send copies or codes"),
+     "Invalid bucket_views: True with fragments=2 (those rounds send a fragment or a snapshot"),
     ("bucket_views_with_overlap_delay", {"sync_every": 4, "overlap_delay": 1, "bucket_views": True},
-     "Invalid bucket_views: True with overlap_delay=1 (those rounds send copies or codes"),
-    ("bucket_views_with_compression", {"compression": "int8", "bucket_views": True},
-     "Invalid bucket_views: True with compression='int8' (those rounds send copies or codes"),
+     "Invalid bucket_views: True with overlap_delay=1 (those rounds send a fragment or a snapshot"),
 ]  # fmt: skip
 
 #: Every pair that works (each runs a few rounds below): (id, settings).
@@ -60,6 +58,7 @@ WORKING_PAIRS = [
     ("average_state_with_compression", {"sync_every": 2, "average_state": ("momentum_buffer",), "compression": "int8"}),
     ("check_schedule_off_with_overlap", {"sync_every": 4, "check_schedule": False, "overlap_delay": 1}),
     ("bucket_cap_mb_with_bucket_views", {"sync_every": 2, "bucket_cap_mb": 1e-4, "bucket_views": True}),
+    ("compression_with_bucket_views", {"sync_every": 2, "compression": "int8", "bucket_views": True}),
 ]  # fmt: skip
 
 
@@ -232,17 +231,19 @@ def _differing_worker(rank, init_file, out):
             outcomes[name] = ("RuntimeError", str(err))
     # Bucket views with participation: the same bits as the plain weighted average, each of 2 x 2 machines
     # weighted where it lies (one of two processes' machines takes part in some rounds, both in others).
-    for views in (False, True):
+    for views, code in ((False, None), (True, None), (False, "int8"), (True, "int8")):
         torch.manual_seed(rank)
         model = nn.ModuleList([nn.Linear(300, 500), nn.Linear(5, 3)])  # a tensor reduced alone, and small ones
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        averager = PeriodicAverager(model, optimizer, 2, participation=1, participation_seed=4, bucket_views=views)
+        averager = PeriodicAverager(
+            model, optimizer, 2, participation=1, participation_seed=4, bucket_views=views, compression=code
+        )
         averager.attach()
         for _ in range(6):
             optimizer.zero_grad()
             (model[0](torch.randn(4, 300)).square().mean() + model[1](torch.randn(4, 5)).square().mean()).backward()
             optimizer.step()
-        outcomes[f"bucket_views={views}"] = [p.detach().clone() for p in model.parameters()]
+        outcomes[f"bucket_views={views},{code}"] = [p.detach().clone() for p in model.parameters()]
         outcomes[f"weights={views}"] = [averager.participant_weights(r).tolist() for r in range(3)]
     finish_rank(outcomes, out, rank)
 
@@ -254,13 +255,18 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_bucket_views_with_participation_give_the_bits_of_the_plain_weighted_average(two_ranks):
+@pytest.mark.parametrize("code", [None, "int8"])
+def test_bucket_views_with_participation_give_the_bits_of_the_plain_weighted_average(two_ranks, code):
+    """And with int8 compression, whose first round goes exactly through the views, the others coded."""
     weights = two_ranks[0]["weights=False"]
     assert sorted(map(tuple, weights)) != [weights[0]] * 3 and all(sorted(w) == [0.0, 1.0] for w in weights)
     for outcomes in two_ranks:
-        plain, views = outcomes["bucket_views=False"], outcomes["bucket_views=True"]
+        plain, views = outcomes[f"bucket_views=False,{code}"], outcomes[f"bucket_views=True,{code}"]
         assert all(torch.equal(a, b) for a, b in zip(plain, views))
-    assert all(torch.equal(a, b) for a, b in zip(two_ranks[0]["bucket_views=True"], two_ranks[1]["bucket_views=True"]))
+    first, second = (outcomes[f"bucket_views=True,{code}"] for outcomes in two_ranks)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    exact, coded = (two_ranks[0][f"bucket_views=True,{c}"] for c in (None, "int8"))
+    assert not all(torch.equal(a, b) for a, b in zip(exact, coded))  # the coded rounds did run
 
 
 @pytest.mark.slow
