@@ -317,10 +317,10 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         averages ``averaged`` holds in the same order: the new global parameters are written there."""
         if self.outer is None:
             return
-        where = {id(t): i for i, (t, _) in enumerate(live)}
-        chosen = [
-            (g, averaged[where[id(p)]]) for g, (p, _) in zip(self.global_params, self._outer_pairs()) if id(p) in where
-        ]
+        key = lambda t: (t.data_ptr(), t.shape, t.dtype)  # noqa: E731 (a DTensor's local shard is a new object each time)
+        where = {key(t): i for i, (t, _) in enumerate(live)}
+        pairs = zip(self.global_params, self._outer_pairs())
+        chosen = [(g, averaged[where[key(p)]]) for g, (p, _) in pairs if key(p) in where]
         _server.outer_step(self.outer, [g for g, _ in chosen], [pair for _, pair in chosen])
 
     def setup_fingerprint(self) -> dict[str, tuple[int, str]]:

@@ -319,8 +319,8 @@ def test_parameters_an_evaluation_gathered_do_not_outlive_sync_or_broadcast(rank
             "PeriodicAverager: '0.weight' is a DTensor with placements (Replicate(), Shard(dim=0)) over a 2-D mesh",
         ),
         ("shard_dimension", "PeriodicAverager: '0.weight' is sharded with ranks"),
-        ("fragments", "PeriodicAverager: a sharded model with fragments=2"),
-        ("bucket_views", "Invalid bucket_views: True (True or False; False with an FSDP2-sharded model"),
+        ("fragments", "Invalid options for an FSDP2-sharded model: fragments=2 (fragments cut by local bytes"),
+        ("bucket_views", "Invalid options for an FSDP2-sharded model: bucket_views=True (fragments cut by local bytes"),
     ],
 )
 def test_unsupported_sharding_is_refused_in_one_line(ranks, case, message):

@@ -34,8 +34,9 @@ CNN_ARGS = [
 ]
 # SlowcalSGD sends x and w of the CNN's 9,114 parameters and BatchNorm's 16 running statistics.
 CNN_FLOATS_PER_SYNC = 2 * 9114 + 16
-# What one schedule or set-up check sends: 19 int64 values to the one other process.
-CHECK_BYTES = 19 * 8
+# What one schedule or set-up check sends: its int64 values (2 counts, 24 set-up slots, the collective's code)
+# to the one other process.
+CHECK_BYTES = 27 * 8
 
 
 def averager_state(steps: int, syncs: int, sent: int, checks: int, floats: int = CNN_FLOATS_PER_SYNC) -> dict:
