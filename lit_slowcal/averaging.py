@@ -99,9 +99,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         **settings: Any,
     ) -> None:
         #: Every synchronisation option (``lit_slowcal.options``): ``options`` with ``sync_every`` and ``settings``.
-        self.options = AveragingOptions.build(
-            options, **settings, **({} if sync_every is None else {"sync_every": sync_every})
-        )
+        self.options = AveragingOptions.build(options, sync_every, **settings)
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")

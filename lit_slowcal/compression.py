@@ -172,8 +172,9 @@ class Code:
             total.add_(self.decode(message, numel, dtype))
         return total.div_(len(messages))
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+    def __repr__(self) -> str:  # its settings too: what the ranks compare (``AveragingOptions.agreement``)
+        settings = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()) if not k.startswith("_"))
+        return f"{type(self).__name__}({settings})"
 
 
 #: The compressors the ``compression`` argument names.
@@ -182,6 +183,13 @@ NAMES = {"bf16": BFloat16, "int8": Int8}
 
 def compressor(spec: Union[None, str, Compressor, Code]) -> Union[None, Compressor, Code]:
     """The code ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, a ``Compressor`` or a ``Code``."""
+    if isinstance(spec, Code):
+        missing = [
+            name for name in ("encode", "decode", "message_bytes") if getattr(type(spec), name) is getattr(Code, name)
+        ]
+        if missing:
+            raise ValueError(f"Invalid compression: {spec!r} (a Code defines encode, decode and message_bytes; "
+                             f"{', '.join(missing)} missing)")  # fmt: skip
     if spec is None or isinstance(spec, (Compressor, Code)):
         return spec
     if isinstance(spec, str) and spec in NAMES:

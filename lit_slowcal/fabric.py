@@ -40,7 +40,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
     """Fabric strategy: local steps on every process, averaged every ``sync_every`` optimizer steps.
 
     Args:
-        sync_every: K, optimizer steps between synchronisations (>= 1).
+        sync_every: K, optimizer steps between synchronisations (>= 1; ``None``: ``options``'s, 1 by default).
         options: every synchronisation option (``lit_slowcal.options.AveragingOptions``), or each by name
             (``compression="int8"``); a bad value or combination is refused here, in one line.
         **kwargs: the options by name; the rest passed to Fabric's ``DDPStrategy`` (``process_group_backend``,
@@ -48,8 +48,10 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
     """
 
     @option_keywords
-    def __init__(self, sync_every: int = 1, *, options: Optional[AveragingOptions] = None, **kwargs: Any) -> None:
-        averaging = AveragingOptions.build(options, sync_every=sync_every, **AveragingOptions.take(kwargs))
+    def __init__(
+        self, sync_every: Optional[int] = None, *, options: Optional[AveragingOptions] = None, **kwargs: Any
+    ) -> None:
+        averaging = AveragingOptions.build(options, sync_every, **AveragingOptions.take(kwargs))
         super().__init__(**kwargs)
         self._init_averagers(averaging)
         self.modules: list[nn.Module] = []

@@ -99,7 +99,7 @@ class AveragingOptions:
     def __post_init__(self) -> None:
         check_int("sync_every", self.sync_every)
         keys = self.average_state
-        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        if isinstance(keys, str) or not isinstance(keys, Iterable) or not all(isinstance(k, str) for k in keys):
             raise ValueError(f"Invalid average_state: {keys!r} (a sequence of state key names)")
         object.__setattr__(self, "average_state", tuple(keys))
         check_number("bucket_cap_mb", self.bucket_cap_mb)
@@ -163,12 +163,17 @@ class AveragingOptions:
     # -- building it ----------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, options: Optional[AveragingOptions] = None, **settings: Any) -> AveragingOptions:
-        """``options`` (default: the defaults) with ``settings`` (option names) replaced; one line for a
-        name that is not an option. The one place the keyword spelling becomes the value."""
+    def build(
+        cls, options: Optional[AveragingOptions] = None, sync_every: Optional[int] = None, **settings: Any
+    ) -> AveragingOptions:
+        """``options`` (default: the defaults) with ``sync_every`` (unless ``None``) and ``settings`` (option names)
+        replacing its fields; one line for a name that is not an option. The one place the keyword spelling
+        becomes the value."""
         unknown = sorted(set(settings) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"Invalid averaging option: {unknown[0]!r} (one of {', '.join(OPTION_NAMES)})")
+        if sync_every is not None:
+            settings["sync_every"] = sync_every
         if options is None:
             return cls(**settings)
         if not isinstance(options, AveragingOptions):
@@ -228,7 +233,14 @@ class AveragingOptions:
             )
 
     def check_tensors(self, tensors: Sequence[tuple[Tensor, bool]], machines_per_process: int) -> None:
-        """``compression`` with simulated machines needs every averaged tensor to hold one slice per machine."""
+        """``compression`` needs real tensors (a complex one's imaginary part would be dropped) and, with simulated
+        machines, every averaged tensor to hold one slice per machine."""
+        complex_ = next((t for t, _ in tensors if t.is_complex()), None)
+        if self.compressor is not None and complex_ is not None:
+            raise ValueError(
+                f"Invalid compression: {self.compressor.name!r} with a complex averaged tensor (of shape "
+                f"{tuple(complex_.shape)}, {complex_.dtype}); the codes are real: use compression=None for this model"
+            )
         loose = [t for t, s in tensors if not s] if machines_per_process > 1 else []
         if self.compressor is not None and loose:
             raise ValueError(

@@ -64,7 +64,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
     ``save_distributed_checkpoint=False`` (the averagers' states live beside the distributed checkpoint).
 
     Args:
-        sync_every: K, optimizer steps between synchronisations (>= 1); settable later.
+        sync_every: K, optimizer steps between synchronisations (>= 1; ``None``: ``options``'s, 1 by default).
         replicate_size: R, the replicas (machines): ``"auto"``, the number of nodes.
         shard_size: S, the processes a replica is sharded over: ``"auto"``, the devices of a node.
             R x S must be the number of processes.
@@ -82,7 +82,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
     @option_keywords
     def __init__(
         self,
-        sync_every: int = 1,
+        sync_every: Optional[int] = None,
         replicate_size: Size = "auto",
         shard_size: Size = "auto",
         *,
@@ -92,7 +92,7 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
         for name, size in (("replicate_size", replicate_size), ("shard_size", shard_size)):
             if size != "auto":
                 check_int(name, size)
-        averaging = AveragingOptions.build(options, sync_every=sync_every, **AveragingOptions.take(kwargs))
+        averaging = AveragingOptions.build(options, sync_every, **AveragingOptions.take(kwargs))
         averaging.check_sharded()  # F = 1, no bucket views: refused now, in one line
         for name in ("data_parallel_size", "tensor_parallel_size"):
             if name in kwargs:

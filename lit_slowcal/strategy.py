@@ -70,8 +70,8 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
     that nobody implements (a tenth of a millisecond per step, as much as the step of a small model).
 
     Args:
-        sync_every: K, the number of optimizer steps between synchronisations (>= 1). It can also
-            be set after construction (``trainer.strategy.sync_every = 16``).
+        sync_every: K, the number of optimizer steps between synchronisations (>= 1; ``None``: ``options``'s,
+            1 by default). It can also be set after construction (``trainer.strategy.sync_every = 16``).
         options: every synchronisation option (``lit_slowcal.options.AveragingOptions``); each option may
             also be given by name (``compression="int8"``, ``outer_optimizer=...``), replacing its field.
             A bad value or combination is refused here, in one line.
@@ -86,13 +86,15 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
     strategy_name = "periodic_averaging"
 
     @option_keywords
-    def __init__(self, sync_every: int = 1, *, options: Optional[AveragingOptions] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, sync_every: Optional[int] = None, *, options: Optional[AveragingOptions] = None, **kwargs: Any
+    ) -> None:
         if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
             raise ValueError(
                 "PeriodicAveragingStrategy does its own averaging; do not pass model_averaging_period or ddp_comm_state"
             )
         settings = AveragingOptions.take(kwargs)
-        averaging = AveragingOptions.build(options, sync_every=sync_every, **settings)  # one line, before anything
+        averaging = AveragingOptions.build(options, sync_every, **settings)  # one line, before anything
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)
@@ -194,6 +196,6 @@ class periodic_averaging_spawn(PeriodicAveragingStrategy):  # noqa: N801
     """``PeriodicAveragingStrategy`` starting its processes with ``spawn``, under its registered name."""
 
     @option_keywords
-    def __init__(self, sync_every: int = 1, **kwargs: Any) -> None:
+    def __init__(self, sync_every: Optional[int] = None, **kwargs: Any) -> None:
         kwargs.setdefault("start_method", "spawn")
         super().__init__(sync_every, **kwargs)

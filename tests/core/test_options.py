@@ -22,6 +22,7 @@ from lit_slowcal import (
     SimulatedMachines,
     SlowcalSGD,
 )
+from lit_slowcal.compression import Code
 from lit_slowcal.options import OPTION_NAMES
 from tests.helpers import finish_rank, spawn_ranks
 
@@ -193,7 +194,12 @@ def test_the_strategies_list_every_option_by_name_for_lightning_cli_declared_onc
     for cls in (PeriodicAveragingStrategy, PeriodicAveragingFabricStrategy, ShardedAveragingStrategy):
         parameters = inspect.signature(cls.__init__).parameters
         assert set(OPTION_NAMES) | {"options"} <= set(parameters), cls
-        assert parameters["compression"].default is None and parameters["sync_every"].default == 1
+        assert parameters["compression"].default is None and parameters["sync_every"].default is None
+    # K given in the options is kept: the strategies' sync_every is None unless given.
+    assert PeriodicAveragingStrategy(options=AveragingOptions(sync_every=16)).sync_every == 16
+    assert PeriodicAveragingFabricStrategy(options=AveragingOptions(sync_every=16), participation=2).sync_every == 16
+    assert ShardedAveragingStrategy(options=AveragingOptions(sync_every=16)).sync_every == 16
+    assert PeriodicAveragingStrategy().sync_every == 1 and PeriodicAveragingStrategy(16).sync_every == 16
     fields = [f.name for f in dataclasses.fields(AveragingOptions) if f.init]
     assert list(OPTION_NAMES) == fields and "compression" in fields and "error_feedback" in fields
 
@@ -336,3 +342,31 @@ def test_an_option_set_on_the_averager_is_refused_not_ignored():
     averager.options = dataclasses.replace(averager.options, check_schedule=False)
     averager.sync_every = 4  # K stays settable: it replaces the options
     assert (averager.options.check_schedule, averager.options.sync_every) == (False, 4)
+
+
+def test_a_code_is_checked_when_given_and_compared_across_ranks_with_its_settings():
+    class Half(Code):
+        def encode(self, change):
+            return change
+
+    with pytest.raises(ValueError) as error:
+        AveragingOptions(compression=Half())
+    assert _one_line(error).startswith("Invalid compression: Half() (a Code defines encode, decode and message_bytes;")
+
+    class Top(Code):
+        def __init__(self, k):
+            self.k = k
+
+        encode = decode = message_bytes = lambda *a: None
+
+    one, two = AveragingOptions(compression=Top(1)).agreement(), AveragingOptions(compression=Top(2)).agreement()
+    assert one["compression"] != two["compression"] and one["compression"][1].endswith("Top(k=1)")
+
+
+def test_compression_of_a_complex_tensor_is_refused_not_silently_made_real():
+    """A compressed round drops a complex tensor's imaginary part (a mean of 2+2j landed as 2+0j): refused."""
+    model = nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(ValueError) as error:
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compression="int8")
+    assert _one_line(error).startswith("Invalid compression: 'int8' with a complex averaged tensor (of shape (2, 2)")
+    PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)  # the exact average takes it
