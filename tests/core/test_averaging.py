@@ -244,9 +244,13 @@ def test_bucket_views_refused_unless_a_bool(bad):
 
 def test_bucket_views_refused_with_fragments():
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"^Invalid bucket_views: True with fragments=2 \(those rounds send a fragment or a snapshot"):
+    with pytest.raises(
+        ValueError, match=r"^Invalid bucket_views: True with fragments=2 \(those rounds send a fragment or a snapshot"
+    ):
         PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=1), 2, fragments=2, bucket_views=True)
-    with pytest.raises(ValueError, match=r"^Invalid bucket_views: True with fragments=2 \(those rounds send a fragment or a snapshot"):
+    with pytest.raises(
+        ValueError, match=r"^Invalid bucket_views: True with fragments=2 \(those rounds send a fragment or a snapshot"
+    ):
         PeriodicAveragingStrategy(sync_every=2, fragments=2, bucket_views=True)  # before any fit
 
 
