@@ -77,6 +77,13 @@ class SimulatedMachines(nn.Module):
         """The wrapped module's structure, on the meta device (holds no data)."""
         return self.__dict__["_template"]
 
+    def train(self, mode: bool = True) -> SimulatedMachines:
+        """``nn.Module.train``, reaching the wrapped module too (it is not a submodule): in ``eval()`` Dropout keeps
+        every value and BatchNorm uses its running statistics, in ``forward`` and ``forward_averaged`` alike."""
+        super().train(mode)
+        self.template.train(mode)
+        return self
+
     def stacked_parameters(self) -> dict[str, Tensor]:
         """The stacked parameters under the wrapped module's own names, shape ``(m, *shape)``."""
         return {name: getattr(self, _key(name)) for name in self._param_names}

@@ -345,3 +345,26 @@ def test_linear_fast_path_equals_the_vmap_path(bias):
     for p, q in zip(fast.parameters(), generic.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
         assert p.grad.stride() == p.stride()  # gradient in the parameter's own layout
+
+
+def test_eval_reaches_the_wrapped_module_dropout_keeps_every_value_and_batchnorm_uses_its_running_stats():
+    """``SimulatedMachines.eval()`` used to leave the wrapped module training: Dropout dropped and BatchNorm took
+    the batch's statistics in ``forward`` and ``forward_averaged``."""
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5)), 3)
+    x = torch.randn(3, 5, 4)
+    machines(x)  # training: the running statistics move
+    machines.eval()
+    assert not machines.template.training and all(not m.training for m in machines.template.modules())
+    out = machines(x)
+    stats = machines.stacked_buffers()
+    w, b = machines.stacked_parameters()["0.weight"], machines.stacked_parameters()["0.bias"]
+    gamma, beta = machines.stacked_parameters()["1.weight"], machines.stacked_parameters()["1.bias"]
+    h = torch.einsum("mni,moi->mno", x, w) + b[:, None]
+    mean, var = stats["1.running_mean"][:, None], stats["1.running_var"][:, None]
+    want = (h - mean) / torch.sqrt(var + 1e-5) * gamma[:, None] + beta[:, None]
+    assert torch.allclose(out, want, atol=1e-6) and torch.equal(machines(x), out)  # no dropout, no batch statistics
+    averaged = machines.forward_averaged(x[0])
+    assert torch.equal(averaged, machines.forward_averaged(x[0]))
+    machines.train()
+    assert machines.template.training and not torch.equal(machines(x), out)
