@@ -297,8 +297,8 @@ _MAX_WEIGHT_POWER = 1024
 
 def _check_options(options: dict) -> None:
     lr = options["lr"]
-    if not (math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"Invalid lr: {lr} (must be finite and >= 0)")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)) or not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"Invalid lr: {lr!r} (must be a finite number >= 0)")
     weight_power = options["weight_power"]
     if not (math.isfinite(weight_power) and 0 <= weight_power < _MAX_WEIGHT_POWER):
         # alpha_1 = 2^p, the weight of the first step's average, overflows float64 from p = 1024.

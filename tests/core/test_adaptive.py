@@ -213,7 +213,9 @@ def test_param_without_grad_is_skipped_and_its_step_does_not_advance():
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("lr", -1.0, r"Invalid lr: -1.0 \(must be finite and >= 0\)"),
+        ("lr", -1.0, r"Invalid lr: -1.0 \(must be a finite number >= 0\)"),
+        ("lr", True, r"Invalid lr: True \(must be a finite number >= 0\)"),  # a bool was taken as 1.0
+        ("lr", "0.1", r"Invalid lr: '0.1' \(must be a finite number >= 0\)"),
         ("beta", 1.5, r"Invalid beta: 1.5 \(must be in \[0, 1\]; 1 is SLowcal's query point x\)"),
         ("beta2", 1.0, r"Invalid beta2: 1.0 \(must be in \[0, 1\)\)"),
         ("eps", 0.0, r"Invalid eps: 0.0 \(must be a finite number > 0\)"),
