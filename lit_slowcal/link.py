@@ -98,6 +98,7 @@ def ring_hops(participants: int) -> int:
 def ring_bytes_sent(nbytes: Union[int, float], participants: int) -> float:
     """The bytes every participant sends in a ring all-reduce of ``nbytes`` payload bytes among
     ``participants``: 2 (P - 1) / P * n, 0 for P <= 1."""
+    check_number("nbytes", nbytes, strict=False)
     if participants <= 1:
         return 0.0
     return 2 * (participants - 1) * nbytes / participants

@@ -332,3 +332,14 @@ def test_hidden_seconds_are_each_overlapped_rounds_up_to_the_delay():
     assert hidden_seconds(rounds, link, 1.0) == pytest.approx(5 * one, rel=1e-15)  # all of it hidden
     assert hidden_seconds(rounds, link, 0.02) == pytest.approx(5 * 0.02, rel=1e-15)  # up to the delay a round
     assert hidden_seconds(LinkCounts(), link, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf")])
+def test_negative_or_infinite_bytes_are_refused_in_one_line(bad):
+    """A negative payload gave negative seconds (a link that saves time by sending)."""
+    link = Link.parse("1Gbit/s,1ms")
+    with pytest.raises(ValueError, match=r"^Invalid nbytes: .* \(must be a finite number >= 0\)$"):
+        link.all_reduce_seconds(bad, 4)
+    with pytest.raises(ValueError, match=r"^Invalid nbytes: "):
+        ring_bytes_sent(bad, 2)
+    assert link.all_reduce_seconds(0, 4) == 6 * 0.001
