@@ -43,12 +43,8 @@ class CodedAverage(CompressedAverage):
     ) -> tuple[int, int]:
         """Replace every tensor by ``anchor + reduce(messages)`` and move the anchors there (see the module
         docstring). Returns one machine's message bytes, and 0 (no second stage)."""
-        if self._loaded:
-            self.to(tensors)
-            self._loaded = False
+        world, rank = self._begin(tensors, process_group)
         m, code = machines_per_process, self.code
-        world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank(process_group) if world > 1 else 0
         mine = None if participants is None else participants[rank * m : (rank + 1) * m].tolist()
         messages: list[list[Any]] = []  # [tensor][machine of this process]
         first = 0

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_slowcal import _collectives
 from lit_slowcal._selection import Tensors
 from lit_slowcal.compression import Compressor
 from lit_slowcal.link import LinkCounts
@@ -165,11 +166,7 @@ class CompressedAverage:
         there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
         machine's message has in the first stage and the mean's in the second (codes and per-block
         values, no padding)."""
-        if self._loaded:  # a loaded state's tensors, from the CPU, once
-            self.to(tensors)
-            self._loaded = False
-        world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank(process_group) if world > 1 else 0
+        world, rank = self._begin(tensors, process_group)
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor, bool]]] = {}
         for k, (t, s) in enumerate(tensors):
             groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((k, t, s))
@@ -181,6 +178,13 @@ class CompressedAverage:
             )
             first, second = first + a, second + b
         return first, second
+
+    def _begin(self, tensors: Tensors, process_group: Optional[Any]) -> tuple[int, int]:
+        """A round's start: a loaded state's tensors onto the tensors' devices (once); (world size, rank)."""
+        if self._loaded:
+            self.to(tensors)
+            self._loaded = False
+        return _collectives.world_size(process_group), _collectives.rank(process_group)
 
     def message_bytes(self, tensors: Tensors) -> tuple[int, int]:
         """One machine's bytes in the two stages of a synchronisation of ``tensors`` (codes and per-block

@@ -145,7 +145,7 @@ class Counted:
         rounds = [
             (tensors, self.engine.sent(tensors, S), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)
         ]
-        sent = Counts.rebuilt(rounds, self.num_machines, self.participants, overlapped=self.options.overlap_delay > 0)
+        sent = Counts.rebuilt(rounds, self.num_machines, S, overlapped=self.options.overlap_delay > 0)
         if not floats:
             sent.floats = self.counts.floats
         self.counts = sent

@@ -40,6 +40,9 @@ from lit_slowcal._validation import check_int
 from lit_slowcal.options import OPTION_NAMES, AveragingOptions
 from lit_slowcal.protocol import declared
 
+#: The options that live in ``options`` only (``sync_every`` stays settable): refused as attributes.
+_OPTIONS_NOT_K = frozenset(OPTION_NAMES) - {"sync_every"}
+
 __all__ = [
     "COMPRESSION_KEY",
     "IN_FLIGHT_KEY",
@@ -383,7 +386,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in OPTION_NAMES and name != "sync_every":  # an option lives in ``options`` only: never set silently
+        if name in _OPTIONS_NOT_K:  # an option lives in ``options`` only: never set silently
             raise AttributeError(
                 f"PeriodicAverager.{name} is an option: averager.options = dataclasses.replace(averager.options, {name}=...)"
             )
