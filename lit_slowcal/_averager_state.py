@@ -8,7 +8,7 @@ overlapped rounds also ``settled_step`` (the last synchronisation of the whole m
 - ``"outer"``: with an outer optimizer, the round's start and its state (``lit_slowcal._server``);
 - ``"per_machine"``: optimizer state a synchronisation leaves per machine (``lit_slowcal._machine_state``);
 - ``"compression"``: with ``compression``, the anchors and error feedback (``lit_slowcal._compressed``);
-- ``"in_flight"``: an overlapped round in flight, its snapshot and average (``lit_slowcal._overlap``).
+- ``"in_flight"``: an overlapped round in flight, its snapshot and average (``lit_slowcal._in_flight``).
 
 The last three are kept per process, ``{"world_size": P, "ranks": {rank: ...}}``: ``state_dict`` holds
 this process's rank, ``gather_state_dict`` every rank's (gathered on one rank, their tensors on the
@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lit_slowcal import _collectives, _machine_state, _server, link
 from lit_slowcal._compressed import CompressedAverage
-from lit_slowcal._overlap import Round, saved_round
+from lit_slowcal._in_flight import Round, saved_round
 from lit_slowcal._selection import Tensors
 from lit_slowcal.options import AveragingOptions
 

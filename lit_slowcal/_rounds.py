@@ -10,18 +10,25 @@ engine, through one small interface:
   a resumed schedule's counts);
 - ``settle(tensors)``: after the round (the outer step and ``post_sync`` applied): what every machine
   now holds becomes the next round's starting point (a coded round's anchors);
-- ``start(tensors, weights)``: the exact average's collectives started, not waited for (an overlapped
-  round, ``lit_slowcal._overlap.Round``, which lands tau steps later).
+- ``in_flight``: the round started and not landed (``None`` but in an overlapped engine).
+
+``OverlappedRound`` adds what lands when: ``start(tensors, weights, step, fragment)`` takes the round's
+snapshot and starts its average (``start_average``, the exact engine's collectives, not waited for);
+``land(...)``, at the round's ``land_step``, waits for it and gives the averager the live
+tensors and the ``lit_slowcal._in_flight.Round`` (its average, to merge). Its blocking rounds (closing
+a round, a checkpoint) are its inner engine's.
 
 ``ExactRound``: bucketed all-reduces (``lit_slowcal._communication``); a participant sends the payload,
 2 (S - 1) / S of it on the ring. ``CodedRound``: the round's change since its anchor travels encoded
 (``lit_slowcal.compression``: a block ``Compressor`` in two stages, ``lit_slowcal._compressed``; any
 whole-tensor ``Code`` gathered, ``lit_slowcal._coded``), each state counting its own bytes; a tensor
-without an anchor yet goes exactly. The outer optimizer's step is the averager's, once, after any engine.
+without an anchor yet goes exactly. ``OverlappedRound`` wraps the exact engine; its rounds count what
+the exact round sends, when they start. The outer optimizer's step is the averager's, once, after any engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
 from torch import Tensor
@@ -29,11 +36,12 @@ from torch import Tensor
 from lit_slowcal import _communication, link
 from lit_slowcal._coded import CodedAverage
 from lit_slowcal._compressed import CompressedAverage
+from lit_slowcal._in_flight import Round
 from lit_slowcal._selection import Tensors
 from lit_slowcal.compression import Code
 from lit_slowcal.options import AveragingOptions
 
-__all__ = ["CodedRound", "Engine", "ExactRound", "Sent", "engine_for"]
+__all__ = ["CodedRound", "Engine", "ExactRound", "OverlappedRound", "Sent", "engine_for"]
 
 
 class Sent(NamedTuple):
@@ -45,6 +53,8 @@ class Sent(NamedTuple):
 
 class ExactRound:
     """The exact (weighted) mean: every tensor all-reduced in buckets (``_communication.average``)."""
+
+    in_flight: Optional[Round] = None  # blocking: never a round in flight
 
     def __init__(
         self, machines: int, machines_per_process: int, process_group: Optional[Any], bucket_cap_bytes: int,
@@ -64,7 +74,8 @@ class ExactRound:
         )  # fmt: skip
         return self.sent(tensors, _participants(weights))
 
-    def start(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
+    def start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
+        """The average's collectives started, not waited for (``wait()`` on the handle lands it in ``tensors``)."""
         return _communication.start_average(
             tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
             bucket_cap_bytes=self.bucket_cap_bytes,
@@ -82,6 +93,8 @@ class CodedRound:
     """A round's change encoded (``state``: a block compressor's or a whole-tensor code's anchors, error
     feedback and reduce); tensors without anchors, and rounds among one machine, go through ``exact``."""
 
+    in_flight: Optional[Round] = None  # blocking: never a round in flight
+
     def __init__(self, state: Union[CompressedAverage, CodedAverage], exact: ExactRound) -> None:
         self.state = state
         self.exact = exact
@@ -97,9 +110,6 @@ class CodedRound:
         )  # fmt: skip
         return Sent(first, self.state.link_counts(first, second, _participants(weights) or self.machines))
 
-    def start(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
-        return self.exact.start(tensors, weights)
-
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
         first, second = self.state.message_bytes(tensors)
         return Sent(first, self.state.link_counts(first, second, participants or self.machines))
@@ -113,7 +123,50 @@ class CodedRound:
         return self.exact.pool
 
 
-Engine = Union[ExactRound, CodedRound]
+class OverlappedRound:
+    """Rounds that land ``delay`` (tau) steps after they start: the snapshot's exact average computed while
+    training goes on (``inner.start_average``); blocking rounds, counts and anchors are ``inner``'s."""
+
+    def __init__(self, inner: ExactRound, delay: int) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.machines = inner.machines
+        #: The round started and not landed (``lit_slowcal._in_flight.Round``), or ``None``.
+        self.in_flight: Optional[Round] = None
+
+    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
+        return self.inner.average(tensors, weights)
+
+    def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
+        return self.inner.sent(tensors, participants)
+
+    def settle(self, tensors: Tensors) -> None:
+        self.inner.settle(tensors)
+
+    def start(self, tensors: Tensors, weights: Optional[Tensor], step: int, fragment: int) -> Sent:
+        """Start the round of ``tensors`` (fragment ``fragment``'s) at ``step``: their snapshot, whose average
+        lands at ``step + delay``. Returns what it sends (counted now)."""
+        assert self.in_flight is None, "a round is in flight: land it first"
+        start: Callable[[Tensors], _communication.Averaging] = lambda result: self.inner.start_average(result, weights)  # noqa: E731
+        self.in_flight = Round(tensors, step + self.delay, start, fragment)
+        return self.inner.sent(tensors, _participants(weights))
+
+    def land(self, averager_tensors: Callable[[], Tensors]) -> tuple[Tensors, Round]:
+        """The round in flight, landed: its live tensors (a restored round's found among ``averager_tensors()``,
+        or one line, the round kept in flight) and the round, its average waited for (``result``) to merge."""
+        assert self.in_flight is not None
+        live = self.in_flight.bind(averager_tensors)
+        landing, self.in_flight = self.in_flight, None
+        landing.wait()
+        return live, landing
+
+    @property
+    def pool(self) -> _communication.FlatPool:
+        """The exact rounds' buffers (``ExactRound.pool``)."""
+        return self.inner.pool
+
+
+Engine = Union[ExactRound, CodedRound, OverlappedRound]
 
 
 def _participants(weights: Optional[Tensor]) -> Optional[int]:
@@ -122,9 +175,12 @@ def _participants(weights: Optional[Tensor]) -> Optional[int]:
 
 
 def engine_for(options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any]) -> Engine:
-    """The round engine of ``options``: exact, or coded by its compressor (a block ``Compressor`` or a ``Code``)."""
+    """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``), or
+    overlapped (``overlap_delay`` >= 1, exact: the options refuse compression with it)."""
     exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
     code = options.compressor
+    if options.overlap_delay:
+        return OverlappedRound(exact, options.overlap_delay)
     if code is None:
         return exact
     state = (CodedAverage if isinstance(code, Code) else CompressedAverage)(code, options.lossy_feedback)

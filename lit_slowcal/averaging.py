@@ -6,8 +6,8 @@ buffers and the optimizer state the optimizer declares (``lit_slowcal.protocol``
 all M machines: processes of the process group, or machines a ``SimulatedMachines`` module hosts
 (M = processes x m, equal weights). It needs only torch; the Trainer and Fabric strategies only call
 ``step()``. Its options are one ``AveragingOptions`` (``lit_slowcal.options``). It keeps the schedule,
-the state and the checks; its parts: the round engines (``_rounds``: exact, coded), the server's step
-(``_server``), overlapped rounds (``_overlap``), the counts (``_counts``), the saved state
+the state and the checks; its parts: the round engines (``_rounds``: exact, coded, overlapped), the
+server's step (``_server``), the overlapped schedule (``_overlap``), the counts (``_counts``), the saved state
 (``_averager_state``), the loop's hooks (``_hooks``). docs/architecture.md draws them.
 
 A round ends after every K-th step. Code that takes the model out of training mid-round (evaluation,
@@ -27,14 +27,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _averager_state, _collectives, _overlap, _selection, _server, link
+from lit_slowcal import _averager_state, _collectives, _selection, _server, link
 from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
 from lit_slowcal._collectives import Machines, broadcast_module
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._counts import Counted, Counts
 from lit_slowcal._hooks import LoopHooks, on_every_backward
 from lit_slowcal._overlap import OverlappedSchedule
-from lit_slowcal._rounds import CodedRound, Engine, engine_for
+from lit_slowcal._rounds import CodedRound, Engine, OverlappedRound, engine_for
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import OPTION_NAMES, AveragingOptions
@@ -123,7 +123,6 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
         self._settled_step = 0  # steps at the last blocking synchronisation of the whole model
-        self._in_flight: Optional[_overlap.Round] = None  # an overlapped round started and not landed
         #: What was sent so far, every kind of round counted alike (``lit_slowcal._counts``).
         self.counts = Counts()
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
@@ -188,7 +187,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
     def in_round(self) -> bool:
         """Whether the machines may differ: a step was taken since the last synchronisation of the whole
         model, or a round is in flight."""
-        return self.steps != self._settled_step or self._in_flight is not None
+        return self.steps != self._settled_step or self.engine.in_flight is not None
 
     def close_round(self) -> bool:
         """Synchronise now if a step was taken since the last synchronisation of the whole model, or a
@@ -229,7 +228,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         machines' per-machine optimizer state, the outer optimizer's, a coded round's anchors and error
         feedback, a round in flight (waited for). Local; ``gather_state_dict()`` holds every process's."""
         settled = self._settled_step if self._overlapped else None
-        return _averager_state.state_dict(self, self._averaged_keys(), settled, self._in_flight, self._tensors)
+        return _averager_state.state_dict(self, self._averaged_keys(), settled, self.engine.in_flight, self._tensors)
 
     def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
         """``state_dict()`` with every process's per-machine state, on group rank ``dst`` (``None`` on the
@@ -253,7 +252,9 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         self._refuse_in_flight("load_state_dict()")
         recount = lambda: self._count_from_syncs(floats=False)  # noqa: E731
         loaded = _averager_state.load_state_dict(self, state, self._averaged_keys(), recount)
-        self._settled_step, self._in_flight = loaded.settled_step, loaded.in_flight
+        self._settled_step = loaded.settled_step
+        if isinstance(self.engine, OverlappedRound):  # a round in flight is only saved with the same tau (or refused)
+            self.engine.in_flight = loaded.in_flight
         if loaded.reload is not None:  # this rank's per-machine state, put back after the optimizer's own load
             self._drop_reload_hook()
             self._reload_hook = self.optimizer.register_load_state_dict_post_hook(loaded.reload)
@@ -273,7 +274,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         With several processes it first checks that every rank is at the same point of the schedule
         (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
         """
-        if self._in_flight is not None:
+        if self.engine.in_flight is not None:
             self._land()
         self._blocking_round(self._begin_round(None))
         self._settled_step = self.steps

@@ -20,6 +20,7 @@ from torch import nn
 
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, Scaffold, SimulatedMachines, SlowcalSGD
 from lit_slowcal._overlap import partition
+from lit_slowcal._rounds import ExactRound, OverlappedRound
 
 M, DIM, LR = 4, 3, 0.05
 PROBLEMS = (Quadratics(M, DIM, steps=64, seed=0), Quadratics(M, DIM, steps=64, seed=1))  # one for a, one for b
@@ -139,7 +140,7 @@ def test_overlapped_rounds_equal_a_delayed_reference(optimizer, tau):
     for step in range(steps):
         train(machines, opt, averager, range(step, step + 1))
         in_flight = step + 1 >= K and (step + 1) % K < tau
-        assert averager.in_round and (averager._in_flight is not None) == in_flight, step
+        assert averager.in_round and (averager.engine.in_flight is not None) == in_flight, step
     assert_close(tensors(machines, opt), reference(optimizer, steps, K, tau))
     # Each round is counted as a blocking one, when it starts: x (and w) of 6 floats a machine.
     floats = 6 * (2 if optimizer == "slowcal" else 1)
@@ -259,7 +260,7 @@ def test_a_checkpoint_taken_while_a_round_is_in_flight_resumes_bit_for_bit(optim
     start, stop = save_point(tau, F)
     train(machines, opt, averager, range(stop))
     held = [t.clone() for t, _ in averager._tensors()]  # by place
-    assert averager._in_flight is not None and averager._in_flight.land_step == start + tau
+    assert averager.engine.in_flight is not None and averager.engine.in_flight.land_step == start + tau
     path = tmp_path / "checkpoint.pt"
     torch.save({"model": machines.state_dict(), "optimizer": opt.state_dict(), "averager": averager.state_dict()}, path)
     saved = torch.load(path, weights_only=True)  # plain data
@@ -292,7 +293,7 @@ def test_a_checkpoint_taken_while_a_round_is_in_flight_resumes_bit_for_bit(optim
     else:
         opt2.load_state_dict(saved["optimizer"])
         averager2.load_state_dict(saved["averager"])
-    assert averager2.in_round and averager2._in_flight is not None
+    assert averager2.in_round and averager2.engine.in_flight is not None
     assert_same(averager2.state_dict(), saved["averager"])  # saved again before it lands: the same state
     train(machines2, opt2, averager2, range(stop, END))
 
@@ -338,7 +339,7 @@ def test_a_round_in_flight_is_refused_where_it_cannot_continue():
         with pytest.raises(ValueError, match=message) as error:
             other.load_state_dict(saved)
         one_line(error)
-        assert other.steps == 0 and other._in_flight is None  # nothing loaded
+        assert other.steps == 0 and other.engine.in_flight is None  # nothing loaded
     # An averager with a round of its own in flight loads nothing.
     with pytest.raises(RuntimeError, match=r"^PeriodicAverager.load_state_dict\(\): a round is in flight \(it lands at step 9\); call close_round\(\) first$"):  # fmt: skip
         averager.load_state_dict(state)
@@ -489,7 +490,7 @@ def _checkpoint_worker(rank: int, init_file: str, out: str) -> None:
         machines, opt, averager = make(optimizer, dtype, **options)
         _, stop = save_point(tau, F)
         train(machines, opt, averager, range(stop), machine_ids=ids)
-        assert averager._in_flight is not None
+        assert averager.engine.in_flight is not None
         own = os.path.join(out, f"{name}.{rank}.pt")  # each rank's machines differ mid-round: a file each
         torch.save(
             {"model": machines.state_dict(), "optimizer": opt.state_dict(), "averager": averager.state_dict()}, own
@@ -547,3 +548,23 @@ def test_two_gloo_processes_resume_a_round_in_flight_bit_for_bit(tmp_path):
     for name in CHECKPOINT_RUNS:
         first, second = (results[name + " closed"][0] for results in ranks)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second[:2]))
+
+
+def test_the_overlapped_engine_lands_the_snapshots_average_plus_the_progress_since_and_counts_the_exact_round():
+    """``OverlappedRound`` alone, behind the engines' seam: ``start`` takes the snapshot and counts what the exact
+    round sends; the live tensors train on; ``land`` gives the snapshot's mean over the machines, which the merge
+    makes avg + (live - snapshot); float64 reference by hand."""
+    engine = OverlappedRound(ExactRound(2, 2, None, 1 << 20, False), delay=3)
+    live = torch.tensor([[1.0, 2.0, 4.0], [3.0, -2.0, 0.5]], dtype=torch.float64)  # two machines stacked
+    before = live.clone()
+    sent = engine.start([(live, True)], None, step=8, fragment=0)
+    assert sent == engine.inner.sent([(live, True)], None) and sent.bytes == 3 * 8  # one machine's payload
+    assert engine.in_flight is not None and engine.in_flight.land_step == 11
+    live += torch.tensor([[0.25, 0.0, -1.0], [0.5, 1.0, 0.0]], dtype=torch.float64)  # training goes on
+    progress = live - before
+    tensors, landing = engine.land(lambda: [(live, True)])
+    assert engine.in_flight is None and tensors[0][0] is live
+    expected_avg = before.mean(0, keepdim=True).expand_as(before)
+    assert torch.equal(landing.result[0][0], expected_avg)
+    landing.merge()
+    assert torch.equal(live, expected_avg + progress)
