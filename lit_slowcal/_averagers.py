@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lit_slowcal._option_access import HoldsOptions
 from lit_slowcal.averaging import PeriodicAverager, buffer_owners
 from lit_slowcal.link import LinkCounts
 from lit_slowcal.options import AveragingOptions
@@ -25,25 +26,22 @@ __all__ = ["CHECKPOINT_KEY", "AveragerSet"]
 CHECKPOINT_KEY = "periodic_averaging"
 
 
-class AveragerSet:
+class AveragerSet(HoldsOptions):
     """One ``PeriodicAverager`` per optimizer, built alike (mixed into the strategies)."""
 
     #: What a rank whose count fell behind should do (``PeriodicAverager.skip_advice``).
     skip_advice = "call optimizer.step() in every iteration on every rank"
 
     def _init_averagers(self, options: AveragingOptions) -> None:
-        #: Every averager's options (``lit_slowcal.options``); replace them only through ``sync_every``.
+        # Every averager's options: replaced freely until fit builds the averagers, then only K (``HoldsOptions``).
         self.options = options
         self.averagers: dict[int, PeriodicAverager] = {}  # id(torch optimizer) -> its averager
 
-    @property
-    def sync_every(self) -> int:
-        """K; set mid-run (``strategy.sync_every = 16``) it applies to the running averagers too."""
-        return self.options.sync_every
+    def _options_built(self) -> bool:
+        return bool(getattr(self, "averagers", None))
 
-    @sync_every.setter
-    def sync_every(self, value: int) -> None:
-        self.options = self.options.with_sync_every(value)
+    def _sync_every_changed(self, value: int) -> None:
+        """K set mid-run (``strategy.sync_every = 16``): the running averagers take it too."""
         for averager in self.averagers.values():
             averager.sync_every = value
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lit_slowcal._compressed import CompressedAverage, accumulation_dtype
 from lit_slowcal._selection import Tensors
+from lit_slowcal._validation import check_int
 from lit_slowcal.compression import Code
 from lit_slowcal.link import LinkCounts
 
@@ -60,9 +61,9 @@ class CodedAverage(CompressedAverage):
                     e = self.errors[k] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=t.device)
                 for i, message in enumerate(sent):
                     if mine is None or mine[i]:
-                        e.view(-1, n)[i] = changes[i] - code.decode(message, n, acc)
+                        e.view(-1, n)[i] = changes[i] - _values(code, "decode", code.decode(message, n, acc), n)
             messages.append(sent)
-            first += code.message_bytes(n, acc)
+            first += _message_bytes(code, n, acc)
         everyone: list[Any] = [messages]
         if world > 1:
             everyone = [None] * world
@@ -72,7 +73,7 @@ class CodedAverage(CompressedAverage):
             acc, a = accumulation_dtype(t.dtype), self.anchors[k]
             ordered = [message for process in everyone for message in process[k]]  # machine order, rank-major
             chosen = ordered if keep is None else [msg for msg, p in zip(ordered, keep) if p]
-            mean = code.reduce(chosen, a.numel(), acc).to(a.device)
+            mean = _values(code, "reduce", code.reduce(chosen, a.numel(), acc), a.numel()).to(a.device)
             new = (a.to(acc).reshape(-1) + mean).to(t.dtype).view(a.shape)
             a.copy_(new)
             t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
@@ -80,10 +81,28 @@ class CodedAverage(CompressedAverage):
 
     def message_bytes(self, tensors: Tensors) -> tuple[int, int]:
         """One machine's message bytes for a round of ``tensors`` (``Code.message_bytes``), and 0."""
-        return sum(self.code.message_bytes(t[0].numel() if s else t.numel(), accumulation_dtype(t.dtype))
+        return sum(_message_bytes(self.code, t[0].numel() if s else t.numel(), accumulation_dtype(t.dtype))
                    for t, s in tensors), 0  # fmt: skip
 
     @staticmethod
     def link_counts(first: int, second: Optional[int], participants: int) -> LinkCounts:
         """One round's ring counts: every participant's message to every other (a ring all-gather)."""
         return LinkCounts.of_gather(first, participants)
+
+
+def _values(code: Code, what: str, values: Any, numel: int) -> Tensor:
+    """``values``, what ``code.<what>`` returned for a tensor of ``numel`` values, if it is a 1-D floating tensor of
+    ``numel`` values (never broadcast); else one line."""
+    if not isinstance(values, Tensor) or not values.is_floating_point() or values.shape != (numel,):
+        got = f"shape {tuple(values.shape)}, {values.dtype}" if isinstance(values, Tensor) else type(values).__name__
+        raise ValueError(
+            f"Invalid compression: {code!r}.{what} returned {got} for {numel} values (a 1-D floating tensor of {numel})"
+        )
+    return values
+
+
+def _message_bytes(code: Code, numel: int, dtype: torch.dtype) -> int:
+    """``code.message_bytes(numel, dtype)`` if it is an integer >= 0; else one line."""
+    value = code.message_bytes(numel, dtype)
+    check_int(f"{type(code).__name__}.message_bytes({numel}, {dtype})", value, minimum=0)
+    return value

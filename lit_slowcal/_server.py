@@ -26,6 +26,7 @@ The functions here hold no state: the averager keeps the round's start and the o
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 from lit_slowcal._selection import local
 
 __all__ = [
+    "fingerprint",
     "load_state", "num_participants", "outer_step", "parameters",
     "participant_weights", "reset_round_start", "start_outer", "state_dict",
 ]  # fmt: skip
@@ -114,3 +116,13 @@ def load_state(outer: Optimizer, global_params: list[Tensor], state: dict[str, A
         for g, saved in zip(global_params, state["round_start"]):
             g.copy_(saved)
     outer.load_state_dict(state["optimizer"])
+
+
+def fingerprint(outer: Optional[Optimizer]) -> dict[str, tuple[int, str]]:
+    """What the ranks compare of the outer optimizer the factory built: its class and every group's settings
+    (a factory written as a closure reads alike on every rank whatever its learning rate)."""
+    if outer is None:
+        return {"the outer optimizer": (0, "None")}
+    groups = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in outer.param_groups]
+    text = f"{type(outer).__module__}.{type(outer).__qualname__}{groups}"
+    return {"the outer optimizer": (zlib.crc32(text.encode()), text)}

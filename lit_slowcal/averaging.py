@@ -33,15 +33,13 @@ from lit_slowcal._collectives import Machines, broadcast_module
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._counts import Counted, Counts
 from lit_slowcal._hooks import LoopHooks, on_every_backward
+from lit_slowcal._option_access import HoldsOptions
 from lit_slowcal._overlap import OverlappedSchedule
 from lit_slowcal._rounds import CodedRound, Engine, OverlappedRound, engine_for
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
-from lit_slowcal.options import OPTION_NAMES, AveragingOptions
+from lit_slowcal.options import AveragingOptions
 from lit_slowcal.protocol import declared
-
-#: The options that live in ``options`` only (``sync_every`` stays settable): refused as attributes.
-_OPTIONS_NOT_K = frozenset(OPTION_NAMES) - {"sync_every"}
 
 __all__ = [
     "COMPRESSION_KEY",
@@ -53,7 +51,7 @@ __all__ = [
 ]
 
 
-class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
+class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule):
     """Average parameters, floating buffers and declared optimizer state over all machines every K steps.
 
     Args:
@@ -101,7 +99,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         buffers: Optional[Sequence[Tensor]] = None,
         **settings: Any,
     ) -> None:
-        #: Every synchronisation option (``lit_slowcal.options``): ``options`` with ``sync_every`` and ``settings``.
+        # Every synchronisation option: ``options`` with ``sync_every`` and ``settings``; fixed but for K (``HoldsOptions``).
         self.options = AveragingOptions.build(options, sync_every, **settings)
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
@@ -149,16 +147,6 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
             self.resume(start_step)
 
     # -- schedule ----------------------------------------------------------------------------
-
-    @property
-    def sync_every(self) -> int:
-        """K, optimizer steps between synchronisations (``options.sync_every``)."""
-        return self.options.sync_every
-
-    @sync_every.setter
-    def sync_every(self, value: int) -> None:
-        """K, set mid-run: the options with it (checked against tau and F)."""
-        self.options = self.options.with_sync_every(value)
 
     def step(self) -> bool:
         """Count one step of the schedule; synchronise when it is a multiple of K. Returns whether it did.
@@ -332,7 +320,7 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
             **self.options.agreement(),
             "machines per process": (self.machines_per_process, str(self.machines_per_process)),
             "participation (S)": (self.participants, str(self.participants)),
-            "an outer optimizer in use": (int(self.outer is not None), str(self.outer is not None)),
+            **_server.fingerprint(self.outer),
             **_selection.fingerprint(self._tensors(), self._averaged_keys(), self.optimizer),
         }
 
@@ -385,13 +373,6 @@ class PeriodicAverager(Machines, LoopHooks, Counted, OverlappedSchedule):
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state``, the buffers."""
         return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OPTIONS_NOT_K:  # an option lives in ``options`` only: never set silently
-            raise AttributeError(
-                f"PeriodicAverager.{name} is an option: averager.options = dataclasses.replace(averager.options, {name}=...)"
-            )
-        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return (

@@ -107,6 +107,12 @@ class Compressor:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
 
+    def __eq__(self, other: object) -> bool:  # the same code: the same class and settings
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), repr(self)))
+
 
 class BFloat16(Compressor):
     """The changes as bfloat16 (round to nearest even), summed in float32; the mean travels in float32."""
@@ -176,6 +182,12 @@ class Code:
         settings = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()) if not k.startswith("_"))
         return f"{type(self).__name__}({settings})"
 
+    def __eq__(self, other: object) -> bool:  # the same code: the same class and settings
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), repr(self)))
+
 
 #: The compressors the ``compression`` argument names.
 NAMES = {"bf16": BFloat16, "int8": Int8}
@@ -183,13 +195,18 @@ NAMES = {"bf16": BFloat16, "int8": Int8}
 
 def compressor(spec: Union[None, str, Compressor, Code]) -> Union[None, Compressor, Code]:
     """The code ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, a ``Compressor`` or a ``Code``."""
-    if isinstance(spec, Code):
-        missing = [
-            name for name in ("encode", "decode", "message_bytes") if getattr(type(spec), name) is getattr(Code, name)
-        ]
+    if isinstance(spec, (Code, Compressor)):
+        base, needed = (
+            (Code, ("encode", "decode", "message_bytes"))
+            if isinstance(spec, Code)
+            else (Compressor, ("encode", "decode"))
+        )
+        missing = [name for name in needed if getattr(type(spec), name) is getattr(base, name)]
         if missing:
-            raise ValueError(f"Invalid compression: {spec!r} (a Code defines encode, decode and message_bytes; "
+            raise ValueError(f"Invalid compression: {spec!r} (a {base.__name__} defines {', '.join(needed[:-1])} and {needed[-1]}; "
                              f"{', '.join(missing)} missing)")  # fmt: skip
+        if isinstance(spec, Compressor):
+            check_int("block_size", spec.block_size)
     if spec is None or isinstance(spec, (Compressor, Code)):
         return spec
     if isinstance(spec, str) and spec in NAMES:

@@ -26,10 +26,12 @@ from typing import Any, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
+from lit_slowcal._option_access import refuse_unknown
 from lit_slowcal.averaging import broadcast_module
 from lit_slowcal.options import AveragingOptions, option_keywords
 
@@ -52,6 +54,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         self, sync_every: Optional[int] = None, *, options: Optional[AveragingOptions] = None, **kwargs: Any
     ) -> None:
         averaging = AveragingOptions.build(options, sync_every, **AveragingOptions.take(kwargs))
+        refuse_unknown(type(self).__name__, kwargs, DDPStrategy.__init__, DistributedDataParallel.__init__)
         super().__init__(**kwargs)
         self._init_averagers(averaging)
         self.modules: list[nn.Module] = []

@@ -88,20 +88,23 @@ class AveragingOptions:
     outer_optimizer: Optional[OuterFactory] = None
     participation: Participation = None
     participation_seed: int = 0
-    compression: Union[None, str, Compressor] = None
+    compression: Union[None, str, Compressor] = field(default=None, compare=False)  # compared as its compressor
     error_feedback: Optional[bool] = None
     overlap_delay: int = 0
     fragments: int = 1
     bucket_views: bool = False
     #: The compressor ``compression`` names (``None``: the exact average); derived, not an option.
-    compressor: Optional[Compressor] = field(default=None, init=False, repr=False, compare=False)
+    compressor: Optional[Compressor] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_int("sync_every", self.sync_every)
         keys = self.average_state
-        if isinstance(keys, str) or not isinstance(keys, Iterable) or not all(isinstance(k, str) for k in keys):
+        if isinstance(keys, str) or not isinstance(keys, Iterable):
             raise ValueError(f"Invalid average_state: {keys!r} (a sequence of state key names)")
-        object.__setattr__(self, "average_state", tuple(keys))
+        keys = tuple(keys)  # an iterator is read once
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError(f"Invalid average_state: {keys!r} (a sequence of state key names)")
+        object.__setattr__(self, "average_state", keys)
         check_number("bucket_cap_mb", self.bucket_cap_mb)
         for name in ("check_schedule", "bucket_views"):
             if not isinstance(getattr(self, name), bool):

@@ -28,9 +28,11 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lit_slowcal._option_access import refuse_unknown
 from lit_slowcal._trainer_rounds import TrainerRounds
 from lit_slowcal.averaging import broadcast_module, machines_per_process
 from lit_slowcal.checkpoint_io import AtomicCheckpointIO
@@ -95,6 +97,7 @@ class PeriodicAveragingStrategy(TrainerRounds, DDPStrategy):
             )
         settings = AveragingOptions.take(kwargs)
         averaging = AveragingOptions.build(options, sync_every, **settings)  # one line, before anything
+        refuse_unknown(type(self).__name__, kwargs, DDPStrategy.__init__, DistributedDataParallel.__init__)
         # Checkpoints are written to a temporary name and renamed: a kill never leaves half a file.
         kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or AtomicCheckpointIO()
         super().__init__(**kwargs)

@@ -235,6 +235,16 @@ def _differing_worker(rank, init_file, out):
             outcomes[name] = ("no error", "")
         except RuntimeError as err:
             outcomes[name] = ("RuntimeError", str(err))
+    # An outer optimizer built by a closure: the same text on both ranks, another learning rate.
+    model = nn.Linear(4, 3)
+    lr = (0.7, 0.1)[rank]
+    averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                                outer_optimizer=lambda params: torch.optim.SGD(params, lr=lr))  # fmt: skip
+    try:
+        averager.broadcast()
+        outcomes["outer closure"] = ("no error", "")
+    except RuntimeError as err:
+        outcomes["outer closure"] = ("RuntimeError", str(err))
     # Bucket views with participation: the same bits as the plain weighted average, each of 2 x 2 machines
     # weighted where it lies (one of two processes' machines takes part in some rounds, both in others).
     for views, code in ((False, None), (True, None), (False, "int8"), (True, "int8")):
@@ -286,6 +296,11 @@ def test_ranks_that_differ_in_any_option_stop_before_the_first_step_in_one_line_
             assert kind == "RuntimeError" and "\n" not in message, (name, message)
             assert message.startswith("PeriodicAverager: the ranks were set up differently: "), message
             assert f"{name} (rank 0: {zero}, rank 1: {one})" in message, (name, message)
+        # Closures read alike whatever they capture: the outer optimizer built is compared (the ranks diverged).
+        kind, message = outcomes["outer closure"]
+        assert kind == "RuntimeError" and "\n" not in message, message
+        assert "the outer optimizer (rank 0: torch.optim.sgd.SGD[{" in message and "'lr': 0.7" in message, message
+        assert "'lr': 0.1" in message, message
 
 
 def test_momentum_state_on_a_slowcal_run_is_the_declared_w_only():
@@ -335,13 +350,125 @@ def test_the_counts_agree_for_every_kind_of_round(settings):
 
 
 def test_an_option_set_on_the_averager_is_refused_not_ignored():
+    """Only K may change once the averager built its engine: an option set as an attribute, or options replaced
+    with another compression, overlap, bucket views or participation, were ignored (the engine stayed exact and
+    blocking; Scaffold ran with participation, a pair refused at construction); now one line each."""
     model = nn.Linear(2, 1)
     averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    with pytest.raises(AttributeError, match=r"^PeriodicAverager.check_schedule is an option: averager.options = "):
+    with pytest.raises(AttributeError, match=r"^PeriodicAverager.check_schedule is an option, fixed when it was built"):
         averager.check_schedule = False
-    averager.options = dataclasses.replace(averager.options, check_schedule=False)
-    averager.sync_every = 4  # K stays settable: it replaces the options
-    assert (averager.options.check_schedule, averager.options.sync_every) == (False, 4)
+    for name, value in (("compression", "int8"), ("overlap_delay", 1), ("bucket_views", True), ("fragments", 2)):
+        with pytest.raises(AttributeError) as error:
+            averager.options = dataclasses.replace(averager.options, **{name: value})
+        assert _one_line(error).startswith(f"Invalid options: {name}={value!r} (it is "), name
+        assert averager.compressed is None and type(averager.engine).__name__ == "ExactRound"
+    with pytest.raises(TypeError, match=r"^Invalid options: 'junk' \(an AveragingOptions\)"):
+        averager.options = "junk"
+    averager.options = dataclasses.replace(averager.options, sync_every=4)  # K may change: it replaces the options
+    averager.sync_every = 6
+    assert averager.options.sync_every == averager.sync_every == 6
+    scaffold_model = nn.Linear(2, 1)
+    scaffold = PeriodicAverager(scaffold_model, Scaffold(scaffold_model.parameters(), lr=0.1), 2)
+    with pytest.raises(AttributeError, match=r"^Invalid options: participation=2 "):
+        scaffold.options = dataclasses.replace(scaffold.options, participation=2)
+
+
+def test_a_strategys_options_are_replaced_before_fit_and_an_option_attribute_is_refused():
+    strategy = PeriodicAveragingStrategy(sync_every=4)
+    strategy.options = dataclasses.replace(strategy.options, compression="int8")  # before fit builds averagers
+    assert strategy.options.compressor is not None
+    with pytest.raises(AttributeError, match=r"^PeriodicAveragingStrategy.compression is an option, fixed when"):
+        strategy.compression = None
+
+
+@pytest.mark.parametrize("make", [PeriodicAveragingStrategy, PeriodicAveragingFabricStrategy])
+def test_a_misspelt_strategy_keyword_is_refused_naming_the_option_not_kept_for_a_ddp_wrapper(make):
+    """``compresion="int8"`` went to DDP's wrapper arguments, which these strategies never build: float32 was sent."""
+    with pytest.raises(TypeError) as error:
+        make(sync_every=4, compresion="int8")
+    assert _one_line(error).startswith(
+        f"{make.__name__}() got an unexpected keyword argument 'compresion' (did you mean 'compression'?"
+    )
+    make(sync_every=4, process_group_backend="gloo")  # the Lightning strategy's own arguments pass
+
+
+def test_average_state_given_as_an_iterator_keeps_its_keys():
+    """A generator was read by the check and stored empty: its keys silently never averaged."""
+    options = AveragingOptions(average_state=(k for k in ("momentum_buffer", "exp_avg")))
+    assert options.average_state == ("momentum_buffer", "exp_avg")
+
+
+def test_a_compressor_is_checked_when_given_and_equal_compressors_make_equal_options():
+    """An incomplete ``Compressor`` or one with ``block_size=0`` failed inside the second round
+    (``NotImplementedError``, ``ZeroDivisionError``); equal codes made unequal options."""
+    from lit_slowcal.compression import Compressor, Int8
+
+    class Sign(Compressor):
+        def encode(self, blocks):
+            return blocks.sign(), None
+
+    with pytest.raises(ValueError) as error:
+        AveragingOptions(compression=Sign())
+    assert _one_line(error).startswith(
+        "Invalid compression: Sign(block_size=256) (a Compressor defines encode and decode; decode missing)"
+    )
+    with pytest.raises(ValueError, match=r"^Invalid compression: Compressor\(block_size=256\) "):
+        AveragingOptions(compression=Compressor())
+
+    class Zero(Int8):
+        block_size = 0
+
+    with pytest.raises(ValueError, match=r"^Invalid block_size: 0 \(must be an integer >= 1\)"):
+        AveragingOptions(compression=Zero.__new__(Zero))
+    assert AveragingOptions(compression=Int8()) == AveragingOptions(compression="int8")
+    assert Int8(128) != Int8() and hash(Int8()) == hash(Int8())
+
+
+class _Scaled(Code):
+    """A code whose decode, reduce or message size can be made wrong (``bad``)."""
+
+    lossy = False
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def encode(self, change):
+        return change.clone()
+
+    def decode(self, message, numel, dtype):
+        return message[:1].to(dtype) if self.bad == "decode" else message.to(dtype)
+
+    def reduce(self, messages, numel, dtype):
+        mean = torch.stack(messages).to(dtype).mean(0)
+        return mean[:1] if self.bad == "reduce" else mean
+
+    def message_bytes(self, numel, dtype):
+        return {"negative": -5, "nan": float("nan"), "float": 2.5}.get(self.bad, numel * 4)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("decode", "Invalid compression: _Scaled(bad='decode').decode returned shape (1,), torch.float32 for 4 values"),
+        ("reduce", "Invalid compression: _Scaled(bad='reduce').reduce returned shape (1,), torch.float32 for 4 values"),
+        ("negative", "Invalid _Scaled.message_bytes(4, torch.float32): -5 (must be an integer >= 0)"),
+        ("nan", "Invalid _Scaled.message_bytes(4, torch.float32): nan (must be an integer >= 0)"),
+        ("float", "Invalid _Scaled.message_bytes(4, torch.float32): 2.5 (must be an integer >= 0)"),
+    ],
+)
+def test_a_codes_wrong_shape_or_byte_count_is_one_line_not_broadcast_into_the_model(bad, message):
+    """A one-value decode or reduce was broadcast over the tensor (the run went on with wrong weights); a
+    negative, NaN or fractional message size went into the counts."""
+    model = SimulatedMachines(nn.Linear(2, 2), 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = PeriodicAverager(model, optimizer, 1, compression=_Scaled(bad), error_feedback=bad == "decode")
+    averager.sync()  # the first round anchors every tensor
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    with pytest.raises(ValueError) as error:
+        averager.sync()
+    assert _one_line(error).startswith(message)
 
 
 def test_a_code_is_checked_when_given_and_compared_across_ranks_with_its_settings():
