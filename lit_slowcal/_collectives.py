@@ -31,7 +31,16 @@ if dist.is_available():
     # with lit_slowcal and before any process group, it binds None.
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["Machines", "broadcast_module", "check_same_point", "gather_ints", "gather_objects", "rank", "world_size"]
+__all__ = [
+    "Machines",
+    "broadcast_module",
+    "check_same_point",
+    "gather_ints",
+    "gather_ints_on",
+    "gather_objects",
+    "rank",
+    "world_size",
+]
 
 
 def world_size(process_group: Optional[Any]) -> int:
@@ -81,6 +90,11 @@ def broadcast_module(
 def gather_ints(optimizer: Optimizer, values: Sequence[int], process_group: Optional[Any]) -> list[tuple[int, ...]]:
     """Every rank's ``values`` (one small all-gather of int64 on the device of the optimizer's parameters)."""
     device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    return gather_ints_on(device, values, process_group)
+
+
+def gather_ints_on(device: torch.device, values: Sequence[int], process_group: Optional[Any]) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (one small all-gather of int64 on ``device``, on a CUDA device under NCCL)."""
     if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
@@ -109,12 +123,23 @@ def check_same_point(
     ``counts`` and, where given, with the same ``setup`` (name -> (an integer code, its readable value);
     one small all-gather of a fixed length), or one ``RuntimeError`` on every rank: for the collective,
     naming it; for a setup, naming each setting that differs with every rank's readable value (gathered
-    then, on the error's path only, which every rank takes); for counts, ending with ``advice``."""
+    then, on the error's path only, which every rank takes); for counts, ending with ``advice``. Where the
+    all-gather itself fails (another rank never joins it: the process group's timeout), one ``RuntimeError``
+    naming this rank's counts and the backend's error."""
     names = list(setup or {})
     code = COLLECTIVES.index(collective)
     values = [*counts, *(c for c, _ in (setup or {}).values())]
     assert len(names) <= _SETUP_SLOTS
-    everyone = gather_ints(optimizer, [*values, *[0] * (_SETUP_SLOTS - len(names)), code], process_group)
+    try:
+        everyone = gather_ints(optimizer, [*values, *[0] * (_SETUP_SLOTS - len(names)), code], process_group)
+    except RuntimeError as error:  # the backend's: a timeout, or a rank that left
+        backend = " ".join(str(error).split())
+        raise RuntimeError(
+            f"PeriodicAverager: the ranks did not all reach {collective} (this rank: {counts[0]} steps, {counts[1]} "
+            f"backward passes; the backend: {backend}); a rank whose data ended at another step (loaders of unknown "
+            "length that differ between the ranks) or that skipped the collective is elsewhere: give every rank the "
+            f"same number of batches, and {advice}."
+        ) from error
     codes = [v[-1] for v in everyone]
     if len(set(codes)) > 1:
         what = ", ".join(f"rank {r}: {COLLECTIVES[c] if 0 <= c < len(COLLECTIVES) else c}" for r, c in enumerate(codes))
@@ -143,7 +168,8 @@ def check_same_point(
         raise RuntimeError(
             f"PeriodicAverager: the ranks reached this synchronisation at different points ({ranks}); "
             "an optimizer step was skipped on some rank (a GradScaler that found inf/NaN, or a loop that "
-            f"skipped optimizer.step()), and averaging now would mix different steps: {advice}."
+            "skipped optimizer.step()) or a rank's data ended at another step (unequal numbers of batches), and "
+            f"averaging now would mix different steps: {advice}."
         )
 
 

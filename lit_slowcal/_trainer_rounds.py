@@ -8,17 +8,21 @@ model, the same on every machine. Before every validation during ``fit``, before
 (``lightning_module_state_dict``) and at the end of ``fit`` it closes the round
 (``PeriodicAverager.close_round``); ``optimizer_step`` counts every step of every optimizer;
 ``on_train_start`` builds the averagers, restores their schedules from the checkpoint being resumed
-and checks that every rank built them alike. Where a checkpoint keeps the averagers' states is the
+and checks that every rank built them alike; the first batch of every epoch checks that every rank
+reads as many batches this epoch (one small all-gather an epoch: Lightning runs a collective of its own
+every step, so ranks whose epochs end at other steps would hang). Where a checkpoint keeps the averagers' states is the
 strategy's: ``_put_schedules`` and ``_take_schedules``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -26,6 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal._averagers import CHECKPOINT_KEY, AveragerSet
+from lit_slowcal._collectives import gather_ints_on
 from lit_slowcal.averaging import PeriodicAverager
 from lit_slowcal.options import AveragingOptions
 
@@ -46,6 +51,7 @@ class TrainerRounds(AveragerSet):
         self._direct = False  # optimizer.step() called without Lightning's dispatch (PeriodicAveragingStrategy)
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
+        self._epoch_checked = -1  # the last epoch whose length the ranks compared
 
     def _new_averager(
         self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
@@ -96,11 +102,38 @@ class TrainerRounds(AveragerSet):
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
         self._direct = self._direct_steps()
+        self._epoch_checked = -1
         self._create_averagers()
         # Every rank built alike, checked now: Lightning runs a collective of its own every step (its
         # SIGTERM broadcast), so ranks whose first synchronisations fall on other steps would hang.
         for averager in self.averagers.values():
             averager.check_setup()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]
+        if epoch != self._epoch_checked:  # the first batch of an epoch (of a resumed one too)
+            self._epoch_checked = epoch
+            self._check_epoch_length()
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def _check_epoch_length(self) -> None:
+        """Every rank reads as many batches this epoch (``trainer.num_training_batches``), or one ``RuntimeError``
+        on every rank naming each rank's count: one all-gather of every process, before the epoch's first step.
+        Not compared where a rank cannot know its count (a loader without ``__len__``)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        batches = self.lightning_module.trainer.num_training_batches  # type: ignore[attr-defined]
+        known = -1 if math.isinf(batches) else int(batches)
+        everyone = [n for (n,) in gather_ints_on(self.root_device, [known], None)]  # type: ignore[attr-defined]
+        if -1 in everyone or len(set(everyone)) == 1:
+            return
+        counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(everyone))
+        raise RuntimeError(
+            f"{type(self).__name__}: the ranks read unequal numbers of training batches this epoch "
+            f"(trainer.num_training_batches: {counts}); give every rank the same number each epoch (equal "
+            "shards, drop_last=True, or limit_train_batches), or the ranks' rounds and Lightning's own "
+            "collectives would pair different steps; nothing of this epoch was trained."
+        )
 
     def on_train_end(self) -> None:
         # fit returns one model: the machines' average, the same on every rank.
