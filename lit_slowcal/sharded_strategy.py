@@ -14,7 +14,8 @@ Checkpoints are ``ModelParallelStrategy``'s: a directory written by torch's dist
 process, ``periodic_averaging.rank{r}.pt``, with its averagers' states: the schedule and counts, the
 optimizer state each replica keeps for itself (of its local shard: a distributed checkpoint keeps
 one replica's), the outer optimizer's round start and state, the compression's anchors and error
-feedback. A resume on the same mesh continues the run exactly; on another mesh it is refused.
+feedback. A resume on the same mesh continues the run exactly; on another mesh it is refused, and so is a
+checkpoint missing a process's file (every rank stops with the same line naming the missing files).
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def _state_file(self, path: Path) -> Path:
-        return path / f"{CHECKPOINT_KEY}.rank{self.global_rank}.pt"
+    def _state_file(self, path: Path, rank: Optional[int] = None) -> Path:
+        return path / f"{CHECKPOINT_KEY}.rank{self.global_rank if rank is None else rank}.pt"
 
     def _put_schedules(self, checkpoint: dict[str, Any]) -> None:
         optimizers = self._torch_optimizers()
@@ -194,7 +195,19 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
                 f"Cannot resume the averagers' states of {where} on a {replicate} x {shard} mesh: each process's "
                 "optimizer state is its shard's and its replica's; resume on the same mesh"
             )
-        return read_checkpoint(self._state_file(Path(self.broadcast(checkpoint_path))))["averagers"]
+        folder = Path(self.broadcast(checkpoint_path))
+        # Every rank learns which processes' files are there, so that all stop on the same line, before any
+        # collective of the resume (one rank stopping alone would leave the others waiting in one).
+        found_here = torch.tensor([self._state_file(folder).is_file()], dtype=torch.int32, device=self.root_device)
+        there = self.all_gather(found_here)
+        missing = [str(self._state_file(folder, r)) for r, found in enumerate(there.flatten().tolist()) if not found]
+        if missing:
+            raise FileNotFoundError(
+                f"Cannot resume from {folder}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing "
+                f"(each process saves its averagers' state beside the distributed checkpoint, "
+                f"{CHECKPOINT_KEY}.rank<r>.pt); copy the checkpoint folder whole, or start afresh without ckpt_path"
+            )
+        return read_checkpoint(self._state_file(folder))["averagers"]
 
     @classmethod
     @override

@@ -8,7 +8,8 @@ run B resumes from that checkpoint (a distributed-checkpoint directory with each
 beside it). Every rank's gathered parameters after A equal test_sharded.py's unsharded reference with a
 synchronisation after step 3 too (1e-12), B's equal A's bit for bit, the all-reduces over the replicate
 group carry the local shard's bytes, and the refusals are one line each. Run C fits as A with participation
-S = 1 of the M = 2 replicas: every rank ends at the reference whose rounds take the drawn replica's model."""
+S = 1 of the M = 2 replicas: every rank ends at the reference whose rounds take the drawn replica's model. Run D
+(two processes, a 2 x 1 mesh) resumes a checkpoint missing one process's file: both ranks stop on the same line."""
 
 from __future__ import annotations
 
@@ -270,3 +271,59 @@ def test_a_resume_on_another_mesh_is_refused_in_one_line(tmp_path):
     saved = {CHECKPOINT_KEY: {"mesh": {"replicate": 4, "shard": 1}}}
     with pytest.raises(ValueError, match=r"^Cannot resume the averagers' states of a 4 x 1 mesh on a 2 x 2 mesh"):
         strategy._take_schedules(saved, tmp_path)
+
+
+def _missing_state_worker(rank: int, init_file: str, out: str) -> None:
+    """Two replicas of one process each fit 2 steps and save; one process's averager state file is then
+    deleted, and both resume from the checkpoint: what each rank raises, or None."""
+    import datetime
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+
+    def fit(root: str, ckpt_path: str | None = None) -> pl.Trainer:
+        strategy = ShardedAveragingStrategy(
+            sync_every=K, replicate_size=2, shard_size=1, timeout=datetime.timedelta(seconds=30)
+        )
+        trainer = pl.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=2, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(Sharded(), ckpt_path=ckpt_path)
+        return trainer
+
+    checkpoint = os.path.join(out, "last.ckpt")
+    fit(out).save_checkpoint(checkpoint)
+    if rank == 0:
+        os.remove(os.path.join(checkpoint, f"{CHECKPOINT_KEY}.rank1.pt"))
+    dist.barrier()
+    error: Any = None
+    try:
+        fit(os.path.join(out, "b"), checkpoint)
+    except Exception as err:
+        error = (type(err).__name__, str(err))
+    finish_rank({"error": error, "checkpoint": checkpoint}, out, rank)
+
+
+@pytest.mark.slow
+def test_a_missing_process_state_file_is_refused_in_one_line_on_every_rank(tmp_path):
+    """The resume of a checkpoint whose ``periodic_averaging.rank1.pt`` is gone: every rank stops with the same
+    line naming that file and what to do, before any collective of the resume (none hangs or times out)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MASTER_ADDR", "127.0.0.1")
+    mp.setenv("MASTER_PORT", str(port))
+    try:
+        ranks = spawn_ranks(_missing_state_worker, 2, str(tmp_path))
+    finally:
+        mp.undo()
+    missing = os.path.join(ranks[0]["checkpoint"], f"{CHECKPOINT_KEY}.rank1.pt")
+    for rank, results in enumerate(ranks):
+        assert results["error"] is not None, rank
+        kind, message = results["error"]
+        assert kind == "FileNotFoundError" and "\n" not in message, (rank, kind, message)
+        assert message.startswith(f"Cannot resume from {ranks[0]['checkpoint']}: {missing} is missing"), message
+    assert ranks[0]["error"] == ranks[1]["error"]

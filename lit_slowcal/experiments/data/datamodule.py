@@ -100,7 +100,8 @@ class ProblemDataModule(pl.LightningDataModule):
     images).
 
     Args:
-        root: folder holding ``MNIST/raw/`` (the repository ships the files in ``data/``).
+        root: folder holding ``MNIST/raw/`` (MNIST's files) and ``stdlib/`` (StdlibChars's corpus); the repository
+            ships both in ``data/``. Another problem reads nothing there.
         num_machines: M, machines over all processes.
         batch_size: samples per machine per optimizer step (``None``: the run shape's, 1 without one).
         steps_per_round: optimizer steps per communication round (K for the local methods, 1 for
@@ -250,8 +251,9 @@ class ProblemDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on
-        one process per node, then all of them call ``setup``)."""
-        prepare_mnist(Path(self.root))
+        one process per node, then all of them call ``setup``); another problem needs no MNIST file."""
+        if isinstance(self.problem, MNIST):
+            prepare_mnist(Path(self.root))
 
     def setup(self, stage: str) -> None:
         model = self.trainer.lightning_module if self.trainer is not None else None

@@ -40,6 +40,8 @@ one new subclass of ``Problem`` here; the CLI finds it by its class name:
     windows (one every ``stride`` characters), its last 10 % the test windows (one every ``context``); the
     training windows are split over the machines by the data module's Dirichlet split
     (``data.dirichlet_alpha``, ``data.split``) over their module, the label. Model: ``model.arch=transformer``.
+    The corpus is read from ``<data.root>/stdlib/``, else from the clone's ``data/stdlib/`` (``stdlib_folder``;
+    an install made with ``pip install .`` has no clone: point ``data.root`` at a folder holding ``stdlib/``).
 """
 
 from __future__ import annotations
@@ -256,26 +258,72 @@ class Quadratic(Problem):
         return _quadratic(self.dim, self.heterogeneity, self.noise, self.samples, self.test_samples, num_machines, seed)
 
 
-#: The corpus of ``StdlibChars``: the repository's ``data/stdlib/`` (the module sources as ``<name>.py.txt``).
+#: The corpus of ``StdlibChars`` in a clone of the repository: its ``data/stdlib/`` (the module sources as
+#: ``<name>.py.txt``, their ``SHA256SUMS``, the PSF licence). An install made with ``pip install .`` does not copy it.
 STDLIB_DIR = Path(__file__).resolve().parents[3] / "data" / "stdlib"
+#: The SHA-256 of the corpus's ``SHA256SUMS``: a folder holds ``StdlibChars``'s corpus when its sums are these.
+STDLIB_SUMS_SHA256 = "01fbe26f92e7628c2676a519c090141f49305518bcbbfca6ce144260199a73a2"
 #: Printable ASCII and newline; any other character reads as ``?``.
 VOCABULARY = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
-@functools.lru_cache(maxsize=1)
-def stdlib_documents() -> tuple[tuple[str, Tensor], ...]:
-    """The corpus, checked against ``SHA256SUMS``: (module file, its characters' ids) in the sums' order."""
-    sums = (STDLIB_DIR / "SHA256SUMS").read_text().split()
+def stdlib_folder(root: Optional[str | Path] = None) -> Path:
+    """The folder holding the corpus: ``<root>/stdlib`` (``root``: the data module's ``data.root``), else the
+    clone's ``STDLIB_DIR``; neither holding it, ``FileNotFoundError`` in one line naming both and ``data.root``."""
+    candidates = ([Path(root) / "stdlib"] if root is not None else []) + [STDLIB_DIR]
+    for folder in candidates:
+        if (folder / "SHA256SUMS").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"StdlibChars's corpus (data/stdlib/ of the repository: SHA256SUMS and 16 module files) is not in "
+        f"{' nor in '.join(str(c.absolute()) for c in candidates)}: set data.root to the folder that holds stdlib/ "
+        "(a clone's data/; an install made with pip install . does not copy it)"
+    )
+
+
+def stdlib_documents(root: Optional[str | Path] = None) -> tuple[tuple[str, Tensor], ...]:
+    """The corpus, found by ``stdlib_folder(root)`` and checked against ``SHA256SUMS`` (itself checked against
+    ``STDLIB_SUMS_SHA256``): (module file, its characters' ids) in the sums' order. Read once per folder."""
+    return _read_corpus(stdlib_folder(root).resolve())
+
+
+@functools.lru_cache(maxsize=2)
+def _read_corpus(folder: Path) -> tuple[tuple[str, Tensor], ...]:
+    listing = (folder / "SHA256SUMS").read_bytes()
+    if hashlib.sha256(listing).hexdigest() != STDLIB_SUMS_SHA256:
+        raise ValueError(
+            f"Invalid corpus file: {folder / 'SHA256SUMS'} (its SHA-256 is not StdlibChars's {STDLIB_SUMS_SHA256}: "
+            "another corpus; use the repository's data/stdlib/)"
+        )
+    sums = listing.decode().split()
     documents = []
     index = {c: i for i, c in enumerate(VOCABULARY)}
     unknown = index["?"]
     for digest, name in zip(sums[::2], sums[1::2]):
-        raw = (STDLIB_DIR / name).read_bytes()
+        raw = (folder / name).read_bytes()
         if hashlib.sha256(raw).hexdigest() != digest:
-            raise ValueError(f"Invalid corpus file: {STDLIB_DIR / name} (its SHA-256 is not SHA256SUMS's {digest})")
+            raise ValueError(f"Invalid corpus file: {folder / name} (its SHA-256 is not SHA256SUMS's {digest})")
         ids = [index.get(c, unknown) for c in raw.decode("utf-8")]
         documents.append((name, torch.tensor(ids, dtype=torch.int64)))
     return tuple(documents)
+
+
+def _test_part(ids: Tensor) -> Tensor:
+    """A module's test part: its last 10 % (the training windows come from the first 90 %, one more id for targets)."""
+    return ids[int(0.9 * len(ids)) :]
+
+
+def check_context(context: int, documents: tuple[tuple[str, Tensor], ...]) -> int:
+    """``context`` if every module's test part holds a window of it and its targets, else ``ValueError`` in one line
+    naming the largest allowed and the module that bounds it."""
+    name, part = min(((name, _test_part(ids)) for name, ids in documents), key=lambda d: len(d[1]))
+    largest = len(part) - 1
+    if context > largest:
+        raise ValueError(
+            f"Invalid data.problem.context: {context} (must be an integer >= 2 and <= {largest}: a window and its "
+            f"targets must fit in every module's test part, the last 10 %; {name}'s holds {len(part)} characters)"
+        )
+    return context
 
 
 def _windows(ids: Tensor, context: int, stride: int) -> tuple[Tensor, Tensor]:
@@ -286,16 +334,22 @@ def _windows(ids: Tensor, context: int, stride: int) -> tuple[Tensor, Tensor]:
 
 @functools.lru_cache(maxsize=8)
 def _stdlib_chars(
-    context: int, stride: int, machines: int, alpha: Optional[float], split: str, seed: int
+    documents: tuple[tuple[str, Tensor], ...],
+    context: int,
+    stride: int,
+    machines: int,
+    alpha: Optional[float],
+    split: str,
+    seed: int,
 ) -> ProblemData:
     from lit_slowcal.experiments.data.partition import partition
 
     train, test = [], []
-    for label, (_, ids) in enumerate(stdlib_documents()):
+    for label, (_, ids) in enumerate(documents):
         cut = int(0.9 * len(ids))
         x, y = _windows(ids[: cut + 1], context, stride)
         train.append((x, y, torch.full((len(x),), label)))
-        test.append(_windows(ids[cut:], context, context))
+        test.append(_windows(_test_part(ids), context, context))
     x, y, labels = (torch.cat(parts) for parts in zip(*train))
     shards = partition(labels.numpy(), machines, alpha, split=split, seed=seed)
     return ProblemData(
@@ -311,7 +365,8 @@ class StdlibChars(Problem):
     """Next-character prediction on 16 Python standard-library modules (see the module docstring).
 
     Args:
-        context: characters per window (the model's sequence length).
+        context: characters per window (the model's sequence length): from 2 to one less than the shortest
+            module test part's characters (``check_context``, when the problem is built: before training).
         stride: characters between consecutive training windows.
     """
 
@@ -327,9 +382,12 @@ class StdlibChars(Problem):
         return self.context
 
     def _build(self, num_machines: int, seed: int, data: Any) -> ProblemData:
+        # The corpus from the data module's root (data.root), else the clone's data/stdlib/ (stdlib_folder).
+        documents = stdlib_documents(getattr(data, "root", None))
+        check_context(self.context, documents)
         alpha = getattr(data, "dirichlet_alpha", None)
         split = getattr(data, "split", "dirichlet")
-        return _stdlib_chars(self.context, self.stride, num_machines, alpha, split, seed)
+        return _stdlib_chars(documents, self.context, self.stride, num_machines, alpha, split, seed)
 
 
 #: The problems by name (``--data.problem=<name>``).

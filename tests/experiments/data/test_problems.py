@@ -127,18 +127,95 @@ def _per_module(context, stride):
             problems_module.stdlib_documents()]  # fmt: skip
 
 
-def test_stdlib_chars_refuses_a_changed_corpus(tmp_path, monkeypatch):
+def _corpus_copy(folder):
+    folder.mkdir(parents=True)
     for path in problems_module.STDLIB_DIR.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
-    with open(tmp_path / "heapq.py.txt", "a") as f:
+        (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def test_stdlib_chars_refuses_a_changed_corpus(tmp_path, monkeypatch):
+    corpus = _corpus_copy(tmp_path / "stdlib")
+    with open(corpus / "heapq.py.txt", "a") as f:
         f.write("# changed\n")
-    monkeypatch.setattr(problems_module, "STDLIB_DIR", tmp_path)
-    problems_module.stdlib_documents.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=r"Invalid corpus file: .*heapq.py.txt \(its SHA-256 is not SHA256SUMS's"):
-            problems_module.stdlib_documents()
-    finally:
-        problems_module.stdlib_documents.cache_clear()
+    monkeypatch.setattr(problems_module, "STDLIB_DIR", corpus)
+    with pytest.raises(ValueError, match=r"Invalid corpus file: .*heapq.py.txt \(its SHA-256 is not SHA256SUMS's"):
+        problems_module.stdlib_documents()
+    # Another corpus with its own sums is not StdlibChars's either.
+    sums = (corpus / "SHA256SUMS").read_text().splitlines()
+    (corpus / "SHA256SUMS").write_text("\n".join(line for line in sums if "heapq" not in line) + "\n")
+    with pytest.raises(ValueError, match=r"^Invalid corpus file: .*SHA256SUMS \(its SHA-256 is not StdlibChars's"):
+        problems_module.stdlib_documents(tmp_path)
+
+
+def test_stdlib_chars_reads_its_corpus_from_data_root_and_says_where_it_looked(tmp_path, monkeypatch):
+    """An install made with ``pip install .`` has no clone's ``data/stdlib/`` (here: the package's clone folder
+    gone, the run elsewhere): the corpus is read from ``data.root``'s ``stdlib/``, and without one there the
+    refusal is one line naming both folders looked in and ``data.root``."""
+    from types import SimpleNamespace
+
+    expected = StdlibChars(context=16, stride=64).build(2, 1, SimpleNamespace(dirichlet_alpha=None, split="dirichlet"))
+    _corpus_copy(tmp_path / "mine" / "stdlib")  # the clone's data/stdlib/, elsewhere
+    monkeypatch.setattr(problems_module, "STDLIB_DIR", tmp_path / "site-packages" / "data" / "stdlib")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        StdlibChars(context=16, stride=64).build(2, 1, ProblemDataModule(root="data", num_machines=2))
+    message = str(err.value)
+    assert message.startswith("StdlibChars's corpus") and "\n" not in message, message
+    assert f"not in {tmp_path / 'data' / 'stdlib'} nor in {tmp_path / 'site-packages' / 'data' / 'stdlib'}" in message
+    assert "set data.root to the folder that holds stdlib/" in message
+
+    dm = ProblemDataModule(root=str(tmp_path / "mine"), num_machines=2, dirichlet_alpha=None, split="dirichlet")
+    assert _equal(StdlibChars(context=16, stride=64).build(2, 1, dm), expected)
+
+
+def _largest_context():
+    """One less than the shortest test part (a module's last 10 %): its windows' targets need one more character."""
+    return min(len(ids) - int(0.9 * len(ids)) for _, ids in problems_module.stdlib_documents()) - 1
+
+
+@pytest.mark.parametrize("excess", [1, 2000, 10**12])
+def test_stdlib_chars_context_beyond_the_shortest_test_part_is_refused_in_one_line(excess):
+    largest = _largest_context()
+    with pytest.raises(ValueError) as err:
+        StdlibChars(context=largest + excess, stride=4).build(2, 1)
+    assert str(err.value).startswith(
+        f"Invalid data.problem.context: {largest + excess} (must be an integer >= 2 and <= {largest}: a window"
+    ) and "\n" not in str(err.value), str(err.value)
+    data = StdlibChars(context=largest, stride=1000).build(2, 1)  # the largest: the shortest part's one window
+    parts = [len(ids) - int(0.9 * len(ids)) - 1 for _, ids in problems_module.stdlib_documents()]  # ids with targets
+    assert data.test_x.shape == (sum(n // largest for n in parts), largest) and data.train_x.shape[1] == largest
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"context": 1}, r"^Invalid data.problem.context: 1 \(must be an integer >= 2\)$"),
+        ({"context": -3}, r"^Invalid data.problem.context: -3 \(must be an integer >= 2\)$"),
+        ({"stride": 0}, r"^Invalid data.problem.stride: 0 \(must be an integer >= 1\)$"),
+        ({"stride": -1}, r"^Invalid data.problem.stride: -1 \(must be an integer >= 1\)$"),
+    ],
+)
+def test_stdlib_chars_settings_below_their_minimum_are_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message):
+        StdlibChars(**settings)
+
+
+def test_a_problem_other_than_mnist_needs_no_mnist_file(tmp_path, monkeypatch):
+    """``prepare_data`` with an empty ``data.root`` (and no network): Quadratic trains, nothing is fetched or written."""
+    from lit_slowcal.experiments.data import mnist
+
+    def offline(root, missing):
+        raise FileNotFoundError(f"MNIST files {', '.join(missing)} are missing from {root}")
+
+    monkeypatch.setattr(mnist, "_download", offline)
+    dm = ProblemDataModule(root=str(tmp_path), num_machines=2, steps_per_round=2, batch_size=1, problem=Quadratic())
+    dm.prepare_data()
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (2, 2, 1, 10) and list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="MNIST files train-images-idx3-ubyte"):  # MNIST itself still needs them
+        ProblemDataModule(root=str(tmp_path)).prepare_data()
 
 
 @pytest.mark.slow
