@@ -3,7 +3,8 @@
 The state is a dict of plain values: the schedule (``steps``, ``num_syncs``, ``last_sync_step``) and
 the counts of what was sent (``floats_communicated``, ``bytes_communicated``, ``link_counts``); with
 overlapped rounds also ``settled_step`` (the last synchronisation of the whole model) and
-``overlapped_counts``. Four keys are there only where there is something to keep:
+``overlapped_counts``, and ``short_rounds`` where an overlapped round was closed before its tau steps. Four
+keys are there only where there is something to keep:
 
 - ``"outer"``: with an outer optimizer, the round's start and its state (``lit_slowcal._server``);
 - ``"per_machine"``: optimizer state a synchronisation leaves per machine (``lit_slowcal._machine_state``);
@@ -53,6 +54,7 @@ class Averager(Protocol):
     bytes_communicated: Union[int, float]
     link_counts: link.LinkCounts
     overlapped_counts: link.LinkCounts
+    short_rounds: dict[int, int]
 
     @property
     def optimizer(self) -> Optimizer: ...
@@ -97,6 +99,8 @@ def state_dict(
     if settled_step is not None:
         state["settled_step"] = settled_step
         state["overlapped_counts"] = averager.overlapped_counts.state_dict()
+        if averager.short_rounds:
+            state["short_rounds"] = dict(averager.short_rounds)
     if averager.outer is not None:
         state["outer"] = _server.state_dict(averager.outer, averager.global_params)
     own = _machine_state.local_state(averager.optimizer, averaged_keys)
@@ -180,6 +184,7 @@ def load_state_dict(
     averager.last_sync_step = int(state.get("last_sync_step", averager.steps - averager.steps % averager.sync_every))
     settled_step = int(state.get("settled_step", averager.last_sync_step))
     averager.overlapped_counts = link.LinkCounts.from_state_dict(state.get("overlapped_counts", {}))
+    averager.short_rounds = {int(s): int(n) for s, n in state.get("short_rounds", {}).items()}
     floats = state["floats_communicated"]
     averager.floats_communicated = floats if isinstance(floats, float) else int(floats)
     if "link_counts" in state:

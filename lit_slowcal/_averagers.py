@@ -70,6 +70,15 @@ class AveragerSet(HoldsOptions):
         """The part of ``link_counts`` sent by overlapped rounds (``PeriodicAverager.overlapped_counts``)."""
         return sum((a.overlapped_counts for a in self.averagers.values()), LinkCounts())
 
+    @property
+    def short_rounds(self) -> dict[int, int]:
+        """The overlapped rounds closed before their tau steps, by steps in flight (``PeriodicAverager.short_rounds``)."""
+        out: dict[int, int] = {}
+        for averager in self.averagers.values():
+            for steps, rounds in averager.short_rounds.items():
+                out[steps] = out.get(steps, 0) + rounds
+        return out
+
     def ddp_counts(self) -> LinkCounts:
         """What DDP would have sent over the same optimizer steps (all optimizers' averagers)."""
         return sum((a.ddp_counts() for a in self.averagers.values()), LinkCounts())

@@ -5,7 +5,8 @@ payload in the tensors' dtypes; a coded round's codes) and the ring counts its e
 (``lit_slowcal._rounds.Sent``). ``Counts.add`` adds one round:
 ``floats`` and ``bytes`` per machine (S/M of a participant's), ``link`` for the ring model
 (``lit_slowcal.link.LinkCounts``) and, for an overlapped round, ``overlapped`` (the part training
-hides). With one machine in all nothing is sent. ``Counts.rebuilt`` is the same sum for a resumed
+hides); ``short`` counts the overlapped rounds that landed before their tau steps (closed early), by the
+steps they were in flight (their communication hides behind those only). With one machine in all nothing is sent. ``Counts.rebuilt`` is the same sum for a resumed
 schedule's rounds, so a resume and a run that took them count alike. ``Counted`` is
 ``PeriodicAverager``'s part that reads them (``bytes_per_sync``, ``floats_communicated``, ...).
 """
@@ -38,6 +39,11 @@ class Counts:
         self.bytes: Number = 0
         self.link = link.LinkCounts()
         self.overlapped = link.LinkCounts()
+        self.short: dict[int, int] = {}  # overlapped rounds landed after s < tau steps in flight: s -> rounds
+
+    def landed_early(self, steps: int) -> None:
+        """Count an overlapped round that landed after ``steps`` (< tau) steps in flight."""
+        self.short[steps] = self.short.get(steps, 0) + 1
 
     @staticmethod
     def per_machine(amount: Number, machines: int, participants: int) -> Number:
@@ -113,6 +119,9 @@ class Counted:
     bytes_communicated = counted("bytes", "The same in bytes, in the dtypes sent (a compressed round's message).")
     link_counts = counted("link", "One participant's ``LinkCounts`` over all rounds, for the ring model.")
     overlapped_counts = counted("overlapped", "The part of ``link_counts`` sent by overlapped rounds (tau >= 1).")
+    short_rounds = counted(
+        "short", "Of the overlapped rounds, those closed before their tau steps: steps in flight s -> rounds."
+    )
 
     def floats_per_sync(self) -> Union[int, float]:
         """Floats one machine sends per synchronisation: one machine's averaged tensors (S/M of them with S < M

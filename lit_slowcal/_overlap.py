@@ -11,7 +11,8 @@ next one starts, so at most one is in flight.
 
 ``OverlappedSchedule`` is ``PeriodicAverager``'s part that decides when: it starts a fragment's round
 every K / F steps, lands the engine's round in flight at its step (the outer optimizer's step on the
-snapshot's average, the merge, ``optimizer.post_sync()``), and counts a round when it starts. A
+snapshot's average, the merge, ``optimizer.post_sync()``), and counts a round when it starts (and, when
+``close_round()`` lands it before its tau steps, the steps it was in flight: ``short_rounds``). A
 round's participants are drawn when it starts; each fragment's round is one of ``num_syncs``,
 ``last_sync_step`` its start. ``close_round()`` lands a round in flight, then synchronises the whole
 model. An optimizer that declares ``pre_sync`` or ``post_sync`` is refused with tau >= 1 or F > 1.
@@ -141,7 +142,11 @@ class OverlappedSchedule:
         """The round in flight lands: its average (waited for), the outer optimizer's step on it, the merge
         live <- avg + (live - snapshot), ``optimizer.post_sync()``."""
         assert isinstance(self.engine, OverlappedRound)
+        assert self.engine.in_flight is not None
+        taken = self.steps - (self.engine.in_flight.land_step - self.engine.delay)  # the steps it was in flight
         live, landing = self.engine.land(self._tensors)  # a restored round finds its live tensors (or one line)
+        if taken < self.engine.delay:  # closed early: its communication hides behind these steps' compute only
+            self.counts.landed_early(max(taken, 0))
         with torch.no_grad():
             self._outer_step(live, landing.result)
             landing.merge()

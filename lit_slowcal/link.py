@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
+from types import MappingProxyType
 from typing import Any, Union
 
 from torch import Tensor
@@ -245,13 +246,22 @@ class LinkCounts:
         )
 
 
-def hidden_seconds(overlapped: LinkCounts, link: Link, delay_seconds: float) -> float:
+def hidden_seconds(
+    overlapped: LinkCounts, link: Link, delay_seconds: float, short: Mapping[float, int] = MappingProxyType({})
+) -> float:
     """The communication seconds at ``link`` that training hides in the overlapped rounds counted by
     ``overlapped`` (``PeriodicAverager.overlapped_counts``): each round's, up to ``delay_seconds`` (tau steps
-    of compute) a round, the rounds taken as equal (a round's seconds: their mean)."""
+    of compute) a round, the rounds taken as equal (a round's seconds: their mean). ``short``: of these, the
+    rounds closed before their tau steps, by the seconds of compute they were in flight (s steps' of
+    ``PeriodicAverager.short_rounds``): each hides up to those only."""
     if overlapped.syncs == 0:
         return 0.0
-    return overlapped.syncs * min(overlapped.seconds(link) / overlapped.syncs, delay_seconds)
+    one = overlapped.seconds(link) / overlapped.syncs
+    closed = sum(short.values())
+    if closed > overlapped.syncs:
+        raise ValueError(f"Invalid short: {closed} rounds (must be <= the {overlapped.syncs} overlapped rounds)")
+    early = sum(n * min(one, seconds) for seconds, n in short.items())
+    return (overlapped.syncs - closed) * min(one, delay_seconds) + early
 
 
 def ddp_counts(parameter_bytes: int, steps: int, machines: int) -> LinkCounts:

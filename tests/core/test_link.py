@@ -332,6 +332,10 @@ def test_hidden_seconds_are_each_overlapped_rounds_up_to_the_delay():
     assert hidden_seconds(rounds, link, 1.0) == pytest.approx(5 * one, rel=1e-15)  # all of it hidden
     assert hidden_seconds(rounds, link, 0.02) == pytest.approx(5 * 0.02, rel=1e-15)  # up to the delay a round
     assert hidden_seconds(LinkCounts(), link, 1.0) == 0.0
+    # Two of the five closed early, after 0 s and 0.01 s of compute in flight: each hides up to that only.
+    assert hidden_seconds(rounds, link, 1.0, {0.0: 1, 0.01: 1}) == pytest.approx(3 * one + 0.01, rel=1e-15)
+    with pytest.raises(ValueError, match=r"^Invalid short: 6 rounds \(must be <= the 5 overlapped rounds\)$"):
+        hidden_seconds(rounds, link, 1.0, {0.0: 6})
 
 
 @pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf")])

@@ -21,6 +21,7 @@ from torch import nn
 from lit_slowcal import PeriodicAverager, PeriodicAveragingStrategy, Scaffold, SimulatedMachines, SlowcalSGD
 from lit_slowcal._overlap import partition
 from lit_slowcal._rounds import ExactRound, OverlappedRound
+from lit_slowcal.link import Link, hidden_seconds
 
 M, DIM, LR = 4, 3, 0.05
 PROBLEMS = (Quadratics(M, DIM, steps=64, seed=0), Quadratics(M, DIM, steps=64, seed=1))  # one for a, one for b
@@ -473,6 +474,27 @@ def test_overlapped_rounds_are_counted_apart_for_the_time_they_hide():
     _, _, restored = make("sgd", overlap_delay=1)
     restored.load_state_dict(state)
     assert restored.overlapped_counts == averager.overlapped_counts
+
+
+def test_a_round_closed_before_its_tau_steps_is_counted_with_the_steps_it_was_in_flight():
+    """``short_rounds``: a round that ``close_round()`` lands after s < tau steps in flight can hide only those
+    steps' compute; rounds that land on schedule are not in it. Saved and restored with the counts."""
+    machines, opt, averager = make("sgd", K=8, overlap_delay=3)
+    train(machines, opt, averager, range(10))  # round 1 starts at 8; closed after 2 of its 3 steps
+    averager.close_round()
+    train(machines, opt, averager, range(10, 16))  # round 2 starts at 16, closed at once (0 steps)
+    averager.close_round()
+    train(machines, opt, averager, range(16, 27))  # round 3 starts at 24 and lands on schedule at 27
+    assert averager.overlapped_counts.syncs == 3 and averager.short_rounds == {2: 1, 0: 1}
+    restored = make("sgd", K=8, overlap_delay=3)[2]
+    restored.load_state_dict(averager.state_dict())
+    assert restored.short_rounds == {2: 1, 0: 1}
+    link, step = Link.parse("1Gbit/s,10ms"), 1e-3
+    one = averager.overlapped_counts.seconds(link) / 3  # each round's seconds (> 3 steps' compute)
+    assert one > 3 * step
+    short = {s * step: n for s, n in averager.short_rounds.items()}
+    # round 3 hides 3 steps, round 1 two, round 2 none
+    assert hidden_seconds(averager.overlapped_counts, link, 3 * step, short) == pytest.approx(5 * step, rel=1e-15)
 
 
 #: The gloo runs saved mid-flight: (optimizer, dtype, tau, F).

@@ -39,7 +39,7 @@ from lit_slowcal.experiments.analysis.records import (
     methods_in_order,
     save_figure,
 )
-from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, write_time_to_target
+from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, modelled_link, write_time_to_target
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link
@@ -375,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _time_options(opts: argparse.Namespace) -> tuple[list[Target], list[Link]]:
     """``--target``, ``--link``, ``--sample_seconds`` and ``--scale``, checked: one line naming the one refused."""
     targets = [Target.parse(text) for text in opts.target]
-    links = [Link.parse(text) for text in opts.link or ("1Gbit/s,10ms", "10Gbit/s,1ms", "100Gbit/s,10us")]
+    links = [modelled_link(text) for text in opts.link or ("1Gbit/s,10ms", "10Gbit/s,1ms", "100Gbit/s,10us")]
     if targets:
         if opts.sample_seconds is None or not (opts.sample_seconds >= 0 and math.isfinite(opts.sample_seconds)):
             raise ValueError(

@@ -400,7 +400,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if not self.trainer.is_global_zero:
             return
         lines = summary_lines(
-            self.trainer, self.setting, self.shape.rounds, time.perf_counter() - self._start, self.datamodule.partition_png,
+            self.trainer, self.setting, self.shape, time.perf_counter() - self._start, self.datamodule.partition_png,
             getattr(self, "_wandb_offline", False),
         )  # fmt: skip
         say_lines(lines)  # its note (no excess loss) as a note: once per sweep

@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
+from lit_slowcal.experiments.analysis.time_to_target import modelled_link
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
@@ -170,7 +171,7 @@ def links_of(value: Any) -> tuple[Link, ...]:
     links = []
     for text in texts:
         try:
-            links.append(Link.parse(text))
+            links.append(modelled_link(text))
         except ValueError as err:
             if isinstance(text, str) and "," not in text and len(texts) > 1:  # a list split at a link's own comma
                 raise ValueError(
@@ -181,8 +182,8 @@ def links_of(value: Any) -> tuple[Link, ...]:
 
 
 def step_seconds_of(value: Any) -> Optional[float]:
-    """``--step_seconds``: ``None`` (measured) or a time > 0."""
-    return None if value is None else float(check_number("step_seconds", value))
+    """``--step_seconds``: ``None`` (measured) or a time > 0, at most 1e6 s (any run's compute time then finite)."""
+    return None if value is None else float(check_number("step_seconds", value, maximum=1e6))
 
 
 def compression_options(get: Callable[[str], Any]) -> dict[str, Any]:

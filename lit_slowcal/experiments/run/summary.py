@@ -13,26 +13,44 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lit_slowcal.experiments.measure.diagnostics import Diagnostics
 from lit_slowcal.experiments.print_once import Note
 from lit_slowcal.experiments.train.rounds import modelled_wall
+from lit_slowcal.experiments.train.shape import RunShape
 
-__all__ = ["diagnostics_lines", "link_lines", "summary_lines"]
+__all__ = ["diagnostics_lines", "link_lines", "rounds_text", "summary_lines"]
+
+
+def rounds_text(steps: int, syncs: int, shape: RunShape, fragments: int) -> str:
+    """The summary's rounds after ``steps`` optimizer steps and ``syncs`` synchronisations (the averager's
+    ``num_syncs``): ``rounds r/R``, the rounds of K steps trained and R, the rounds of an epoch; where the
+    synchronisations are not these r, what they are: the scheduled rounds (F a round of K steps with
+    ``fragments`` F, each of one fragment) and the syncs that closed a round early (an evaluation, a
+    checkpoint, the end of training: the whole model), which add up to ``syncs``."""
+    done = steps // shape.steps_per_round
+    scheduled = steps // (shape.sync_every // fragments)
+    closing = syncs - scheduled
+    text = f"rounds {done}/{shape.rounds}"
+    if fragments == 1 and closing == 0:
+        return text
+    what = f"{scheduled} fragment rounds (F={fragments} a round)" if fragments > 1 else f"{scheduled} scheduled"
+    return f"{text}; {syncs} synchronisations: {what} + {closing} closing a round early"
 
 
 def summary_lines(
     trainer: Trainer,
     get: Callable[..., Any],
-    rounds: int,
+    shape: RunShape,
     wall_time: float,
     partition_png: Optional[Any],
     wandb_offline: bool,
 ) -> list[str]:
-    """The summary of a fit: ``get(key)`` its settings, ``rounds`` its rounds per epoch."""
+    """The summary of a fit: ``get(key)`` its settings, ``shape`` its shape (K's steps per round, R)."""
     metrics = trainer.callback_metrics
     value = lambda k: float(metrics[k]) if k in metrics else math.nan
+    counts = trainer.lightning_module.round_counts()
     lines = [
         "",
         "lit_slowcal summary",
         f"  method {get('method')}   M={get('num_machines')}  K={get('local_steps')}"
-        f"  b={get('batch_size')}   rounds {trainer.strategy.num_syncs}/{rounds}",
+        f"  b={get('batch_size')}   {rounds_text(counts.steps, counts.syncs, shape, get('fragments'))}",
         f"  final test accuracy {value('test_acc'):.4f}   test loss {value('test_loss'):.4f}"
         + (f"   bits per character {value('test_bpc'):.4f}" if "test_bpc" in metrics else ""),
         *diagnostics_lines(trainer, value),
@@ -72,7 +90,7 @@ def link_lines(trainer: Trainer, get: Callable[..., Any]) -> list[str]:
     compute = counts.steps * step_seconds if math.isfinite(step_seconds) else math.nan
     source = "given" if given is not None else "measured"
     lines = [
-        f"  communication, ring model (docs/library.md), per machine: {counts.syncs} rounds, compute "
+        f"  communication, ring model (docs/library.md), per machine: {counts.syncs} synchronisations, compute "
         f"{compute:.2f} s ({source}: {step_seconds * 1e6:.1f} us a step x {counts.steps} steps)"
     ]
     for link in model.links:

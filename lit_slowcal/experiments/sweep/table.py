@@ -1,13 +1,24 @@
-"""The markdown table a sweep ends with: the best ``model.lr`` per ``method`` when both are swept,
-otherwise every trial."""
+"""The markdown table a sweep ends with: the best ``model.lr`` per ``method`` and communication options when
+both are swept, otherwise every trial."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from lit_slowcal.experiments.run.options import COMMUNICATION_OPTIONS
 from lit_slowcal.experiments.sweep.spec import Sweep
 
-__all__ = ["format_value", "param_text", "summary_table"]
+__all__ = ["COMMUNICATION_PARAMS", "format_value", "param_text", "summary_table"]
+
+#: The parameters that change what a round sends or how (docs/communication.md): trials that differ in one of
+#: them are rows of their own in the table, never averaged together.
+COMMUNICATION_PARAMS = (
+    *(name.lstrip("-") for name, *_ in COMMUNICATION_OPTIONS),
+    "participation",
+    "model.outer",
+    "model.outer_lr",
+    "model.outer_momentum",
+)
 
 
 def format_value(value: Any, digits: int = 4) -> str:
@@ -25,19 +36,24 @@ def param_text(params: dict[str, Any]) -> str:
 
 
 def summary_table(sweep: Sweep, records: list[dict[str, Any]]) -> str:
-    """Markdown: the best ``model.lr`` per ``method`` (by the sweep's metric, averaged over the other
-    swept parameters) when both are swept, otherwise one row per trial."""
+    """Markdown: the best ``model.lr`` per ``method`` and swept communication options (``COMMUNICATION_PARAMS``:
+    one row per combination, by the sweep's metric averaged over the other swept parameters, seeds among them)
+    when both are swept, otherwise one row per trial."""
     metric, sign = sweep.metric, (1.0 if sweep.goal == "maximize" else -1.0)
     if "method" in sweep.param_names and "model.lr" in sweep.param_names:
-        groups: dict[str, dict[Any, list[dict[str, Any]]]] = {}
+        comm = [n for n in COMMUNICATION_PARAMS if n in sweep.param_names]
+        groups: dict[tuple[str, ...], dict[Any, list[dict[str, Any]]]] = {}
         for r in records:
-            groups.setdefault(r["params"]["method"], {}).setdefault(r["params"]["model.lr"], []).append(r)
+            row = (str(r["params"]["method"]), *(str(r["params"].get(n)) for n in comm))
+            groups.setdefault(row, {}).setdefault(r["params"]["model.lr"], []).append(r)
         cols = list(dict.fromkeys([metric, "test_acc", "test_loss"]))
         lines = [
-            f"| method | best lr | {' | '.join(cols)} | trials at best lr | lrs tried | diverged or failed |",
-            "|---|---|" + "---|" * len(cols) + "---|---|---|",
+            f"| {' | '.join(['method', *comm])} | best lr | {' | '.join(cols)} | trials at best lr | lrs tried "
+            "| diverged or failed |",
+            "|---|" + "---|" * len(comm) + "---|" + "---|" * len(cols) + "---|---|---|",
         ]
-        for method, by_lr in groups.items():
+        for cells, by_lr in groups.items():
+            method = " | ".join(cells)  # the method and its communication options
 
             def mean(rs: list[dict[str, Any]], key: str) -> Optional[float]:
                 vals = [r["metrics"].get(key) for r in rs if r["status"] == "finished"]

@@ -313,8 +313,7 @@ class MachinesModel(pl.LightningModule):
 
     def round_counts(self) -> RoundCounts:
         """What one machine has done and sent so far (the strategy's averagers' counts)."""
-        trainer = self.trainer
-        strategy = trainer.strategy
+        trainer, strategy = self.trainer, self.trainer.strategy
         if not isinstance(strategy, PeriodicAveragingStrategy):  # a strategy that does not average: nothing sent
             return RoundCounts(steps=trainer.global_step, syncs=batches_started(trainer), floats=0)
         return RoundCounts(
@@ -325,6 +324,7 @@ class MachinesModel(pl.LightningModule):
             ddp=strategy.ddp_counts(),
             overlapped=strategy.overlapped_counts,
             overlap_delay=strategy.options.overlap_delay,
+            short=tuple(sorted(strategy.short_rounds.items())),
         )
 
     def use_links(self, links: Sequence[Link], step_seconds: Optional[float] = None) -> None:

@@ -121,6 +121,7 @@ class RoundCounts:
     ddp: LinkCounts = LinkCounts()
     overlapped: LinkCounts = LinkCounts()  # the part of ``sent`` in overlapped rounds
     overlap_delay: int = 0  # tau: the optimizer steps an overlapped round's communication hides behind
+    short: tuple[tuple[int, int], ...] = ()  # (s, rounds): overlapped rounds closed after s < tau steps in flight
 
 
 def count_columns(counts: RoundCounts) -> dict[str, float]:
@@ -144,9 +145,10 @@ def link_tag(link: Link) -> str:
 def modelled_wall(counts: RoundCounts, link: Link, step_seconds: float) -> tuple[float, float]:
     """The modelled wall time at ``link`` with ``step_seconds`` of compute an optimizer step, and DDP's: compute
     plus communication (blocking rounds: the two add), less what overlapped rounds hide behind the tau steps
-    after each (``lit_slowcal.link.hidden_seconds``)."""
+    after each, or the s < tau steps of one closed early (``lit_slowcal.link.hidden_seconds``)."""
     compute = counts.steps * step_seconds
-    hidden = hidden_seconds(counts.overlapped, link, counts.overlap_delay * step_seconds)
+    short = {s * step_seconds: n for s, n in counts.short}
+    hidden = hidden_seconds(counts.overlapped, link, counts.overlap_delay * step_seconds, short)
     return compute + counts.sent.seconds(link) - hidden, compute + counts.ddp.seconds(link)
 
 

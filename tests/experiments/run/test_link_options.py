@@ -64,10 +64,49 @@ def test_the_summary_has_one_line_per_link_with_the_ratios(tmp_path, capsys, mon
         ("--link=[]", "Invalid link: [] (give at least one"),
         ("--link=[1Gbit/s,10ms]", "Invalid link: '1Gbit/s' (a bandwidth and a latency"),
         ("--link=[1Gbit/s,10ms]", """in a list, quote each link: --link '["1Gbit/s,10ms","10Gbit/s,1ms"]'"""),
-        ("--step_seconds=-1", "Invalid step_seconds: -1.0 (must be a finite number > 0)"),
+        ("--step_seconds=-1", "Invalid step_seconds: -1.0 (must be a finite number > 0 and <= 1e+06)"),
+        # out of the range where the modelled seconds stay finite (1e307 s gave "inf s" and "nanx less")
+        ("--link=1Gbit/s,1e307s", "Invalid link latency: 1e+307 s in '1Gbit/s,1e307s' (allowed: 0 to 1e+06 s)"),
+        (
+            "--link=1e-3bit/s,1ms",
+            "Invalid link bandwidth: 0.000125 B/s in '1e-3bit/s,1ms' (allowed: 1 bit/s = 0.125 B/s",
+        ),
+        ("--step_seconds=1e307", "Invalid step_seconds: 1e+307 (must be a finite number > 0 and <= 1e+06)"),
     ],
 )
 def test_a_bad_link_or_step_time_is_one_line_before_training(tmp_path, capsys, arg, message):
     code, err = command(capsys, arg, run_dir=tmp_path)
     assert code != 0 and message in error_line(err)
     assert not (tmp_path / RUN).exists()  # refused before anything is built
+
+
+@pytest.mark.parametrize("F", [1, 2])
+def test_the_summary_counts_rounds_apart_and_hides_no_more_than_the_steps_a_round_was_in_flight(
+    tmp_path, capsys, monkeypatch, F
+):
+    """tau = 2, evaluations after rounds 2 and 4: F rounds of a fragment every round of K = 64 steps (4 F in all);
+    the rounds that start at steps 128 and 256 are closed at once by the evaluation (0 steps in flight, nothing
+    hidden), each then one blocking sync of the whole model; the 4 F - 2 others hide tau steps of compute each.
+    The summary said "rounds 6/4" (F = 1) and credited every overlapped round tau steps."""
+    from lit_slowcal.experiments.run import cli
+
+    said = []
+    monkeypatch.setattr(cli, "say_lines", said.extend)
+    args = ["--overlap_delay=2", f"--fragments={F}", "--eval_every=2", "--link=1Gbit/s,10ms", "--step_seconds=1e-3"]
+    code, err = command(capsys, *args, run_dir=tmp_path)
+    assert code == 0, err
+    scheduled, closing = ROUNDS * F, 2
+    kind = "fragment rounds (F=2 a round)" if F == 2 else "scheduled"
+    syncs = scheduled + closing
+    assert any(
+        f"rounds {ROUNDS}/{ROUNDS}; {syncs} synchronisations: {scheduled} {kind} + {closing} closing a round early"
+        in str(x)
+        for x in said
+    ), said
+    assert any(f"per machine: {syncs} synchronisations" in str(x) for x in said)
+    # The F fragments of a round send the whole model once: 4 whole models, and the 2 closing syncs 2 more.
+    comm = syncs * 2 * (M - 1) * 10e-3 + (ROUNDS + closing) * (RING / ROUNDS) / 1.25e8
+    # Every round's seconds (> 60 ms of latency) exceed tau steps of compute: a round hides 2 ms, or nothing.
+    wall = STEPS * 1e-3 + comm - (scheduled - closing) * 2e-3
+    (line,) = [str(x) for x in said if "1Gbit/s,10ms:" in str(x)]
+    assert f"; wall {wall:.3g} s |" in line, (line, wall)

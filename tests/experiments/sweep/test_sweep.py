@@ -394,6 +394,49 @@ def test_summary_table_gives_the_best_lr_per_method():
     assert rows[3] == "| local_sgd | 0.01 | 0.7100 | 0.2900 | 2 | 2 | 2 |"
 
 
+def test_summary_table_keeps_trials_of_other_communication_options_apart():
+    """Trials that differ in how a round travels (compression, overlap_delay, participation, the outer optimizer,
+    ...) are rows of their own: an int8 trial's accuracy is never averaged with an exact one's."""
+    params = {
+        "method": {"values": ["slowcal"]},
+        "model.lr": {"values": [0.01, 0.1]},
+        "compression": {"values": ["null", "int8"]},
+        "overlap_delay": {"values": [0, 1]},
+        "seed_everything": {"values": [1, 2]},
+    }
+    sweep = sw.parse_sweep(config(params))
+    acc = {  # (lr, compression, tau, seed) -> test_acc
+        (lr, code, tau, seed): round(0.5 + 0.2 * (lr == 0.1) + 0.1 * (code == "null") + 0.01 * tau + 0.002 * seed, 6)
+        for lr in (0.01, 0.1) for code in ("null", "int8") for tau in (0, 1) for seed in (1, 2)
+    }  # fmt: skip
+    records = [
+        {
+            "params": {
+                "method": "slowcal",
+                "model.lr": lr,
+                "compression": code,
+                "overlap_delay": tau,
+                "seed_everything": seed,
+            },
+            "status": "finished",
+            "metrics": {"test_acc": a, "test_loss": round(1 - a, 6)},
+        }
+        for (lr, code, tau, seed), a in acc.items()
+    ]
+    rows = sw.summary_table(sweep, records).splitlines()
+    assert rows[0] == (
+        "| method | compression | overlap_delay | best lr | test_acc | test_loss | trials at best lr | lrs tried "
+        "| diverged or failed |"
+    )
+    assert rows[1] == "|---|---|---|---|---|---|---|---|---|"
+    expected = []
+    for code in ("null", "int8"):
+        for tau in (0, 1):
+            mean = (acc[0.1, code, tau, 1] + acc[0.1, code, tau, 2]) / 2  # lr 0.1 is the best of each: its seeds' mean
+            expected.append(f"| slowcal | {code} | {tau} | 0.1 | {mean:.4f} | {1 - mean:.4f} | 2 | 2 | 0 |")
+    assert rows[2:] == expected
+
+
 # ------------------------------------------------------------------------------------ running
 
 
