@@ -111,7 +111,7 @@ class CodedRound:
         if self.machines == 1:
             return self.exact.average(tensors, weights)
         names = self.names(tensors)
-        anchored = self.state.anchored(tensors, names)
+        anchored = [a and self.smaller(pair) for a, pair in zip(self.state.anchored(tensors, names), tensors)]
         exact = [pair for pair, a in zip(tensors, anchored) if not a]
         coded = [(pair, name) for pair, name, a in zip(tensors, names, anchored) if a]
         sent = self.exact.average(exact, weights) if exact else None
@@ -130,9 +130,22 @@ class CodedRound:
         return Sent(sent.bytes + first, dataclasses.replace(sent.link + counts, syncs=1))
 
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
-        """What a round sends where every tensor has an anchor."""
-        first, second = self.state.message_bytes(tensors)
-        return Sent(first, self.state.link_counts(first, second, participants or self.machines))
+        """What a round sends where every tensor has an anchor (a tensor its code does not shrink, exactly)."""
+        S = participants or self.machines
+        coded = [pair for pair in tensors if self.smaller(pair)]
+        exact = self.exact.sent([pair for pair in tensors if not self.smaller(pair)], participants)
+        if not coded:
+            return exact
+        first, second = self.state.message_bytes(coded)
+        counts = self.state.link_counts(first, second, S)
+        if len(coded) == len(tensors):
+            return Sent(first, counts)
+        return Sent(exact.bytes + first, dataclasses.replace(exact.link + counts, syncs=1))
+
+    def smaller(self, pair: tuple[Tensor, bool]) -> bool:
+        """Whether the code's message of a tensor is smaller than the tensor (bf16 codes of a bfloat16 tensor are
+        not: such a tensor is averaged exactly, counted as such)."""
+        return self.state.message_bytes([pair])[0] < link.payload_bytes([pair])
 
     def settle(self, tensors: Tensors) -> None:
         self.state.anchor(tensors, self.names(tensors))

@@ -208,3 +208,26 @@ def test_a_damaged_state_is_one_line_naming_the_key(change, message):
     with pytest.raises(ValueError, match=r"^Cannot load the averager's state: .*" + message) as error:
         averager.load_state_dict(state)
     assert "\n" not in str(error.value) and averager.steps == 0
+
+
+def test_a_code_not_smaller_than_the_tensor_sends_it_exactly():
+    """bf16 codes of a bfloat16 model would be 2 bytes a value plus the float32 mean: 1.5x the exact bytes. Such
+    a tensor goes exactly (the same bits as compression=None), counted as exact."""
+    results = []
+    for compression in (None, "bf16"):
+        machines = _machines().to(torch.bfloat16)
+        opt = torch.optim.SGD(machines.parameters(), lr=0.1)
+        averager = PeriodicAverager(machines, opt, sync_every=1, compression=compression)
+        averager.broadcast()
+        assert averager.bytes_per_sync() == 602 * 2
+        g = torch.Generator().manual_seed(5)
+        for _ in range(2):
+            for p in machines.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            opt.step()
+            averager.step()
+        results.append(([p.detach().clone() for p in machines.parameters()], averager.link_counts))
+    (exact, sent_exact), (coded, sent_coded) = results
+    assert all(torch.equal(a, b) for a, b in zip(exact, coded))
+    # The ring all-reduce's 2 (M - 1) / M of 602 * 2 bytes a round (coded: (M - 1) / M of 602 * 2 + 602 * 4).
+    assert sent_coded == sent_exact and sent_coded.ring_bytes == pytest.approx(2 * 2 * (M - 1) / M * 602 * 2)
