@@ -3,8 +3,11 @@
 The state is a dict of plain values: the schedule (``steps``, ``num_syncs``, ``last_sync_step``) and
 the counts of what was sent (``floats_communicated``, ``bytes_communicated``, ``link_counts``); with
 overlapped rounds also ``settled_step`` (the last synchronisation of the whole model) and
-``overlapped_counts``, and ``short_rounds`` where an overlapped round was closed before its tau steps. Four
-keys are there only where there is something to keep:
+``overlapped_counts``, and ``short_rounds`` where an overlapped round was closed before its tau steps.
+``"configuration"`` records what the state's meaning depends on (``configuration``: the compression, its
+error feedback, the optimizer's class and options but its learning rate); a state is loaded only into an
+averager of the same (one line naming what differs, both values). Four keys are there only where there is
+something to keep:
 
 - ``"outer"``: with an outer optimizer, the round's start and its state (``lit_slowcal._server``);
 - ``"per_machine"``: optimizer state a synchronisation leaves per machine (``lit_slowcal._machine_state``);
@@ -29,19 +32,32 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lit_slowcal import _collectives, _machine_state, _server, link
+from lit_slowcal._anchors import check_saved
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._in_flight import Round, saved_round
 from lit_slowcal._selection import Tensors
 from lit_slowcal.options import AveragingOptions
 
 __all__ = [
-    "COMPRESSION_KEY", "IN_FLIGHT_KEY", "Averager", "Loaded", "gather_state_dict", "load_state_dict", "state_dict",
+    "COMPRESSION_KEY", "CONFIGURATION_KEY", "IN_FLIGHT_KEY", "Averager", "Loaded", "configuration", "gather_state_dict",
+    "load_state_dict", "state_dict",
 ]  # fmt: skip
 
 #: The key of ``PeriodicAverager.state_dict()`` that holds the compressed synchronisation's state.
 COMPRESSION_KEY = "compression"
 #: The key of ``PeriodicAverager.state_dict()`` that holds an overlapped round in flight.
 IN_FLIGHT_KEY = "in_flight"
+#: The key of ``PeriodicAverager.state_dict()`` that records the configuration it was saved under.
+CONFIGURATION_KEY = "configuration"
+#: Optimizer options that change no saved state's meaning (a learning rate may change on resume).
+_FREE_OPTIONS = frozenset({"lr", "foreach", "fused", "capturable", "differentiable"})
+#: The keys of a state, each with the types its value may have; the first three are required.
+_KEYS: dict[str, tuple[type, ...]] = {
+    "steps": (int,), "num_syncs": (int,), "floats_communicated": (int, float), "last_sync_step": (int,),
+    "settled_step": (int,), "bytes_communicated": (int, float), "link_counts": (dict,), "overlapped_counts": (dict,),
+    "outer": (dict,), _machine_state.KEY: (dict,), COMPRESSION_KEY: (dict,), IN_FLIGHT_KEY: (dict,),
+    CONFIGURATION_KEY: (dict,),
+}  # fmt: skip
 
 
 class Averager(Protocol):
@@ -95,6 +111,7 @@ def state_dict(
         "floats_communicated": averager.floats_communicated,
         "bytes_communicated": averager.bytes_communicated,
         "link_counts": averager.link_counts.state_dict(),
+        CONFIGURATION_KEY: configuration(averager),
     }
     if settled_step is not None:
         state["settled_step"] = settled_step
@@ -166,6 +183,7 @@ def load_state_dict(
 
     Everything is checked before anything is set: a state refused (one ``ValueError`` line) changes nothing.
     """
+    _check_keys(state)
     if "outer" in state and averager.outer is None:
         raise ValueError(
             "Cannot load the averager's state: it holds an outer optimizer's state (the round's start and its "
@@ -174,6 +192,7 @@ def load_state_dict(
     saved = state.get(_machine_state.KEY)
     own = None if saved is None else _machine_state.select(saved, averager.rank, averager.world_size)
     coded = _saved_compression(averager, state)
+    _check_configuration(averager, state)
     flight = state.get(IN_FLIGHT_KEY)
     if flight is not None:
         m, options = averager.machines_per_process, averager.options
@@ -222,7 +241,68 @@ def _saved_compression(averager: Averager, state: dict[str, Any]) -> dict[str, l
             f"Cannot resume the compressed synchronisation's error feedback of {saved['world_size']} processes on "
             f"{averager.world_size}: it is kept per process; resume on {saved['world_size']} processes"
         )
-    return saved["ranks"][averager.rank]
+    coded = saved["ranks"].get(averager.rank)
+    if not isinstance(coded, dict):
+        raise ValueError(
+            f"Cannot load the averager's state: 'compression' holds no state of rank {averager.rank} (its ranks: "
+            f"{sorted(saved['ranks'])}); save it with gather_state_dict() on every rank"
+        )
+    check_saved(coded)
+    return coded
+
+
+def configuration(averager: Averager) -> dict[str, str]:
+    """What a saved state's meaning depends on, as text: the compression (its code and settings), whether it keeps
+    error feedback, the optimizer's class and its options (``defaults``, but those of ``_FREE_OPTIONS``)."""
+    optimizer = averager.optimizer
+    options = ", ".join(f"{k}={v!r}" for k, v in sorted(optimizer.defaults.items()) if k not in _FREE_OPTIONS)
+    return {
+        "compression": repr(averager.options.compressor),
+        "error_feedback": repr(averager.options.lossy_feedback),
+        "optimizer": type(optimizer).__qualname__,
+        "optimizer options": options,
+    }
+
+
+def _check_configuration(averager: Averager, state: dict[str, Any]) -> None:
+    """One line where ``state`` was saved under another configuration (a state without the record is taken)."""
+    saved = state.get(CONFIGURATION_KEY)
+    if saved is None:
+        return
+    mine = configuration(averager)
+    differ = [key for key in mine if key in saved and str(saved[key]) != mine[key]]
+    if differ:
+        what = "; ".join(f"{key} {saved[key]} (this averager's: {mine[key]})" for key in differ)
+        raise ValueError(
+            f"Cannot load the averager's state: it was saved with {what}; build the averager and its optimizer "
+            "as they were when it was saved"
+        )
+
+
+def _check_keys(state: Any) -> None:
+    """One line naming the first key of ``state`` that is missing or of the wrong type."""
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"Cannot load the averager's state: a {type(state).__name__} (PeriodicAverager.state_dict()'s dict)"
+        )
+    for i, (key, kinds) in enumerate(_KEYS.items()):
+        if key not in state:
+            if i < 3:
+                raise ValueError(f"Cannot load the averager's state: the key {key!r} is missing (every state holds it)")
+            continue
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            allowed = " or ".join(kind.__name__ for kind in kinds)
+            raise ValueError(
+                f"Cannot load the averager's state: {key!r} is {value!r} of type {type(value).__name__} (expected {allowed})"
+            )
+    for key in (_machine_state.KEY, COMPRESSION_KEY, IN_FLIGHT_KEY):
+        part = state.get(key)
+        if part is not None and not (isinstance(part.get("world_size"), int) and isinstance(part.get("ranks"), dict)):
+            raise ValueError(
+                f"Cannot load the averager's state: {key!r} lacks an int 'world_size' or a dict 'ranks' "
+                "(as PeriodicAverager.state_dict() writes it)"
+            )
 
 
 def _cpu(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """A round of any whole-tensor ``Code`` (``lit_slowcal.compression.Code``): encode, gather, reduce.
 
 ``CodedAverage`` keeps the anchors and the error feedback as ``CompressedAverage`` does (by a tensor's
-place among the averaged tensors, saved and resumed alike; ``owner_errors`` stays empty: there is no
-second stage). One round of ``ready`` tensors, per tensor and per machine i of this process:
+name, saved and resumed alike; ``owner_errors`` stays empty: there is no
+second stage). One round of ``anchored`` tensors, per tensor and per machine i of this process:
 ``c_i = value_i - anchor + e_i`` in the accumulation dtype, ``message_i = code.encode(c_i)`` and, with
 error feedback, ``e_i <- c_i - code.decode(message_i)`` (a machine outside the round keeps its buffer).
 Every process's messages reach every process in one all-gather of Python objects; every process then
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_slowcal import _collectives
 from lit_slowcal._compressed import CompressedAverage, accumulation_dtype
 from lit_slowcal._selection import Tensors
 from lit_slowcal._validation import check_int
@@ -37,6 +38,7 @@ class CodedAverage(CompressedAverage):
     def average(
         self,
         tensors: Tensors,
+        names: list[str],
         participants: Optional[Tensor],
         *,
         machines_per_process: int,
@@ -44,12 +46,12 @@ class CodedAverage(CompressedAverage):
     ) -> tuple[int, int]:
         """Replace every tensor by ``anchor + reduce(messages)`` and move the anchors there (see the module
         docstring). Returns one machine's message bytes, and 0 (no second stage)."""
-        world, rank = self._begin(tensors, process_group)
+        world, rank = _collectives.world_size(process_group), _collectives.rank(process_group)
         m, code = machines_per_process, self.code
         mine = None if participants is None else participants[rank * m : (rank + 1) * m].tolist()
         messages: list[list[Any]] = []  # [tensor][machine of this process]
         first = 0
-        for k, (t, s) in enumerate(tensors):
+        for k, (t, s) in zip(names, tensors):
             acc, n = accumulation_dtype(t.dtype), self.anchors[k].numel()
             changes = t.detach().reshape(m if s else 1, n).to(acc) - self.anchors[k].reshape(1, n).to(acc)
             e = self.errors.get(k)
@@ -69,9 +71,9 @@ class CodedAverage(CompressedAverage):
             everyone = [None] * world
             dist.all_gather_object(everyone, messages, group=process_group)
         keep = None if participants is None else participants.tolist()
-        for k, (t, s) in enumerate(tensors):
+        for i, (k, (t, s)) in enumerate(zip(names, tensors)):
             acc, a = accumulation_dtype(t.dtype), self.anchors[k]
-            ordered = [message for process in everyone for message in process[k]]  # machine order, rank-major
+            ordered = [message for process in everyone for message in process[i]]  # machine order, rank-major
             chosen = ordered if keep is None else [msg for msg, p in zip(ordered, keep) if p]
             mean = _values(code, "reduce", code.reduce(chosen, a.numel(), acc), a.numel()).to(a.device)
             new = (a.to(acc).reshape(-1) + mean).to(t.dtype).view(a.shape)

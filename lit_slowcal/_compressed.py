@@ -1,12 +1,11 @@
 """The compressed average of ``PeriodicAverager`` (the semantics are ``lit_slowcal.compression``'s).
 
-``CompressedAverage`` keeps, per averaged tensor (by its place in the averager's tensors, while their
-shapes, dtypes and stacking stay those of ``signature``), the anchor (the value every machine held after
-the last synchronisation, one machine's shape) and the error-feedback buffers: ``errors`` per machine of
-this process (the tensor's own shape, stacked or not), ``owner_errors`` for the blocks of the chunk this
-process reduces (one machine's shape, zero elsewhere). ``average`` runs one synchronisation of tensors
-that are ``ready``; the caller averages them exactly otherwise, and then calls ``anchor``. Kept by
-place, not by tensor object: an optimizer state loaded afresh (new tensors, the same places) keeps them.
+``CompressedAverage`` keeps, per averaged tensor by its name (``lit_slowcal._anchors.Anchored``), the
+anchor (the value every machine held after the last synchronisation, one machine's shape) and the
+error-feedback buffers: ``errors`` per machine of this process (the tensor's own shape, stacked or not),
+``owner_errors`` for the blocks of the chunk this process reduces (one machine's shape, zero elsewhere).
+``average`` runs one synchronisation of the tensors that are ``anchored``; the caller averages the others
+exactly in the same round, and then calls ``anchor``.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_slowcal import _collectives
+from lit_slowcal._anchors import Anchored
 from lit_slowcal._selection import Tensors
 from lit_slowcal.compression import Compressor
 from lit_slowcal.link import LinkCounts
@@ -84,91 +84,32 @@ class _Layout:
             i += hi - lo
 
 
-class CompressedAverage:
+class CompressedAverage(Anchored):
     """Anchors, error feedback and the two-stage reduce of one averager (see the module docstring)."""
 
     def __init__(self, code: Compressor, error_feedback: bool) -> None:
+        super().__init__(error_feedback)
         self.code = code
-        self.error_feedback = error_feedback
-        # By a tensor's place in the averager's tensors, valid while their shapes, dtypes and stacking are
-        # ``signature``'s (state that appears, or a model of another shape, starts afresh: an exact round).
-        self.signature: Optional[list[Any]] = None
-        self.anchors: dict[int, Tensor] = {}  # the value every machine held after the last synchronisation
-        self.errors: dict[int, Tensor] = {}  # this process's machines' error feedback
-        self.owner_errors: dict[int, Tensor] = {}  # the second stage's, on the blocks this process reduces
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
-        self._loaded = False  # a loaded state, not yet on the tensors' devices
-
-    # -- state ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def signature_of(tensors: Tensors) -> list[Any]:
-        """The shapes, dtypes and stacking of ``tensors``, as plain data."""
-        return [[list(t.shape), str(t.dtype), bool(s)] for t, s in tensors]
-
-    def ready(self, tensors: Tensors) -> bool:
-        """Whether ``tensors`` have anchors: those of the last synchronisation (or ``broadcast()``, or a loaded
-        state) of tensors of the same shapes, dtypes and stacking."""
-        return self.signature is not None and self.signature == self.signature_of(tensors)
-
-    def anchor(self, tensors: Tensors) -> None:
-        """Every tensor's current value (machine 0's slice for a stacked one) is its anchor; the error
-        feedback starts afresh where the tensors changed."""
-        signature = self.signature_of(tensors)
-        if signature != self.signature:
-            self.signature = signature
-            self.anchors.clear()
-            self.errors.clear()
-            self.owner_errors.clear()
-        for k, (t, s) in enumerate(tensors):
-            value = (t[0] if s else t).detach()
-            if k in self.anchors:
-                self.anchors[k].copy_(value)
-            else:
-                self.anchors[k] = value.clone()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The signature, the anchors and the buffers, one entry per tensor (``None`` where it has none)."""
-        n = len(self.signature or [])
-        state: dict[str, Any] = {"signature": self.signature}
-        for name, store in (("anchors", self.anchors), ("errors", self.errors), ("owner_errors", self.owner_errors)):
-            state[name] = [store.get(k) for k in range(n)]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take ``state_dict()``'s (the next synchronisation is exact if the tensors then differ from its signature)."""
-        self.signature = state.get("signature")
-        for name, store in (("anchors", self.anchors), ("errors", self.errors), ("owner_errors", self.owner_errors)):
-            store.clear()
-            for k, value in enumerate(state.get(name, [])):
-                if value is not None:
-                    store[k] = value.detach().clone()
-        self._loaded = True
-
-    def to(self, tensors: Tensors) -> None:
-        """The loaded anchors and buffers on the devices of ``tensors`` (when they match the signature)."""
-        if self.ready(tensors):
-            for store in (self.anchors, self.errors, self.owner_errors):
-                for k, value in store.items():
-                    store[k] = value.to(tensors[k][0].device)
 
     # -- one synchronisation ----------------------------------------------------------------------
 
     def average(
         self,
         tensors: Tensors,
+        names: list[str],
         participants: Optional[Tensor],
         *,
         machines_per_process: int,
         process_group: Optional[Any],
     ) -> tuple[int, int]:
-        """Replace every tensor (each with an anchor) by ``anchor + reduce(changes)`` and move the anchors
-        there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
+        """Replace every tensor (each ``anchored``, ``names`` theirs) by ``anchor + reduce(changes)`` and move the
+        anchors there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
         machine's message has in the first stage and the mean's in the second (codes and per-block
         values, no padding)."""
-        world, rank = self._begin(tensors, process_group)
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor, bool]]] = {}
-        for k, (t, s) in enumerate(tensors):
+        world, rank = _collectives.world_size(process_group), _collectives.rank(process_group)
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor, bool]]] = {}
+        for k, (t, s) in zip(names, tensors):
             groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((k, t, s))
         first = second = 0
         for (_, acc), items in groups.items():
@@ -178,13 +119,6 @@ class CompressedAverage:
             )
             first, second = first + a, second + b
         return first, second
-
-    def _begin(self, tensors: Tensors, process_group: Optional[Any]) -> tuple[int, int]:
-        """A round's start: a loaded state's tensors onto the tensors' devices (once); (world size, rank)."""
-        if self._loaded:
-            self.to(tensors)
-            self._loaded = False
-        return _collectives.world_size(process_group), _collectives.rank(process_group)
 
     def message_bytes(self, tensors: Tensors) -> tuple[int, int]:
         """One machine's bytes in the two stages of a synchronisation of ``tensors`` (codes and per-block
@@ -218,7 +152,7 @@ class CompressedAverage:
 
     def _average_group(
         self,
-        items: list[tuple[int, Tensor, bool]],
+        items: list[tuple[str, Tensor, bool]],
         layout: _Layout,
         acc: torch.dtype,
         participants: Optional[Tensor],
@@ -308,7 +242,7 @@ class CompressedAverage:
         return first, second
 
     def _owner_chunk(
-        self, items: list[tuple[int, Tensor, bool]], layout: _Layout, acc: torch.dtype, lo: int, hi: int
+        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, acc: torch.dtype, lo: int, hi: int
     ) -> Tensor:
         """The second stage's error feedback on the padded range ``lo:hi`` (this process's chunk)."""
         out = torch.zeros(hi - lo, dtype=acc, device=items[0][1].device)
@@ -320,7 +254,7 @@ class CompressedAverage:
         return out
 
     def _keep_owner_chunk(
-        self, items: list[tuple[int, Tensor, bool]], layout: _Layout, lost: Tensor, lo: int, hi: int
+        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, lost: Tensor, lo: int, hi: int
     ) -> None:
         for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
             a, b = max(st, lo), min(st + n, hi)

@@ -22,12 +22,13 @@ a round, a checkpoint) are its inner engine's.
 2 (S - 1) / S of it on the ring. ``CodedRound``: the round's change since its anchor travels encoded
 (``lit_slowcal.compression``: a block ``Compressor`` in two stages, ``lit_slowcal._compressed``; any
 whole-tensor ``Code`` gathered, ``lit_slowcal._coded``), each state counting its own bytes; a tensor
-without an anchor yet goes exactly. ``OverlappedRound`` wraps the exact engine; its rounds count what
+without an anchor yet goes exactly in the same round (the round's bytes and collectives are both parts'). ``OverlappedRound`` wraps the exact engine; its rounds count what
 the exact round sends, when they start. The outer optimizer's step is the averager's, once, after any engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -91,31 +92,67 @@ class ExactRound:
 
 class CodedRound:
     """A round's change encoded (``state``: a block compressor's or a whole-tensor code's anchors, error
-    feedback and reduce); tensors without anchors, and rounds among one machine, go through ``exact``."""
+    feedback and reduce) for the tensors with an anchor; those without one (state that appeared since, or
+    no ``broadcast()``), and rounds among one machine, go through ``exact``, in the same round. ``names``
+    gives each tensor its name, by which its anchor is kept (default: its place)."""
 
     in_flight: Optional[Round] = None  # blocking: never a round in flight
 
-    def __init__(self, state: Union[CompressedAverage, CodedAverage], exact: ExactRound) -> None:
+    def __init__(
+        self, state: Union[CompressedAverage, CodedAverage], exact: ExactRound,
+        names: Optional[Callable[[Tensors], list[str]]] = None,
+    ) -> None:  # fmt: skip
         self.state = state
         self.exact = exact
         self.machines = exact.machines
+        self.names = names or (lambda tensors: [str(k) for k in range(len(tensors))])
 
     def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
-        if self.machines == 1 or not self.state.ready(tensors):
+        if self.machines == 1:
             return self.exact.average(tensors, weights)
+        names = self.names(tensors)
+        anchored = [a and self.smaller(pair) for a, pair in zip(self.state.anchored(tensors, names), tensors)]
+        exact = [pair for pair, a in zip(tensors, anchored) if not a]
+        coded = [(pair, name) for pair, name, a in zip(tensors, names, anchored) if a]
+        sent = self.exact.average(exact, weights) if exact else None
+        if not coded:
+            assert sent is not None
+            return sent
         participants = None if weights is None else weights > 0
         first, second = self.state.average(
-            tensors, participants, machines_per_process=self.exact.machines_per_process,
-            process_group=self.exact.process_group,
+            [pair for pair, _ in coded], [name for _, name in coded], participants,
+            machines_per_process=self.exact.machines_per_process, process_group=self.exact.process_group,
         )  # fmt: skip
-        return Sent(first, self.state.link_counts(first, second, _participants(weights) or self.machines))
+        counts = self.state.link_counts(first, second, _participants(weights) or self.machines)
+        if sent is None:
+            return Sent(first, counts)
+        # One round: its exact part's bytes and collectives, and its coded part's.
+        return Sent(sent.bytes + first, dataclasses.replace(sent.link + counts, syncs=1))
 
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
-        first, second = self.state.message_bytes(tensors)
-        return Sent(first, self.state.link_counts(first, second, participants or self.machines))
+        """What a round sends where every tensor has an anchor (a tensor its code does not shrink, exactly)."""
+        S = participants or self.machines
+        coded = [pair for pair in tensors if self.smaller(pair)]
+        exact = self.exact.sent([pair for pair in tensors if not self.smaller(pair)], participants)
+        if not coded:
+            return exact
+        first, second = self.state.message_bytes(coded)
+        counts = self.state.link_counts(first, second, S)
+        if len(coded) == len(tensors):
+            return Sent(first, counts)
+        return Sent(exact.bytes + first, dataclasses.replace(exact.link + counts, syncs=1))
+
+    def smaller(self, pair: tuple[Tensor, bool]) -> bool:
+        """Whether the code's message of a tensor is smaller than the tensor (bf16 codes of a bfloat16 tensor are
+        not: such a tensor is averaged exactly, counted as such)."""
+        return self.state.message_bytes([pair])[0] < link.payload_bytes([pair])
 
     def settle(self, tensors: Tensors) -> None:
-        self.state.anchor(tensors)
+        self.state.anchor(tensors, self.names(tensors))
+
+    def anchor_missing(self, tensors: Tensors) -> None:
+        """The tensors without an anchor take their value now as one (every machine holds the same values)."""
+        self.state.anchor(tensors, self.names(tensors), missing_only=True)
 
     @property
     def pool(self) -> _communication.FlatPool:
@@ -174,9 +211,13 @@ def _participants(weights: Optional[Tensor]) -> Optional[int]:
     return None if weights is None else int((weights > 0).sum())
 
 
-def engine_for(options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any]) -> Engine:
-    """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``), or
-    overlapped (``overlap_delay`` >= 1, exact: the options refuse compression with it)."""
+def engine_for(
+    options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any],
+    names: Optional[Callable[[Tensors], list[str]]] = None,
+) -> Engine:  # fmt: skip
+    """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``;
+    ``names``: the averaged tensors' names, ``CodedRound``), or overlapped (``overlap_delay`` >= 1, exact: the
+    options refuse compression with it)."""
     exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
     code = options.compressor
     if options.overlap_delay:
@@ -184,4 +225,4 @@ def engine_for(options: AveragingOptions, machines: int, machines_per_process: i
     if code is None:
         return exact
     state = (CodedAverage if isinstance(code, Code) else CompressedAverage)(code, options.lossy_feedback)
-    return CodedRound(state, exact)
+    return CodedRound(state, exact, names)

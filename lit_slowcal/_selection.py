@@ -25,7 +25,7 @@ from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
     "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
-    "fingerprint", "is_averaged", "local", "machines_per_process", "reshard",
+    "fingerprint", "is_averaged", "local", "machines_per_process", "names_of", "reshard",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -183,31 +183,52 @@ def averaged_units(
 ) -> list[Tensors]:
     """``averaged_tensors`` in units, in the same order: a parameter with its state under ``keys``, or
     a buffer; each unit's first tensor is its parameter or buffer (units with nothing to average left out)."""
+    return [[(t, s) for _, t, s in unit] for unit in _named_units(modules, optimizer, keys, buffers)]
+
+
+def names_of(
+    tensors: Tensors,
+    modules: Sequence[nn.Module],
+    optimizer: Optimizer,
+    keys: Sequence[str],
+    buffers: Optional[Sequence[Tensor]],
+) -> list[str]:
+    """Each of ``tensors``' (some of ``averaged_tensors``) name, the same for the tensor that takes its place
+    (optimizer state loaded afresh): ``"param i"`` (the i-th of the optimizer's parameters), ``"param i
+    key"`` (its state under ``key``), ``"buffer j"``."""
+    where = {id(t): name for unit in _named_units(modules, optimizer, keys, buffers) for name, t, _ in unit}
+    return [where[id(t)] for t, _ in tensors]
+
+
+def _named_units(
+    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+) -> list[list[tuple[str, Tensor, bool]]]:
+    """``averaged_units``, each tensor with its name (``names_of``)."""
     stacked_ids: set[int] = set()
     for module in all_modules(modules):
         if isinstance(module, SimulatedMachines):
             stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
     seen: set[int] = set()
-    out: list[Tensors] = []
+    out: list[list[tuple[str, Tensor, bool]]] = []
 
-    def add(unit: Tensors, t: Tensor, owner: Tensor) -> None:
+    def add(unit: list[tuple[str, Tensor, bool]], name: str, t: Tensor, owner: Tensor) -> None:
         if id(t) not in seen and is_averaged(t):
             seen.add(id(t))
-            unit.append((local(t), id(owner) in stacked_ids and t.shape == owner.shape))
+            unit.append((name, local(t), id(owner) in stacked_ids and t.shape == owner.shape))
 
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            unit: Tensors = []
-            add(unit, p, p)
-            state = optimizer.state.get(p, {})
-            for key in keys:
-                if isinstance(state.get(key), Tensor):
-                    _check_like(state[key], p, key)
-                    add(unit, state[key], p)
-            out.append(unit)
-    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        unit: list[tuple[str, Tensor, bool]] = []
+        add(unit, f"param {i}", p, p)
+        state = optimizer.state.get(p, {})
+        for key in keys:
+            if isinstance(state.get(key), Tensor):
+                _check_like(state[key], p, key)
+                add(unit, f"param {i} {key}", state[key], p)
+        out.append(unit)
+    for j, b in enumerate(buffers if buffers is not None else (b for m in modules for b in m.buffers())):
         out.append([])
-        add(out[-1], b, b)
+        add(out[-1], f"buffer {j}", b, b)
     return [unit for unit in out if unit]
 
 

@@ -108,6 +108,7 @@ class TrainerRounds(AveragerSet):
         # SIGTERM broadcast), so ranks whose first synchronisations fall on other steps would hang.
         for averager in self.averagers.values():
             averager.check_setup()
+            averager.anchor()  # every machine holds the set-up broadcast's (or the checkpoint's) values: compressed from the first round
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]

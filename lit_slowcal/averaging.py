@@ -42,13 +42,8 @@ from lit_slowcal.options import AveragingOptions
 from lit_slowcal.protocol import declared
 
 __all__ = [
-    "COMPRESSION_KEY",
-    "IN_FLIGHT_KEY",
-    "PeriodicAverager",
-    "broadcast_module",
-    "buffer_owners",
-    "machines_per_process",
-]
+    "COMPRESSION_KEY", "IN_FLIGHT_KEY", "PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process",
+]  # fmt: skip
 
 
 class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule):
@@ -131,16 +126,15 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
         self._hooks: list[Any] = []
         self._reload_hook: Optional[RemovableHandle] = None  # per-machine state put back after an optimizer load
-        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = (
-            OrderedDict()
-        )  # weakly referenced by handles
+        self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()  # by handles
         self.outer: Optional[Optimizer] = None  # the server's optimizer over self.global_params
         self.global_params: list[Tensor] = []  # x_s, the round's start, one machine's shape
         if factory is not None:
             self.global_params, self.outer = _server.start_outer(factory, self._outer_pairs())
         self.options.check_tensors(self._tensors(), self.machines_per_process)
         #: How a round's tensors become their average, and what that sends (``lit_slowcal._rounds``).
-        self.engine: Engine = engine_for(self.options, self.num_machines, self.machines_per_process, process_group)
+        names = lambda ts: _selection.names_of(ts, self.modules, optimizer, self._averaged_keys(), self.buffers)  # noqa: E731
+        self.engine: Engine = engine_for(self.options, self.num_machines, self.machines_per_process, process_group, names)  # fmt: skip
         if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
         if start_step:
@@ -346,8 +340,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         simulated in one process are identical copies already). No-op with one process. With an
         outer optimizer, the round's start becomes that point. The ranks' set-up is checked first
         (``check_setup``): tensors of other shapes on two ranks would not travel. With ``compression``
-        the point becomes every tensor's anchor, so the first synchronisation is compressed too
-        (machines simulated in one process share machine 0's slice as theirs).
+        the point becomes every tensor's anchor: the first synchronisation codes them, and averages exactly,
+        once, state that appears later (SLowcal-SGD's w, at the first step).
         """
         self.check_setup()
         if self.sharded:
@@ -357,6 +351,12 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if self.outer is not None:
             _server.reset_round_start(self.global_params, self._outer_pairs())
         self.engine.settle(tensors)
+
+    def anchor(self) -> None:
+        """With ``compression``, every averaged tensor without an anchor takes its value now as one (machine 0's
+        slice). Only where every machine holds the same values: the strategies call it after their set-up broadcast."""
+        if isinstance(self.engine, CodedRound):
+            self.engine.anchor_missing(self._tensors())
 
     # -- what is averaged ---------------------------------------------------------------------
 

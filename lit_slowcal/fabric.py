@@ -76,7 +76,7 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if id(optimizer) not in self.averagers:  # before the first step: the round starts at the set-up weights
-            self._create_averagers()
+            self._create_averagers(anchor=True)
             if id(optimizer) not in self.averagers:  # not set up through fabric.setup
                 self.averagers[id(optimizer)] = self._new_averager(self.modules, optimizer)
                 self.averagers[id(optimizer)].check_setup()
@@ -84,13 +84,16 @@ class PeriodicAveragingFabricStrategy(AveragerSet, DDPStrategy):
         self.averagers[id(optimizer)].step()
         return output
 
-    def _create_averagers(self) -> None:
-        """An averager for every optimizer set up so far, each schedule restored from a loaded state."""
+    def _create_averagers(self, anchor: bool = False) -> None:
+        """An averager for every optimizer set up so far, each schedule restored from a loaded state; ``anchor``:
+        before the first step, where every machine holds the set-up broadcast's values (``PeriodicAverager.anchor``)."""
         if self.optimizers:
             added = self._add_averagers(nn.ModuleList(self.modules), self.modules, self.optimizers, self._restored)
             self._restored = None
             for averager in added:  # every rank built alike, before the first step (a collective: all ranks are here)
                 averager.check_setup()
+                if anchor:
+                    averager.anchor()
 
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:

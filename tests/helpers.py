@@ -174,5 +174,5 @@ def finish_rank(results: Any, out: str, rank: int) -> None:
 #: (tests/conftest.py), left out of ``.ci/run``'s pass with the oldest Lightning.
 TORCH_ONLY = (
     "test_accelerated", "test_adaptive", "test_average_layout", "test_compression", "test_compression_processes",
-    "test_machine_state", "test_protocol", "test_scaffold", "test_sharded", "test_simulated",
+    "test_compression_state", "test_machine_state", "test_protocol", "test_scaffold", "test_sharded", "test_simulated",
 )  # fmt: skip

@@ -220,7 +220,13 @@ def test_state_dict_resume_and_bad_values():
     # SGD without momentum keeps no state of its own on a machine: the schedule alone. A sync carries 4
     # float64 values (32 bytes); among P = 3 a machine sends 2 * 2/3 * 32 bytes on the ring in 4 hops.
     link_counts = {"syncs": 2, "payload_bytes": 64, "ring_bytes": 2 * 128 / 3, "ring_hops": 8, "check_bytes": 0}
-    assert other.state_dict() == averager.state_dict() == {
+    saved = averager.state_dict()
+    assert other.state_dict() == saved and saved.pop("configuration") == {
+        "compression": "None", "error_feedback": "False", "optimizer": "SGD",
+        "optimizer options": ", ".join(f"{k}={v!r}" for k, v in sorted(optimizer.defaults.items())
+                                       if k not in ("lr", "foreach", "fused", "capturable", "differentiable")),
+    }  # fmt: skip
+    assert saved == {
         "steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8, "bytes_communicated": 64,
         "link_counts": link_counts,
     }  # fmt: skip

@@ -90,7 +90,7 @@ def test_a_sparse_code_of_ones_own_is_exact_against_a_float64_hand_reference_wit
     want, error = _reference()
     got = machines.weight.detach().reshape(M, D)
     assert (got - want).abs().max().item() < 1e-12
-    kept = averager.compressed.errors[0].reshape(M, D)
+    kept = averager.compressed.errors["param 0"].reshape(M, D)
     assert (kept - error).abs().max().item() < 1e-12 and error.abs().sum() > 0  # error feedback did something
     assert averager.num_syncs == ROUNDS
     message = TOP * 8 + TOP * 8  # int64 indices and float64 values, one tensor
