@@ -191,13 +191,14 @@ def test_the_strategy_counts_bytes_for_the_link_model_and_the_ddp_reference():
 
 
 def test_the_trainer_strategy_s_set_up_anchors_so_its_first_round_is_coded():
-    """PeriodicAveragingStrategy(compression="int8") with SLowcal-SGD on Linear(3, 1): the first round codes x
-    (3 + 4 and 1 + 4 bytes) and sends w exactly (16 bytes); the second codes both."""
+    """PeriodicAveragingStrategy(compression="int8") with SLowcal-SGD on Linear(3, 1): the first round codes x's
+    weight (3 + 4 bytes: codes and one float32 scale) and sends w exactly (16 bytes); the second codes both
+    weights. A bias goes exactly in every round: its int8 message (1 + 4 bytes) is no smaller than it (4)."""
     strategy = PeriodicAveragingStrategy(sync_every=3, compression="int8")
     fit(Regression(), strategy, 6)
-    coded = (3 + 4) + (1 + 4)  # codes and one float32 scale a block
+    coded = (3 + 4) + 4  # a weight coded, a bias exact
     assert strategy.num_syncs == 2
-    assert strategy.bytes_communicated == (coded + 16) + 2 * coded == 52  # the first round exact: 56
+    assert strategy.bytes_communicated == (coded + 16) + 2 * coded == 49  # a first round sent all exact: 54
 
 
 class ProcessGroupProbe(pl.Callback):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lit_slowcal import LinkCounts, PeriodicAverager, PeriodicAveragingFabricStrategy, SimulatedMachines, SlowcalSGD
+from lit_slowcal._averager_state import configuration
 from lit_slowcal.averaging import buffer_owners
 
 
@@ -46,7 +47,9 @@ def test_close_round_averages_mid_round_and_keeps_the_schedule():
     assert not averager.in_round and not averager.close_round()  # nothing to close twice
     # x and w of 12 parameters and 4 running statistics: 28 float32 values, 112 bytes; among P = 4 a
     # machine sends 2 * 3/4 * 112 = 168 bytes on the ring in 6 hops.
-    assert averager.state_dict() == {
+    state = averager.state_dict()
+    assert state.pop("configuration")["optimizer"] == "SlowcalSGD"  # what the state means (checked at load)
+    assert state == {
         "steps": 3,
         "num_syncs": 1,
         "last_sync_step": 3,
@@ -156,7 +159,7 @@ def test_fabric_applies_k_changed_mid_run_refuses_a_bad_k_and_saves_schedules(tm
     saved = torch.load(tmp_path / "state.ckpt", weights_only=True)
     assert saved["periodic_averaging"] == [
         {"steps": 10, "num_syncs": 2, "last_sync_step": 10, "floats_communicated": 0, "bytes_communicated": 0,
-         "link_counts": LinkCounts().state_dict()}
+         "link_counts": LinkCounts().state_dict(), "configuration": configuration(next(iter(strategy.averagers.values())))}
     ]  # fmt: skip
 
     other = PeriodicAveragingFabricStrategy(sync_every=4, process_group_backend="gloo")

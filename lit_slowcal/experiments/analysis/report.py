@@ -39,7 +39,8 @@ from lit_slowcal.experiments.analysis.records import (
     methods_in_order,
     save_figure,
 )
-from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, modelled_link, write_time_to_target
+from lit_slowcal.experiments.analysis.time_to_target import Target, at_tuned_rates, write_time_to_target
+from lit_slowcal.experiments.run.options import modelled_link
 from lit_slowcal.experiments.train.methods import METHODS
 from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link

@@ -35,27 +35,8 @@ from lit_slowcal.files import atomic_write
 from lit_slowcal.link import Link
 
 __all__ = [
-    "Target", "Trajectory", "at_tuned_rates", "cell_times", "modelled_link", "time_table", "trajectory", "write_time_to_target",
+    "Target", "Trajectory", "at_tuned_rates", "cell_times", "time_table", "trajectory", "write_time_to_target",
 ]  # fmt: skip
-
-#: The links the app models (``modelled_link``): a latency of at most this many seconds (about 11.6 days) ...
-MAX_LATENCY = 1e6
-#: ... and a bandwidth of at least this many bytes a second (1 bit/s): any run's modelled seconds then stay finite.
-MIN_BANDWIDTH = 0.125
-
-
-def modelled_link(text: str) -> Link:
-    """A ``--link`` of the app: ``Link.parse(text)`` within the range where every modelled time stays finite
-    (a latency of 0 to 1e6 s, a bandwidth of 1 bit/s or more); one ``ValueError`` line naming what is out."""
-    link = Link.parse(text)
-    if link.latency > MAX_LATENCY:
-        raise ValueError(f"Invalid link latency: {link.latency:g} s in {text!r} (allowed: 0 to {MAX_LATENCY:g} s)")
-    if link.bandwidth < MIN_BANDWIDTH:
-        raise ValueError(
-            f"Invalid link bandwidth: {link.bandwidth:g} B/s in {text!r} (allowed: 1 bit/s = {MIN_BANDWIDTH} B/s or more)"
-        )
-    return link
-
 
 #: Metrics a target can name; ``test_acc`` is reached from below, the others from above.
 TARGET_METRICS = ("test_acc", "test_loss", "excess_loss", "train_objective")

@@ -26,14 +26,15 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
-from lit_slowcal.experiments.analysis.time_to_target import modelled_link
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
 from lit_slowcal.link import Link
 from lit_slowcal.options import AveragingOptions, check_overlap
 
-__all__ = ["PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "one_line_message"]
+__all__ = [
+    "PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "modelled_link", "one_line_message",
+]  # fmt: skip
 
 _LINK_PREFIX = re.compile(r"^Call to compute_fn of link '.*?' with args \(.*?\) failed: ", re.S)
 
@@ -311,3 +312,22 @@ def add_options(parser: LightningArgumentParser) -> None:
         "data", "model.num_classes", compute_fn=lambda d: d.problem.num_outputs, apply_on="instantiate"
     )
     parser.link_arguments("data", "model.loss", compute_fn=lambda d: d.problem.loss, apply_on="instantiate")
+
+
+#: The links the app models (``modelled_link``): a latency of at most this many seconds (about 11.6 days) ...
+MAX_LATENCY = 1e6
+#: ... and a bandwidth of at least this many bytes a second (1 bit/s): any run's modelled seconds then stay finite.
+MIN_BANDWIDTH = 0.125
+
+
+def modelled_link(text: str) -> Link:
+    """A ``--link`` of the app: ``Link.parse(text)`` within the range where every modelled time stays finite
+    (a latency of 0 to 1e6 s, a bandwidth of 1 bit/s or more); one ``ValueError`` line naming what is out."""
+    link = Link.parse(text)
+    if link.latency > MAX_LATENCY:
+        raise ValueError(f"Invalid link latency: {link.latency:g} s in {text!r} (allowed: 0 to {MAX_LATENCY:g} s)")
+    if link.bandwidth < MIN_BANDWIDTH:
+        raise ValueError(
+            f"Invalid link bandwidth: {link.bandwidth:g} B/s in {text!r} (allowed: 1 bit/s = {MIN_BANDWIDTH} B/s or more)"
+        )
+    return link

@@ -7,11 +7,12 @@ import pytest
 from in_process import RUN, command, error_line
 
 # The tiny run of in_process: SLowcal-SGD, M = 4, K = 64, b = 64, R = 4 rounds. x and w of the 7,850-parameter
-# model: 62,800 bytes a round in float32. The first round has no anchor yet and is exact; the three others
-# send int8 codes and a float32 scale a block of 256, both ways: 7,840 + 31 x 4 + 10 + 4 = 7,978 bytes a vector.
+# model: 62,800 bytes a round in float32. A coded vector is int8 codes and a float32 scale a block of 256, both
+# ways: 7,840 + 31 x 4 + 10 + 4 = 7,978 bytes. The strategy anchors x at set-up, so the first round codes x and
+# sends w (born at the first step, without an anchor) exactly; the three others code both.
 M = 4
 EXACT, INT8 = 62_800, 2 * 7_978
-RING = EXACT * 2 * (M - 1) / M + 3 * (M - 1) * (INT8 + INT8) / M
+RING = (M - 1) * (INT8 / 2 + INT8 / 2) / M + EXACT / 2 * 2 * (M - 1) / M + 3 * (M - 1) * (INT8 + INT8) / M
 
 
 def last_train_row(run_dir):
@@ -23,7 +24,8 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
     code, err = command(capsys, "--compression=int8", run_dir=tmp_path / "int8")
     assert code == 0, err
     row = last_train_row(tmp_path / "int8")
-    assert float(row["ring_bytes_per_machine"]) == RING and float(row["ring_hops"]) == 4 * 2 * (M - 1)
+    # the first round two collectives (x coded, w exact), the three others one each
+    assert float(row["ring_bytes_per_machine"]) == RING and float(row["ring_hops"]) == (2 + 3) * 2 * (M - 1)
     code, err = command(capsys, run_dir=tmp_path / "exact")
     exact = last_train_row(tmp_path / "exact")
     assert float(exact["ring_bytes_per_machine"]) == 4 * EXACT * 2 * (M - 1) / M
