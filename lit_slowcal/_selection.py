@@ -3,7 +3,8 @@
 A machine is a process of the process group, or one of the m machines a ``SimulatedMachines``
 module hosts in a process (``machines_per_process``). With several optimizers each floating buffer
 is averaged by one of their averagers (``buffer_owners``). Of a model sharded by FSDP2, each rank
-averages its local shards (``check_sharding``, ``local``).
+averages its local shards (``check_sharding``, ``local``), and its buffers that are not DTensors over its
+machine's shard processes first (``shard_group``, ``machine_buffers``).
 
 Every tensor comes with whether it is stacked: a parameter or buffer of a ``SimulatedMachines``
 module (or optimizer state of the parameter's shape) holds one slice per machine along dimension 0.
@@ -25,7 +26,8 @@ from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
     "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
-    "fingerprint", "is_averaged", "local", "machines_per_process", "names_of", "reshard",
+    "fingerprint", "is_averaged", "local", "machine_buffers", "machines_per_process", "names_of", "reshard",
+    "shard_group",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -124,6 +126,43 @@ def check_sharding(modules: Modules, optimizer: Optimizer, process_group: Option
     return True
 
 
+def shard_group(modules: Modules, optimizer: Optimizer) -> Optional[Any]:
+    """The process group of a sharded model's machine: the processes of its DTensors' 1-D shard mesh, over which
+    its buffers that are not DTensors are averaged (``machine_buffers``); ``None`` with one shard process.
+    Refused in one line: DTensors on meshes of different processes, where the model has such buffers."""
+    dtensor = _dtensor_type()
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [t for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())]
+    meshes = {tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh for t in tensors if isinstance(t, dtensor)}
+    if len(meshes) > 1 and any(_plain(b) for m in _as_list(modules) for b in m.buffers()):
+        raise ValueError(
+            f"PeriodicAverager: the model's DTensors lie on shard meshes of different processes {sorted(meshes)}, so "
+            "its buffers have no one machine to be averaged over; supported: one shard mesh (docs/sharded.md)"
+        )
+    mesh = next(iter(meshes.values()), None)
+    return None if mesh is None or mesh.size() == 1 else mesh.get_group()
+
+
+def machine_buffers(modules: Modules, buffers: Optional[Sequence[Tensor]], group: Optional[Any]) -> None:
+    """Before a round of a sharded model: reshard its FSDP2 modules (``reshard``) and replace each floating buffer
+    that is not a DTensor (of ``buffers``; ``None``: every buffer of ``modules``) by its mean over the machine's
+    shard processes, ``group`` (``shard_group``): every process of a machine then holds the same buffers."""
+    reshard(modules)
+    chosen = buffers if buffers is not None else [b for m in _as_list(modules) for b in m.buffers()]
+    plain = [b for b in dict.fromkeys(chosen) if _plain(b) and b.numel()]
+    if group is None or not plain:
+        return
+    size = dist.get_world_size(group)
+    with torch.no_grad():
+        for kind in dict.fromkeys((b.dtype, b.device) for b in plain):  # one all-reduce a dtype and device
+            same = [b for b in plain if (b.dtype, b.device) == kind]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            for b, mean in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(mean.view_as(b))
+
+
 def reshard(modules: Modules) -> None:
     """Reshard every FSDP2 module of ``modules`` that holds its parameters unsharded (as the root does after
     a forward without backward, an evaluation): its next forward then gathers the shards as they are now,
@@ -143,6 +182,12 @@ def local(t: Tensor) -> Tensor:
         with torch.no_grad():
             return t.to_local()
     return t
+
+
+def _plain(t: Tensor) -> bool:
+    """Whether ``t`` is averaged and not a DTensor: one copy per process (a BatchNorm's running statistics)."""
+    dtensor = _dtensor_type()
+    return is_averaged(t) and not (dtensor is not None and isinstance(t, dtensor))
 
 
 def _as_list(modules: Modules) -> list[nn.Module]:

@@ -59,7 +59,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             the same options by name (``compression="int8"``), replace its fields.
         process_group: the processes to average over; ``None``: the default group when
             ``torch.distributed`` is initialised, else this process alone. An FSDP2-sharded model's
-            local shards are averaged over it: the mesh's replicate group (docs/sharded.md).
+            local shards are averaged over it, the mesh's replicate group; its buffers over its shard mesh first.
         start_step: optimizer steps already taken (a resumed run keeps its sync schedule).
         buffers: the buffers this averager averages; ``None``: every floating buffer of ``module``.
             With several optimizers each buffer belongs to one averager (see ``buffer_owners``).
@@ -107,6 +107,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.optimizer = optimizer
         #: Whether the model holds FSDP2 shards (DTensors), averaged by their local tensors (docs/sharded.md).
         self.sharded = _selection.check_sharding(self.modules, optimizer, process_group)
+        self._shard_group = _selection.shard_group(self.modules, optimizer) if self.sharded else None  # its machine
         factory = self.options.check_with(
             optimizer, sharded=self.sharded, machines_per_process=machines_per_process(self.modules)
         )
@@ -279,8 +280,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             self.check_setup(counts=self.options.check_schedule)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
-        if self.sharded:  # the full parameters an evaluation left gathered would outlive the average
-            _selection.reshard(self.modules)
+        if self.sharded:  # resharded (an evaluation's gathered parameters would outlive the average), buffers as one
+            _selection.machine_buffers(self.modules, self.buffers, self._shard_group)
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
@@ -345,7 +346,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """
         self.check_setup()
         if self.sharded:
-            _selection.reshard(self.modules)
+            _selection.machine_buffers(self.modules, self.buffers, self._shard_group)
         tensors = self._tensors()
         broadcast_module(self.modules, src, process_group=self.process_group, extra=[t for t, _ in tensors])
         if self.outer is not None:

@@ -58,7 +58,8 @@ class ShardedAveragingStrategy(TrainerRounds, ModelParallelStrategy):
     Rank 0's replica is broadcast at setup, so all machines start from the same point.
 
     What is averaged and how it travels is ``PeriodicAverager``'s (each parameter's local shard, the
-    declared optimizer state, floating buffers; ``outer_optimizer``, ``participation``,
+    declared optimizer state, floating buffers, each first averaged over its machine's shard processes, so every
+    process holds the same buffers after a round; ``outer_optimizer``, ``participation``,
     ``compression``, ``overlap_delay`` as there, M = R machines). Refused in one line: a shard size
     above 1 with a model holding no DTensor (shard it in ``configure_model``), other placements and
     FSDP1 (``PeriodicAverager``), ``fragments`` > 1, ``SimulatedMachines``, and

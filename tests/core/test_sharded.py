@@ -52,6 +52,7 @@ CASES = {
     "accelerated_f64": (torch.float64, lambda ps: AcceleratedSGD(ps, lr=0.1), (), None, 1e-12),
     "scaffold_f64": (torch.float64, lambda ps: Scaffold(ps, lr=0.1), (), None, 1e-12),
 }  # fmt: skip
+BATCHNORM_STEPS = K * R + 1  # R rounds and a step, closed by close_round()
 SYNC_EVERY = {"accelerated_f64": 1}  # the minibatch method: K = 1 (R rounds of one step); the others K
 # Options compared with the same run unsharded, averaged over the replicate group by an unsharded averager.
 TWIN_CASES: dict[str, dict[str, Any]] = {
@@ -134,6 +135,49 @@ def _reference(
     return [p.detach().clone() for p in models[0].parameters()]
 
 
+def _batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3)).to(torch.float64)
+
+
+def _batchnorm_reference() -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The BatchNorm model's two replicas of two shard processes, unsharded, in float64: each process's running
+    statistics its own (from its 4 rows of the replica's batch), a replica's gradient the mean of its processes'
+    (FSDP2's), SGD; every K steps and after the last (``close_round``) the parameters averaged over the replicas and
+    the statistics over all four processes. The parameters, the statistics and the evaluation's output."""
+    models = [_batchnorm_model() for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    stats = [[[b.clone() for b in models[0][1].buffers()] for _ in range(2)] for _ in range(2)]  # [replica][shard]
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
+    for step in range(1, BATCHNORM_STEPS + 1):
+        for r, (model, opt, g) in enumerate(zip(models, optimizers, gens)):
+            x, y = _batch(g, torch.float64)
+            opt.zero_grad()
+            for s in range(2):  # the gradients of the two processes' losses accumulated: their mean
+                for b, mine in zip(model[1].buffers(), stats[r][s]):
+                    b.copy_(mine)
+                (_loss(model, x[4 * s : 4 * s + 4], y[4 * s : 4 * s + 4]) / 2).backward()
+                stats[r][s] = [b.clone() for b in model[1].buffers()]
+            opt.step()
+        if step % K and step != BATCHNORM_STEPS:
+            continue
+        with torch.no_grad():
+            for p0, p1 in zip(*(m.parameters() for m in models)):
+                p0.copy_((p0 + p1) / 2)
+                p1.copy_(p0)
+            for i in range(2):  # running_mean, running_var (num_batches_tracked, an integer, is not averaged)
+                mean = torch.stack([stats[r][s][i] for r in range(2) for s in range(2)]).mean(0)
+                for r in range(2):
+                    for s in range(2):
+                        stats[r][s][i] = mean.clone()
+    model = models[0]
+    with torch.no_grad():
+        for b, mine in zip(model[1].buffers(), stats[0][0]):
+            b.copy_(mine)
+        evaluated = model.eval()(_evaluation_input())
+    return [p.detach().clone() for p in model.parameters()], stats[0][0], evaluated
+
+
 def _worker(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -197,6 +241,36 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         train(twin, averagers[1], torch.float32, slice(0, 8))
         results[case] = {"params": full(model), "twin": [p.detach().clone() for p in twin.parameters()]}
 
+    # BatchNorm's running statistics: buffers that are not DTensors, each process's from its own rows.
+    model = _batchnorm_model()
+    fully_shard(model, mesh=mesh["shard"])
+    averager = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group)
+    g, sent, all_reduce = torch.Generator().manual_seed(100 + replica), [], dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        if group is not None and sorted(dist.get_process_group_ranks(group)) in ([0, 1], [2, 3]):  # shard groups
+            sent.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, group=group, **kwargs)  # type: ignore[call-overload]
+
+    dist.all_reduce = counted
+    try:
+        for _ in range(BATCHNORM_STEPS):
+            x, y = _batch(g, torch.float64)
+            averager.optimizer.zero_grad()
+            _loss(model, x[4 * shard : 4 * shard + 4], y[4 * shard : 4 * shard + 4]).backward()
+            averager.optimizer.step()
+            averager.step()
+        averager.close_round()
+    finally:
+        dist.all_reduce = all_reduce
+    results["batchnorm"] = {
+        "params": full(model), "buffers": [b.clone() for b in model[1].buffers()], "num_syncs": averager.num_syncs,
+        "floats": averager.floats_communicated, "shard_group_bytes": sum(sent),
+        "local_numel": sum(p.to_local().numel() for p in dtensors(model)),
+    }  # fmt: skip
+    with torch.no_grad():  # last: the root's parameters stay gathered
+        results["batchnorm"]["evaluated"] = model.eval()(_evaluation_input())
+
     model = sharded(torch.float64, seed=replica)  # the replicas start apart
     averager = PeriodicAverager(model, SlowcalSGD(model.parameters(), lr=0.1), K, process_group=group)
     results["before_broadcast"] = full(model)
@@ -239,6 +313,15 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         model = sharded(torch.float32)
         PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group, bucket_views=True)
 
+    single = init_device_mesh("cpu", (4, 1), mesh_dim_names=("all", "alone"))["alone"]  # this process alone
+
+    def two_meshes():  # BatchNorm's statistics: whose machine's shard processes would average them?
+        model = _batchnorm_model()
+        fully_shard(model[0], mesh=mesh["shard"])
+        fully_shard(model[3], mesh=single)
+        PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), K, process_group=group)
+
+    attempt("two_meshes", two_meshes)
     for name, fn in [("tensor_parallel", tensor_parallel), ("shard_dimension", shard_dimension), ("hsdp", hsdp), ("fragments", fragments), ("bucket_views", bucket_views)]:  # fmt: skip
         attempt(name, fn)
     finish_rank(results, out, rank)
@@ -286,6 +369,30 @@ def test_overlap_and_compression_match_the_unsharded_run(ranks, case):
         assert difference <= (5e-3 if case == "int8" else 1e-5)  # int8: blocks of other bounds, difference
 
 
+def test_batchnorm_statistics_are_averaged_over_every_process_of_every_machine(ranks):
+    """A sharded BatchNorm's running statistics after R rounds and a closed one: equal on the four ranks (the two
+    shard processes of a machine too) and the float64 reference's mean of the four processes' statistics; so is
+    the evaluation that uses them. Each round all-reduces them (10 floats) within the machine as well."""
+    params, stats, evaluated = _batchnorm_reference()
+    first = ranks[0]["batchnorm"]
+    for rank, results in enumerate(ranks):
+        got = results["batchnorm"]
+        assert all(torch.equal(b, b0) for b, b0 in zip(got["buffers"], first["buffers"])), (
+            rank, [float((b - b0).abs().max()) for b, b0 in zip(got["buffers"][:2], first["buffers"][:2])],
+        )  # fmt: skip
+        assert torch.equal(got["evaluated"], first["evaluated"]), (
+            rank,
+            _max_difference([got["evaluated"]], [first["evaluated"]]),
+        )
+        assert _max_difference(got["buffers"][:2], stats) <= 1e-12, (rank, _max_difference(got["buffers"][:2], stats))
+        assert int(got["buffers"][2]) == BATCHNORM_STEPS  # num_batches_tracked: one a forward, the same everywhere
+        assert _max_difference(got["params"], params) <= 1e-12, (rank, _max_difference(got["params"], params))
+        assert _max_difference([got["evaluated"]], [evaluated]) <= 1e-12
+        assert got["num_syncs"] == R + 1
+        assert got["floats"] == (R + 1) * (got["local_numel"] + 10)  # the local shards and the whole statistics
+        assert got["shard_group_bytes"] == (R + 1) * 10 * 8
+
+
 def test_broadcast_gives_every_rank_replica_0s_parameters(ranks):
     start = ranks[0]["before_broadcast"]
     assert _max_difference(ranks[2]["before_broadcast"], start) > 0.1  # the replicas started apart
@@ -319,6 +426,7 @@ def test_parameters_an_evaluation_gathered_do_not_outlive_sync_or_broadcast(rank
             "PeriodicAverager: '0.weight' is a DTensor with placements (Replicate(), Shard(dim=0)) over a 2-D mesh",
         ),
         ("shard_dimension", "PeriodicAverager: '0.weight' is sharded with ranks"),
+        ("two_meshes", "PeriodicAverager: the model's DTensors lie on shard meshes of different processes"),
         ("fragments", "Invalid options for an FSDP2-sharded model: fragments=2 (fragments cut by local bytes"),
         ("bucket_views", "Invalid options for an FSDP2-sharded model: bucket_views=True (fragments cut by local bytes"),
     ],
