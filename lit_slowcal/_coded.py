@@ -6,11 +6,13 @@ second stage). One round of ``anchored`` tensors, per tensor and per machine i o
 ``c_i = value_i - anchor + e_i`` in the accumulation dtype, ``message_i = code.encode(c_i)`` and, with
 error feedback, ``e_i <- c_i - code.decode(message_i)`` (a machine outside the round keeps its buffer).
 Every process's messages reach every process in one all-gather of Python objects; every process then
-computes ``anchor + code.reduce(the participants' messages, in machine order)``, the same bits on all.
+computes ``anchor + code.reduce(the participants' messages, in machine order)``, the same bits on all
+(never-negative state: at no less than 0, ``CompressedAverage._land``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Optional
 
 import torch
@@ -43,9 +45,11 @@ class CodedAverage(CompressedAverage):
         *,
         machines_per_process: int,
         process_group: Optional[Any],
+        nonnegative: Collection[str] = (),
     ) -> tuple[int, int]:
-        """Replace every tensor by ``anchor + reduce(messages)`` and move the anchors there (see the module
-        docstring). Returns one machine's message bytes, and 0 (no second stage)."""
+        """Replace every tensor by ``anchor + reduce(messages)`` (the names in ``nonnegative``: at no less than 0,
+        ``CompressedAverage._land``) and move the anchors there (see the module docstring). Returns one machine's
+        message bytes, and 0 (no second stage)."""
         world, rank = _collectives.world_size(process_group), _collectives.rank(process_group)
         m, code = machines_per_process, self.code
         mine = None if participants is None else participants[rank * m : (rank + 1) * m].tolist()
@@ -76,9 +80,7 @@ class CodedAverage(CompressedAverage):
             ordered = [message for process in everyone for message in process[i]]  # machine order, rank-major
             chosen = ordered if keep is None else [msg for msg, p in zip(ordered, keep) if p]
             mean = _values(code, "reduce", code.reduce(chosen, a.numel(), acc), a.numel()).to(a.device)
-            new = (a.to(acc).reshape(-1) + mean).to(t.dtype).view(a.shape)
-            a.copy_(new)
-            t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
+            self._land(k, t, s, mean, k in nonnegative)
         return first, 0
 
     def message_bytes(self, tensors: Tensors) -> tuple[int, int]:

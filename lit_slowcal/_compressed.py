@@ -10,6 +10,7 @@ exactly in the same round, and then calls ``anchor``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -102,11 +103,12 @@ class CompressedAverage(Anchored):
         *,
         machines_per_process: int,
         process_group: Optional[Any],
+        nonnegative: Collection[str] = (),
     ) -> tuple[int, int]:
         """Replace every tensor (each ``anchored``, ``names`` theirs) by ``anchor + reduce(changes)`` and move the
-        anchors there. ``participants``: a bool per machine of all M (``None``: all). Returns the bytes one
-        machine's message has in the first stage and the mean's in the second (codes and per-block
-        values, no padding)."""
+        anchors there (``nonnegative``: the names landed at no less than 0, ``_land``). ``participants``: a bool
+        per machine of all M (``None``: all). Returns the bytes one machine's message has in the first stage and
+        the mean's in the second (codes and per-block values, no padding)."""
         world, rank = _collectives.world_size(process_group), _collectives.rank(process_group)
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor, bool]]] = {}
         for k, (t, s) in zip(names, tensors):
@@ -115,7 +117,7 @@ class CompressedAverage(Anchored):
         for (_, acc), items in groups.items():
             layout = self._layout([(t, s) for _, t, s in items], world)
             a, b = self._average_group(
-                items, layout, acc, participants, machines_per_process, world, rank, process_group
+                items, layout, acc, participants, machines_per_process, world, rank, process_group, nonnegative
             )
             first, second = first + a, second + b
         return first, second
@@ -160,6 +162,7 @@ class CompressedAverage(Anchored):
         world: int,
         rank: int,
         group: Optional[Any],
+        nonnegative: Collection[str],
     ) -> tuple[int, int]:
         B, NB, code = self.code.block_size, layout.NB, self.code
         W = NB * B
@@ -235,11 +238,23 @@ class CompressedAverage(Anchored):
 
         # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
         for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
-            a = self.anchors[k]
-            new = (a.to(acc).reshape(-1) + result[st : st + n]).to(t.dtype).view(a.shape)
-            a.copy_(new)
-            t.detach().copy_(new.unsqueeze(0).expand_as(t) if s else new)
+            self._land(k, t, s, result[st : st + n], k in nonnegative)
         return first, second
+
+    def _land(self, name: str, t: Tensor, stacked: bool, mean: Tensor, nonnegative: bool) -> None:
+        """Every machine of ``t`` (``name``'s) ends the round at ``anchor + mean`` (the same bits on all), at
+        ``max(anchor + mean, 0)`` where ``nonnegative``: with error feedback, what was not applied,
+        ``min(anchor + mean, 0)``, joins every machine's buffer (the next round's mean carries it). The anchor
+        moves there."""
+        a = self.anchors[name]
+        new = a.to(accumulation_dtype(a.dtype)).reshape(-1) + mean
+        if nonnegative:
+            if self.error_feedback:  # every machine's buffer exists: the round has just written it
+                self.errors[name].view(-1, mean.numel()).add_(new.clamp(max=0))
+            new = new.clamp(min=0)
+        value = new.to(t.dtype).view(a.shape)
+        a.copy_(value)
+        t.detach().copy_(value.unsqueeze(0).expand_as(t) if stacked else value)
 
     def _owner_chunk(
         self, items: list[tuple[str, Tensor, bool]], layout: _Layout, acc: torch.dtype, lo: int, hi: int

@@ -22,8 +22,9 @@ a round, a checkpoint) are its inner engine's.
 2 (S - 1) / S of it on the ring. ``CodedRound``: the round's change since its anchor travels encoded
 (``lit_slowcal.compression``: a block ``Compressor`` in two stages, ``lit_slowcal._compressed``; any
 whole-tensor ``Code`` gathered, ``lit_slowcal._coded``), each state counting its own bytes; a tensor
-without an anchor yet goes exactly in the same round (the round's bytes and collectives are both parts'). ``OverlappedRound`` wraps the exact engine; its rounds count what
-the exact round sends, when they start. The outer optimizer's step is the averager's, once, after any engine.
+without an anchor yet goes exactly in the same round (the round's bytes and collectives are both parts'); the
+optimizer's never-negative state (``protocol.Declared.nonnegative_state``) lands at no less than 0.
+``OverlappedRound`` wraps the exact engine; its rounds count what the exact round sends, when they start. The outer optimizer's step is the averager's, once, after any engine.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 from torch import Tensor
 
-from lit_slowcal import _communication, link
+from lit_slowcal import _communication, _selection, link
 from lit_slowcal._coded import CodedAverage
 from lit_slowcal._compressed import CompressedAverage
 from lit_slowcal._in_flight import Round
@@ -100,12 +101,14 @@ class CodedRound:
 
     def __init__(
         self, state: Union[CompressedAverage, CodedAverage], exact: ExactRound,
-        names: Optional[Callable[[Tensors], list[str]]] = None,
+        names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.state = state
         self.exact = exact
         self.machines = exact.machines
         self.names = names or (lambda tensors: [str(k) for k in range(len(tensors))])
+        #: The optimizer state keys landed at no less than 0 (``protocol.Declared.nonnegative_state``).
+        self.nonnegative = nonnegative
 
     def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
         if self.machines == 1:
@@ -119,9 +122,11 @@ class CodedRound:
             assert sent is not None
             return sent
         participants = None if weights is None else weights > 0
+        nonnegative = {name for _, name in coded if _selection.state_key(name) in self.nonnegative}
         first, second = self.state.average(
             [pair for pair, _ in coded], [name for _, name in coded], participants,
             machines_per_process=self.exact.machines_per_process, process_group=self.exact.process_group,
+            nonnegative=nonnegative,
         )  # fmt: skip
         counts = self.state.link_counts(first, second, _participants(weights) or self.machines)
         if sent is None:
@@ -213,10 +218,11 @@ def _participants(weights: Optional[Tensor]) -> Optional[int]:
 
 def engine_for(
     options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any],
-    names: Optional[Callable[[Tensors], list[str]]] = None,
+    names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (),
 ) -> Engine:  # fmt: skip
     """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``;
-    ``names``: the averaged tensors' names, ``CodedRound``), or overlapped (``overlap_delay`` >= 1, exact: the
+    ``names``: the averaged tensors' names, ``nonnegative``: the state keys landed at no less than 0,
+    ``CodedRound``), or overlapped (``overlap_delay`` >= 1, exact: the
     options refuse compression with it)."""
     exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
     code = options.compressor
@@ -225,4 +231,4 @@ def engine_for(
     if code is None:
         return exact
     state = (CodedAverage if isinstance(code, Code) else CompressedAverage)(code, options.lossy_feedback)
-    return CodedRound(state, exact, names)
+    return CodedRound(state, exact, names, nonnegative)

@@ -27,7 +27,7 @@ from lit_slowcal.simulated import SimulatedMachines
 __all__ = [
     "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
     "fingerprint", "is_averaged", "local", "machine_buffers", "machines_per_process", "names_of", "reshard",
-    "shard_group",
+    "shard_group", "state_key",
 ]  # fmt: skip
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
@@ -243,6 +243,12 @@ def names_of(
     key"`` (its state under ``key``), ``"buffer j"``."""
     where = {id(t): name for unit in _named_units(modules, optimizer, keys, buffers) for name, t, _ in unit}
     return [where[id(t)] for t, _ in tensors]
+
+
+def state_key(name: str) -> Optional[str]:
+    """The optimizer state key of a name of ``names_of`` (``"param i key"``); ``None`` for a parameter or a buffer."""
+    parts = name.split(" ", 2)
+    return parts[2] if len(parts) == 3 and parts[0] == "param" else None
 
 
 def _named_units(

@@ -115,6 +115,8 @@ class AdaptiveSlowcal(Optimizer):
     #: Per-parameter state tensors averaged with the parameters (set by the constructor): ``w``, ``x``
     #: where ``beta < 1`` and ``v`` with ``average_second_moment``.
     averaged_state: tuple[str, ...]
+    #: The second moment is never negative: a coded round lands it at ``max(anchor + mean change, 0)``.
+    nonnegative_state: tuple[str, ...] = ("v",)
 
     def __init__(
         self,

@@ -135,7 +135,10 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.options.check_tensors(self._tensors(), self.machines_per_process)
         #: How a round's tensors become their average, and what that sends (``lit_slowcal._rounds``).
         names = lambda ts: _selection.names_of(ts, self.modules, optimizer, self._averaged_keys(), self.buffers)  # noqa: E731
-        self.engine: Engine = engine_for(self.options, self.num_machines, self.machines_per_process, process_group, names)  # fmt: skip
+        self.engine: Engine = engine_for(
+            self.options, self.num_machines, self.machines_per_process, process_group, names,
+            declared(optimizer).nonnegative_state,
+        )  # fmt: skip
         if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
         if start_step:

@@ -31,22 +31,38 @@ member                       meaning
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Declared", "SyncOptimizer", "declared"]
+__all__ = ["NONNEGATIVE", "Declared", "SyncOptimizer", "declared"]
 
 OuterFactory = Callable[[list[Tensor]], Optimizer]
+
+#: The never-negative state keys of torch's optimizers (and their subclasses), for those that declare none.
+NONNEGATIVE: dict[type[Optimizer], tuple[str, ...]] = {
+    torch.optim.Adam: ("exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.NAdam: ("exp_avg_sq",),
+    torch.optim.RAdam: ("exp_avg_sq",),
+    torch.optim.SparseAdam: ("exp_avg_sq",),
+    torch.optim.Adamax: ("exp_inf",),
+    torch.optim.Adagrad: ("sum",),
+    torch.optim.RMSprop: ("square_avg",),
+    torch.optim.Adadelta: ("square_avg", "acc_delta"),
+    torch.optim.Rprop: ("step_size",),
+}
 
 
 class SyncOptimizer(Protocol):
     """An optimizer with every member of the protocol (each optional in practice; see ``declared``)."""
 
     averaged_state: tuple[str, ...]
+    nonnegative_state: tuple[str, ...]
     supports_participation: bool
     supports_outer_optimizer: bool
 
@@ -65,6 +81,7 @@ class Declared:
     """What an optimizer declares, each member present with its default (``declared``)."""
 
     averaged_state: tuple[str, ...] = ()
+    nonnegative_state: tuple[str, ...] = ()
     pre_sync: Optional[Callable[[], None]] = None
     post_sync: Optional[Callable[[], None]] = None
     outer_optimizer: Optional[OuterFactory] = None
@@ -80,19 +97,27 @@ def _callable(optimizer: Any, name: str) -> Optional[Callable[..., Any]]:
     return value
 
 
+def _names(name: str, member: str, keys: Any) -> tuple[str, ...]:
+    """``keys``, what ``<name>.<member>`` declares, if it is a collection of state key names; else one line."""
+    if isinstance(keys, str) or not isinstance(keys, Iterable) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"Invalid {name}.{member}: {keys!r} (a tuple of state key names)")
+    return tuple(keys)
+
+
 def declared(optimizer: Any) -> Declared:
     """The protocol members ``optimizer`` declares, with the defaults for the others; ``TypeError`` (one
     line) for a member of the wrong kind."""
     name = type(optimizer).__name__
-    keys = getattr(optimizer, "averaged_state", ())
-    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-        raise TypeError(f"Invalid {name}.averaged_state: {keys!r} (a tuple of state key names)")
+    known = next((keys for kind, keys in NONNEGATIVE.items() if isinstance(optimizer, kind)), ())
+    keys = _names(name, "averaged_state", getattr(optimizer, "averaged_state", ()))
+    nonnegative = _names(name, "nonnegative_state", getattr(optimizer, "nonnegative_state", known))
     supports = {key: getattr(optimizer, key, True) for key in ("supports_participation", "supports_outer_optimizer")}
     for key, value in supports.items():
         if not isinstance(value, bool):
             raise TypeError(f"Invalid {name}.{key}: {value!r} (True or False)")
     return Declared(
-        averaged_state=tuple(keys),
+        averaged_state=keys,
+        nonnegative_state=nonnegative,
         pre_sync=_callable(optimizer, "pre_sync"),
         post_sync=_callable(optimizer, "post_sync"),
         outer_optimizer=_callable(optimizer, "outer_optimizer"),

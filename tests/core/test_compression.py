@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD
-from lit_slowcal.compression import Compressor, Int8
+from lit_slowcal import AdaptiveSlowcal, PeriodicAverager, SimulatedMachines, SlowcalSGD
+from lit_slowcal._server import participant_weights
+from lit_slowcal.compression import Code, Compressor, Int8
 
 M = 4
 B = 256  # Int8's default block
@@ -363,6 +364,216 @@ def test_a_compressor_of_ones_own_plugs_in():
     sent = (before - anchor).to(torch.float16).double()
     torch.testing.assert_close(machines.weight[0].double(), anchor.double() + sent.mean(0), rtol=1e-7, atol=1e-9)
     assert averager.link_counts.payload_bytes == 1505 * 4 + 1505 * 2
+
+
+# ---------------------------------------------------------------------- never-negative state
+
+
+class _Multiples(Code):
+    """Each value to the nearest multiple of ``h`` (a user's lossy code; its mean, in machine order)."""
+
+    name = "multiples"
+
+    def __init__(self, h: float) -> None:
+        self.h = h
+
+    def encode(self, change):
+        return torch.round(change / self.h)
+
+    def decode(self, message, numel, dtype):
+        return message.to(dtype) * self.h
+
+    def message_bytes(self, numel, dtype):
+        return numel * 2
+
+    def reduce(self, messages, numel, dtype):
+        total = torch.zeros(numel, dtype=dtype)
+        for message in messages:
+            total += message.to(dtype) * self.h
+        return total / len(messages)
+
+
+def _decayed(values: Tensor, g: torch.Generator) -> Tensor:
+    """A second moment spread over four decades, then decayed on every machine to a little of its value, but for
+    machine 0's first value of each block, which grows large (the block's scale)."""
+    out = values * torch.rand(values.shape, generator=g, dtype=values.dtype) * 1e-2
+    out[0, ..., ::B] = 10.0
+    return out
+
+
+NONNEGATIVE_RUNS = {
+    "AdamW": (lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.9, 0.5)), "exp_avg_sq", ("exp_avg", "exp_avg_sq")),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.5), "square_avg", ("square_avg",)),
+    "AdaptiveSlowcal": (lambda p: AdaptiveSlowcal(p, lr=1e-3, beta2=0.5, average_second_moment=True), "v", ()),
+}
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16", "multiples"])
+@pytest.mark.parametrize("method", list(NONNEGATIVE_RUNS))
+def test_a_second_moment_averaged_with_compression_stays_nonnegative_and_the_next_step_finite(method, compression):
+    """Machines whose second moment decays to almost nothing in a round: each machine's change is nearly minus the
+    anchor, and its code's rounding takes the mean below it (before: exp_avg_sq -0.0068 after bf16's second round,
+    NaN at the next step). Every machine lands at no less than 0, the same values on all."""
+    factory, key, average_state = NONNEGATIVE_RUNS[method]
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Linear(300, 1), M)
+    opt = factory(machines.parameters())
+    code = _Multiples(0.05) if compression == "multiples" else compression
+    averager = PeriodicAverager(machines, opt, sync_every=16, compression=code, average_state=average_state)
+    g = torch.Generator().manual_seed(1)
+    landed = []
+    for step in range(64):
+        first = step < 16  # the first round's gradients, then silence: every second moment decays
+        machines.weight.grad = torch.rand(machines.weight.shape, generator=g) * 2 * first
+        machines.bias.grad = torch.zeros_like(machines.bias)
+        opt.step()
+        if averager.step():
+            v = opt.state[machines.weight][key].detach().clone()
+            assert torch.equal(v, v[:1].expand_as(v))
+            landed.append(v)
+    assert all(float(v.min()) >= 0 for v in landed), [float(v.min()) for v in landed]
+    assert bool((landed[1] == 0).any())  # the code's rounding did go below 0 there
+    opt.step()
+    assert all(bool(p.isfinite().all()) for p in machines.parameters())
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_int8_lands_a_nonnegative_state_at_max_of_anchor_plus_mean_and_0_element_for_element(feedback):
+    """Adam's exp_avg_sq, each round against the two-stage reference (``_int8_round``): every machine ends at
+    max(anchor + applied, 0); with error feedback min(anchor + applied, 0), what was not applied, joins every
+    machine's buffer."""
+    machines = _machines(din=600, dout=1)  # 600 values: blocks of 256, 256, 88
+    opt = torch.optim.Adam(machines.parameters(), lr=1e-3)
+    averager = PeriodicAverager(
+        machines, opt, sync_every=1, compression="int8", error_feedback=feedback, average_state=("exp_avg_sq",)
+    )
+    g = torch.Generator().manual_seed(11)
+    v = lambda: opt.state[machines.weight]["exp_avg_sq"]  # noqa: E731
+    clamped = 0
+    for r in range(4):
+        _round(machines, opt, g)
+        if r == 0:  # exact: the anchor, spread over four decades
+            v().copy_(10 ** (-4 * torch.rand(M, 1, 600, generator=g)))
+            averager.step()
+            anchor = v()[0].detach().clone().reshape(-1)
+            errors = [torch.zeros(600) for _ in range(M)]
+            owner = torch.zeros(600)
+            continue
+        v().copy_(_decayed(v().detach().clone(), g))
+        before = v().detach().clone().reshape(M, -1)
+        averager.step()
+        applied, errors, owner = _int8_round([before[i] - anchor for i in range(M)], errors, owner, feedback)
+        new = anchor + applied  # float32, as the round adds
+        clamped += int((new < 0).sum())
+        if feedback:
+            errors = [e + new.clamp(max=0) for e in errors]
+        expected = new.clamp(min=0)
+        got = v().detach().reshape(M, -1)
+        for i in range(M):
+            assert torch.equal(got[i], expected), (r, i)
+        if feedback:
+            saved = averager.state_dict()["compression"]["ranks"][0]
+            k = saved["names"].index("param 0 exp_avg_sq")
+            assert torch.equal(saved["errors"][k].reshape(M, -1), torch.stack(errors))
+            assert torch.equal(saved["owner_errors"][k].reshape(-1), owner)
+        anchor = expected
+    assert clamped > 10  # the rounding did take values below 0
+
+
+@pytest.mark.parametrize("participation", [None, 2])
+def test_a_code_of_ones_own_lands_a_nonnegative_state_as_the_float64_hand_reference(participation):
+    """RMSprop's square_avg in float64 with a user's ``Code``: c_i = v_i - anchor + e_i, e_i <- c_i - decode;
+    new = anchor + mean of the participants' decoded; every machine (taking part or not) adds min(new, 0) to its
+    buffer, and every machine ends at max(new, 0)."""
+    h = 0.05
+    torch.manual_seed(0)
+    machines = SimulatedMachines(nn.Linear(300, 1, bias=False), M).double()
+    opt = torch.optim.RMSprop(machines.parameters(), lr=1e-3)
+    averager = PeriodicAverager(
+        machines, opt, sync_every=1, compression=_Multiples(h), average_state=("square_avg",),
+        participation=participation, participation_seed=3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(12)
+    v = lambda: opt.state[machines.weight]["square_avg"]  # noqa: E731
+    clamped = 0
+    for r in range(5):
+        machines.weight.grad = torch.randn(machines.weight.shape, generator=g, dtype=torch.float64)
+        opt.step()
+        if r == 0:
+            v().copy_(10 ** (-4 * torch.rand(M, 1, 300, generator=g, dtype=torch.float64)))
+            averager.step()
+            anchor = v()[0].detach().clone().reshape(-1)
+            errors = [torch.zeros(300, dtype=torch.float64) for _ in range(M)]
+            continue
+        v().copy_(_decayed(v().detach().clone(), g))
+        before = v().detach().clone().reshape(M, -1)
+        weights = participant_weights(M, participation or M, 3, averager.num_syncs)
+        taking_part = [True] * M if weights is None else [bool(w > 0) for w in weights]
+        averager.step()
+        total = torch.zeros(300, dtype=torch.float64)
+        for i in range(M):
+            c = before[i] - anchor + errors[i]
+            decoded = torch.round(c / h) * h
+            if taking_part[i]:
+                errors[i] = c - decoded
+                total = total + decoded
+        new = anchor + total / sum(taking_part)
+        clamped += int((new < 0).sum())
+        errors = [e + new.clamp(max=0) for e in errors]
+        expected = new.clamp(min=0)
+        got = v().detach().reshape(M, -1)
+        for i in range(M):
+            assert torch.equal(got[i], expected), (r, i)
+        saved = averager.state_dict()["compression"]["ranks"][0]
+        assert torch.equal(
+            saved["errors"][saved["names"].index("param 0 square_avg")].reshape(M, -1), torch.stack(errors)
+        )
+        anchor = expected
+    assert clamped > 10
+
+
+def test_a_resume_with_a_clamped_nonnegative_state_is_exact():
+    """The error feedback that holds what a clamp did not apply travels in ``state_dict()``: resumed mid-run, the
+    run ends with the uninterrupted one's bits."""
+
+    def build():
+        torch.manual_seed(0)
+        machines = SimulatedMachines(nn.Linear(300, 1), M)
+        opt = torch.optim.AdamW(machines.parameters(), lr=1e-3, betas=(0.9, 0.5))
+        averager = PeriodicAverager(
+            machines, opt, sync_every=4, compression="int8", average_state=("exp_avg", "exp_avg_sq")
+        )
+        return machines, opt, averager
+
+    def steps(machines, opt, averager, g, start, stop):
+        for step in range(start, stop):
+            machines.weight.grad = torch.rand(machines.weight.shape, generator=g) * 2 * (step < 4)
+            machines.weight.grad[0, 0, 0] = 100.0 * (
+                step // 4 % 2
+            )  # machine 0's value: a large scale every other round
+            machines.bias.grad = torch.zeros_like(machines.bias)
+            opt.step()
+            averager.step()
+
+    machines, opt, averager = build()
+    g = torch.Generator().manual_seed(7)
+    steps(machines, opt, averager, g, 0, 40)
+    reference = _values(machines) + [opt.state[machines.weight]["exp_avg_sq"].clone()]
+    assert bool((reference[-1] == 0).any())  # clamped
+
+    machines, opt, averager = build()
+    g = torch.Generator().manual_seed(7)
+    steps(machines, opt, averager, g, 0, 22)
+    saved = {"model": machines.state_dict(), "opt": opt.state_dict(), "avg": averager.state_dict(), "g": g.get_state()}
+    machines, opt, averager = build()
+    machines.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    averager.load_state_dict(saved["avg"])
+    g = torch.Generator()
+    g.set_state(saved["g"])
+    steps(machines, opt, averager, g, 22, 40)
+    got = _values(machines) + [opt.state[machines.weight]["exp_avg_sq"]]
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
 
 
 # ---------------------------------------------------------------------- refused

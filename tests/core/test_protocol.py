@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from lit_slowcal import AcceleratedSGD, PeriodicAverager, Scaffold, SlowcalSGD
+from lit_slowcal import AcceleratedSGD, AdaptiveSlowcal, PeriodicAverager, Scaffold, SlowcalSGD
 from lit_slowcal.protocol import Declared, SyncOptimizer, declared
 
 MEMBERS = (
-    "averaged_state", "pre_sync", "post_sync", "outer_optimizer", "supports_participation", "supports_outer_optimizer",
+    "averaged_state", "nonnegative_state", "pre_sync", "post_sync", "outer_optimizer", "supports_participation", "supports_outer_optimizer",
     "swap_output",
 )  # fmt: skip
 
@@ -38,10 +38,30 @@ def test_each_optimizer_declares_what_the_docs_say_and_sgd_nothing():
     assert tuple(f for f in Declared.__dataclass_fields__) == MEMBERS
 
 
+def test_the_never_negative_state_is_torch_s_known_keys_by_default_and_an_optimizer_s_own_declaration():
+    adam = ("exp_avg_sq", "max_exp_avg_sq")
+    for kind, keys in [
+        (torch.optim.Adam, adam), (torch.optim.AdamW, adam), (torch.optim.Adagrad, ("sum",)),
+        (torch.optim.RMSprop, ("square_avg",)), (torch.optim.Adadelta, ("square_avg", "acc_delta")),
+        (torch.optim.SGD, ()), (SlowcalSGD, ()),
+    ]:  # fmt: skip
+        assert declared(kind(_params(), lr=0.1)).nonnegative_state == keys, kind
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert declared(MyAdam(_params())).nonnegative_state == adam  # a subclass keeps its base's state
+    assert declared(AdaptiveSlowcal(_params(), lr=0.1)).nonnegative_state == ("v",)
+    mine = torch.optim.Adam(_params())
+    mine.nonnegative_state = ()  # an optimizer's own declaration replaces the default
+    assert declared(mine).nonnegative_state == ()
+
+
 @pytest.mark.parametrize(
     "member, value, message",
     [
         ("averaged_state", "w", r"^Invalid SGD\.averaged_state: 'w' \(a tuple of state key names\)$"),
+        ("nonnegative_state", 3, r"^Invalid SGD\.nonnegative_state: 3 \(a tuple of state key names\)$"),
         ("supports_participation", "no", r"^Invalid SGD\.supports_participation: 'no' \(True or False\)$"),
         ("pre_sync", 3, r"^Invalid SGD\.pre_sync: 3 \(a method, or absent\)$"),
     ],
