@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
-    "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "floats_sent",
+    "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "check_state_keys", "floats_sent",
     "fingerprint", "is_averaged", "local", "machine_buffers", "machines_per_process", "names_of", "reshard",
     "shard_group", "state_key",
 ]  # fmt: skip
@@ -221,6 +221,22 @@ def averaged_tensors(
     optimizer state of such a parameter with the parameter's shape.
     """
     return [pair for unit in averaged_units(modules, optimizer, keys, buffers) for pair in unit]
+
+
+def check_state_keys(optimizer: Optimizer, keys: Sequence[str]) -> bool:
+    """Whether ``optimizer`` holds state yet; then one ``ValueError`` line for a key of ``keys`` (``average_state``)
+    that no parameter's state holds (a misspelt key would never be averaged)."""
+    states = [state for state in optimizer.state.values() if state]
+    if not states:
+        return False
+    held = set().union(*(state.keys() for state in states))
+    missing = [key for key in keys if key not in held]
+    if missing:
+        raise ValueError(
+            f"Invalid average_state: {missing[0]!r} (no parameter's {type(optimizer).__name__} state holds it; its "
+            f"state keys: {', '.join(sorted(map(str, held)))})"
+        )
+    return True
 
 
 def averaged_units(

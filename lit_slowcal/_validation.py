@@ -7,14 +7,15 @@ Shared by the core and the experiment app, so that every refusal reads the same:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 __all__ = ["check_int", "check_number", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
-    """An ``int`` and not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (``int``, or another ``numbers.Integral`` such as numpy's) and not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:
@@ -26,7 +27,7 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` if it is an integer >= ``minimum``; else ``ValueError`` naming ``name``."""
     if not is_int(value) or value < minimum:
         raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {minimum})")
-    return value
+    return int(value)
 
 
 def check_number(

@@ -121,6 +121,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.counts = Counts()
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
         self._machines: Optional[int] = None  # m, counted once
+        self._keys_checked = not self.options.average_state  # average_state's keys found in the optimizer's state
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
@@ -288,6 +289,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         protocol = declared(self.optimizer)
         if protocol.pre_sync is not None:
             protocol.pre_sync()
+        if not self._keys_checked:  # once the optimizer holds state: a misspelt average_state key, one line
+            self._keys_checked = _selection.check_state_keys(self.optimizer, self.options.average_state)
         return self._tensors() if fragment is None else self._fragments()[fragment]
 
     def _end_round(self, count: bool = True) -> None:

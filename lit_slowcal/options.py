@@ -123,6 +123,8 @@ class AveragingOptions:
                 f"Invalid error_feedback: {self.error_feedback!r} (True, False, or None: on for a lossy compressor)"
             )
         check_overlap(self.sync_every, self.overlap_delay, self.fragments)
+        for name in ("sync_every", "overlap_delay", "fragments", "participation_seed"):  # numpy's integers as int
+            object.__setattr__(self, name, int(getattr(self, name)))
         self._check_pairs()
 
     def _check_pairs(self) -> None:

@@ -499,3 +499,37 @@ def test_compression_of_a_complex_tensor_is_refused_not_silently_made_real():
         PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compression="int8")
     assert _one_line(error).startswith("Invalid compression: 'int8' with a complex averaged tensor (of shape (2, 2)")
     PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)  # the exact average takes it
+
+
+def test_a_misspelt_average_state_key_is_refused_at_the_first_round_naming_the_optimizers_keys():
+    """``average_state=("momentum_bufer",)`` was never averaged, silently: the machines' momenta stayed apart."""
+    model = SimulatedMachines(nn.Linear(2, 1), 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    averager = PeriodicAverager(model, optimizer, 2, average_state=("momentum_bufer",)).attach()
+    averager.sync()  # no state yet: nothing to check against
+    model(torch.randn(2, 3, 2)).sum().backward()
+    optimizer.step()
+    model(torch.randn(2, 3, 2)).sum().backward()
+    with pytest.raises(ValueError) as error:
+        optimizer.step()  # the second step's round
+    assert _one_line(error) == (
+        "Invalid average_state: 'momentum_bufer' (no parameter's SGD state holds it; its state keys: momentum_buffer)"
+    )
+    good = PeriodicAverager(model, optimizer, 2, average_state=("momentum_buffer",))
+    good.sync()
+    for p in model.parameters():
+        momentum = optimizer.state[p]["momentum_buffer"]
+        assert torch.equal(momentum[0], momentum[1])
+
+
+def test_numpys_integers_are_integers_and_stored_as_int():
+    """A grid written with numpy (``np.int64(16)``) was refused as not an integer."""
+    import numpy as np
+
+    options = AveragingOptions(sync_every=np.int64(16), fragments=np.int32(2), overlap_delay=np.int64(1))
+    assert (options.sync_every, options.fragments, options.overlap_delay) == (16, 2, 1)
+    assert all(type(v) is int for v in (options.sync_every, options.fragments, options.overlap_delay))
+    with pytest.raises(
+        ValueError, match=r"^Invalid sync_every: np.True_ \(must be an integer >= 1\)|^Invalid sync_every: True"
+    ):
+        AveragingOptions(sync_every=np.True_)
