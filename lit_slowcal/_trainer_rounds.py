@@ -7,7 +7,8 @@ the Trainer (docs/library.md): the model Lightning evaluates, saves and returns 
 model, the same on every machine. Before every validation during ``fit``, before every checkpoint
 (``lightning_module_state_dict``) and at the end of ``fit`` it closes the round
 (``PeriodicAverager.close_round``); ``optimizer_step`` counts every step of every optimizer;
-``on_train_start`` builds the averagers, restores their schedules from the checkpoint being resumed
+``setup`` builds and drops them (a combination the optimizer or model refuses is one line before the
+sanity check), ``on_train_start`` builds the averagers, restores their schedules from the checkpoint being resumed
 and checks that every rank built them alike; the first batch of every epoch checks that every rank
 reads as many batches this epoch (one small all-gather an epoch: Lightning runs a collective of its own
 every step, so ranks whose epochs end at other steps would hang). Where a checkpoint keeps the averagers' states is the
@@ -98,6 +99,15 @@ class TrainerRounds(AveragerSet):
     def _direct_steps(self) -> bool:
         """Whether ``optimizer_step`` may call the optimizer's step directly (see ``PeriodicAveragingStrategy``)."""
         return False
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if trainer.state.fn == TrainerFn.FITTING:
+            # The rules that need the optimizer or the model (``AveragingOptions.check_with``, ``check_tensors``)
+            # refuse here, before the sanity check and any step: averagers built and dropped (fit builds its own).
+            module = self.lightning_module  # type: ignore[attr-defined]
+            self._add_averagers(module, module, self._torch_optimizers())
+            self._drop_averagers()
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]

@@ -533,3 +533,36 @@ def test_numpys_integers_are_integers_and_stored_as_int():
         ValueError, match=r"^Invalid sync_every: np.True_ \(must be an integer >= 1\)|^Invalid sync_every: True"
     ):
         AveragingOptions(sync_every=np.True_)
+
+
+def test_a_trainer_fit_refuses_an_optimizer_pair_before_the_sanity_check_and_any_step():
+    """The rules that need the optimizer fired where fit built the averagers (on_train_start), after the sanity
+    check's validation had run; now in the strategy's set-up, before anything runs."""
+    import lightning.pytorch as pl
+
+    seen = []
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            seen.append("train")
+            return self.layer(batch).sum()
+
+        def validation_step(self, batch, batch_idx):
+            seen.append("validation")
+
+        def configure_optimizers(self):
+            return Scaffold(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2)
+    trainer = pl.Trainer(
+        strategy=PeriodicAveragingStrategy(sync_every=2, participation=1), accelerator="cpu", devices=1,
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        trainer.fit(Module(), train_dataloaders=data, val_dataloaders=data)
+    assert _one_line(error).startswith("Invalid participation: 1 (Scaffold keeps per-machine state")
+    assert seen == []
