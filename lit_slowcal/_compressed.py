@@ -91,7 +91,7 @@ class CompressedAverage(Anchored):
     def __init__(self, code: Compressor, error_feedback: bool) -> None:
         super().__init__(error_feedback)
         self.code = code
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._layouts: dict[tuple[Any, ...], tuple[_Layout, _Layout]] = {}
 
     # -- one synchronisation ----------------------------------------------------------------------
 
@@ -115,9 +115,9 @@ class CompressedAverage(Anchored):
             groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((k, t, s))
         first = second = 0
         for (_, acc), items in groups.items():
-            layout = self._layout([(t, s) for _, t, s in items], world)
+            layout, coded = self._layout([(t, s) for _, t, s in items], world)
             a, b = self._average_group(
-                items, layout, acc, participants, machines_per_process, world, rank, process_group, nonnegative
+                items, layout, coded, acc, participants, machines_per_process, world, rank, process_group, nonnegative
             )
             first, second = first + a, second + b
         return first, second
@@ -132,7 +132,7 @@ class CompressedAverage(Anchored):
             n = t[0].numel() if s else t.numel()
             nb = -(-n // B)
             codes, per_block = self.code.encode(torch.zeros(1, 1, B, dtype=acc))
-            coded = self._message_bytes(codes, per_block, n, nb)
+            coded = self._message_bytes(codes, per_block, self._code_sizes([n])[0], nb)
             first += coded
             second += coded if self.code.second_stage else n * torch.empty(0, dtype=acc).element_size()
         return first, second
@@ -142,12 +142,21 @@ class CompressedAverage(Anchored):
         """One round's ring counts: an all-to-all of ``first`` bytes, then an all-gather of ``second``."""
         return LinkCounts.of_stages(first, first if second is None else second, participants)
 
-    def _layout(self, items: Tensors, world: int) -> _Layout:
+    def _layout(self, items: Tensors, world: int) -> tuple[_Layout, _Layout]:
+        """The layouts of a group's values and of their codes (``Compressor.code_width`` codes a block: the same
+        blocks, chunks and tensors)."""
         sizes = [t[0].numel() if s else t.numel() for t, s in items]
         key = (tuple(sizes), world, self.code.block_size)
         if key not in self._layouts:
-            self._layouts[key] = _Layout.of(sizes, self.code.block_size, world)
+            B = self.code.block_size
+            codes = _Layout.of(self._code_sizes(sizes), self.code.code_width(B), world)
+            self._layouts[key] = (_Layout.of(sizes, B, world), codes)
         return self._layouts[key]
+
+    def _code_sizes(self, sizes: list[int]) -> list[int]:
+        """The codes of tensors of ``sizes`` values: a code block per block, a tensor's last block's shorter."""
+        B, width = self.code.block_size, self.code.code_width
+        return [(n - 1) // B * width(B) + width(n - (n - 1) // B * B) for n in sizes]
 
     def _message_bytes(self, codes: Tensor, per_block: Optional[Tensor], n: int, nb: int) -> int:
         return n * codes.element_size() + (nb * per_block.element_size() if per_block is not None else 0)
@@ -156,6 +165,7 @@ class CompressedAverage(Anchored):
         self,
         items: list[tuple[str, Tensor, bool]],
         layout: _Layout,
+        coded: _Layout,
         acc: torch.dtype,
         participants: Optional[Tensor],
         m: int,
@@ -165,7 +175,7 @@ class CompressedAverage(Anchored):
         nonnegative: Collection[str],
     ) -> tuple[int, int]:
         B, NB, code = self.code.block_size, layout.NB, self.code
-        W = NB * B
+        W, C = NB * B, self.code.code_width(B)  # the padded values; the codes of a block
         device = items[0][1].device
         mine = None if participants is None else participants[rank * m : (rank + 1) * m]
         # 1. Every machine's change (with its error feedback) in the padded buffer [m, NB * B], zeros between tensors.
@@ -189,21 +199,24 @@ class CompressedAverage(Anchored):
                     e.view(m, n).copy_(lost)
                 else:
                     e.view(m, n)[mine] = lost[mine]
-        first = self._message_bytes(codes, per_block, layout.N, NB)
+        first = self._message_bytes(codes, per_block, coded.N, NB)
 
         # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean.
         b0, b1 = layout.block_starts[rank], layout.block_starts[rank + 1]
         if world == 1:
             received = decoded
         else:
-            sent = torch.cat([layout.real(codes.view(m, W), j) for j in range(world)], dim=1)
-            got = _all_to_all(sent, layout.widths(), m, group)
-            chunk_codes = torch.zeros(world * m, (b1 - b0) * B, dtype=codes.dtype, device=device)
-            layout.place(got, chunk_codes, rank, b0 * B)
+            sent = torch.cat([coded.real(codes.view(m, NB * C), j) for j in range(world)], dim=1)
+            got = _all_to_all(sent, coded.widths(), m, group)
+            # The padding (never sent) as the codes of zeros, as a process's own padded blocks have them: it decodes
+            # to 0 and leaves the second stage's scales alone.
+            zero = code.encode(torch.zeros(1, 1, B, dtype=acc, device=device))[0].reshape(-1)
+            chunk_codes = zero.repeat(world * m, b1 - b0)
+            coded.place(got, chunk_codes, rank, b0 * C)
             got_blocks = None
             if per_block is not None:
                 got_blocks = _all_to_all(per_block, layout.block_widths(), m, group)
-            received = code.decode(chunk_codes.view(world * m, b1 - b0, B), got_blocks, acc).view(world * m, -1)
+            received = code.decode(chunk_codes.view(world * m, b1 - b0, C), got_blocks, acc).view(world * m, -1)
         mean = _mean(received, participants)
 
         # 4. The mean, encoded again by its chunk's owner (with its error feedback), to every process.
@@ -215,17 +228,17 @@ class CompressedAverage(Anchored):
             result = code.decode(codes2, per_block2, acc).view(-1)
             if owner is not None:
                 self._keep_owner_chunk(items, layout, mean - result, b0 * B, b1 * B)
-            second = self._message_bytes(codes2, per_block2, layout.N, NB)
+            second = self._message_bytes(codes2, per_block2, coded.N, NB)
             if world > 1:
-                all_codes = torch.zeros(1, W, dtype=codes2.dtype, device=device)
-                mine_real = layout.real(codes2.view(1, -1), rank, b0 * B)
-                gathered = _gather(mine_real, layout.widths(), group)
+                all_codes = code.encode(torch.zeros(1, 1, B, dtype=acc, device=device))[0].reshape(1, C).repeat(1, NB)
+                mine_real = coded.real(codes2.view(1, -1), rank, b0 * C)
+                gathered = _gather(mine_real, coded.widths(), group)
                 for j, part in enumerate(gathered):
-                    layout.place(part.view(1, -1), all_codes, j)
+                    coded.place(part.view(1, -1), all_codes, j)
                 blocks2 = None
                 if per_block2 is not None:
                     blocks2 = torch.cat(_gather(per_block2, layout.block_widths(), group)).view(1, NB)
-                result = code.decode(all_codes.view(1, NB, B), blocks2, acc).view(W)
+                result = code.decode(all_codes.view(1, NB, C), blocks2, acc).view(W)
         else:
             second = layout.N * torch.empty(0, dtype=acc).element_size()
             if world > 1:

@@ -47,8 +47,12 @@ as zeros with scale 0), the values ``round(v / scale)`` (half to even) clamped t
 mean is encoded the same way for the second stage. A float32 tensor then travels at a quarter of
 its bytes plus 4 bytes a block.
 
+``"int4"``, ``"int2"`` (``Int4``, ``Int2``): int8's code with ``L = 2^(bits-1) - 1`` levels a side (7; 1: the
+codes -1, 0, 1, symmetric, zero exact), scale ``max |v| / L``, packed two and four to a byte (``_packing.pack``):
+the packed bytes travel in both stages, ``ceil(values x bits / 8)`` a block and its scale.
+
 Another block compressor is a subclass of ``Compressor`` (``encode``, ``decode``, ``second_stage``,
-``block_size``), passed as the ``compression`` argument itself.
+``block_size``, ``code_width``), passed as the ``compression`` argument itself.
 
 Any other code: ``Code``
 ------------------------
@@ -62,19 +66,22 @@ default the sum of the decoded changes in machine order divided by S; a code may
 (``TopK``-like codes: add each message's values at its indices). Every machine ends the round at
 ``anchor + reduce(...)``; error feedback is the same as above, for any lossy code: each machine keeps
 ``delta_i + e_i - decode(encode(delta_i + e_i))``. docs/communication.md ("A code of your own")
-gives a sparse code written against this interface alone.
+gives a sparse code written against this interface alone; ``TopK`` (``"topk:<fraction>[:<bits>]"``) is one
+with packed indices and quantised values.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lit_slowcal._validation import check_int
+from lit_slowcal import _packing
+from lit_slowcal._validation import check_int, check_number
 
-__all__ = ["BFloat16", "Code", "Compressor", "Int8", "compressor"]
+__all__ = ["BFloat16", "Code", "Compressor", "Int2", "Int4", "Int8", "TopK", "compressor"]
 
 
 class Compressor:
@@ -83,10 +90,13 @@ class Compressor:
 
     ``encode`` gets ``blocks`` of shape ``[..., n_blocks, block_size]`` in the accumulation dtype
     (float32, or float64), zero-padded past a tensor's last value (the padding is never sent, and its
-    decoded values are ignored); it returns ``(codes, per_block)``: ``codes`` of the same shape in the
-    dtype that travels, ``per_block`` of shape ``[..., n_blocks]`` or ``None``. ``decode(codes,
-    per_block, dtype)`` returns the values in ``dtype``, of ``codes``' shape. Both act on each block
-    alone (elementwise, or per block), so that the result does not depend on how blocks are grouped.
+    decoded values are ignored); it returns ``(codes, per_block)``: ``codes`` of shape ``[..., n_blocks,
+    code_width(block_size)]`` in the dtype that travels, ``per_block`` of shape ``[..., n_blocks]`` or
+    ``None``. ``decode(codes, per_block, dtype)`` returns the values in ``dtype``, of shape ``[...,
+    n_blocks, block_size]``. Both act on each block alone (elementwise, or per block), so that the result
+    does not depend on how blocks are grouped. ``code_width(values)``: the codes that carry a block's
+    first ``values`` values (``values`` itself by default; packed codes fewer): what of a tensor's last,
+    shorter block travels.
     """
 
     #: Values a block.
@@ -103,6 +113,9 @@ class Compressor:
 
     def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
         raise NotImplementedError
+
+    def code_width(self, values: int) -> int:
+        return values
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
@@ -136,16 +149,40 @@ class Int8(Compressor):
         self.block_size = check_int("block_size", block_size)
 
     def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        # max |v| as the larger of |max| and |min|: the same value, without a pass writing |v|.
-        largest = torch.maximum(blocks.amax(dim=-1).abs_(), blocks.amin(dim=-1).abs_())
-        scale = (largest / 127).to(torch.float32)
-        divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(blocks.dtype).unsqueeze(-1)
-        codes = torch.div(blocks, divisor).round_().clamp_(-127, 127).to(torch.int8)
-        return codes, scale
+        return _packing.quantise(blocks, 127)
 
     def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
         assert per_block is not None
         return codes.to(dtype).mul_(per_block.to(dtype).unsqueeze(-1))
+
+
+class _Packed(Int8):
+    """Per block, a float32 scale ``max |v| / L`` and the codes ``round(v / scale)`` in [-L, L], ``L = 2^(bits-1) - 1``,
+    packed ``8 // bits`` to a byte."""
+
+    bits = 8
+
+    def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        codes, scale = _packing.quantise(blocks, (1 << (self.bits - 1)) - 1)
+        return _packing.pack(codes, self.bits), scale
+
+    def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+        return super().decode(_packing.unpack(codes, self.bits, self.block_size), per_block, dtype)
+
+    def code_width(self, values: int) -> int:
+        return -(-values * self.bits // 8)
+
+
+class Int4(_Packed):
+    """Int8's code with 4 bits: the values ``round(v / scale)`` in [-7, 7], ``scale = max |v| / 7``, two to a byte."""
+
+    name, bits = "int4", 4
+
+
+class Int2(_Packed):
+    """Int8's code with 2 bits: the values ``round(v / scale)`` in {-1, 0, 1}, ``scale = max |v|``, four to a byte."""
+
+    name, bits = "int2", 2
 
 
 class Code:
@@ -189,12 +226,87 @@ class Code:
         return hash((type(self), repr(self)))
 
 
+class TopK(Code):
+    """Each machine's ``k = max(1, ceil(fraction * numel))`` largest changes of a tensor by magnitude: their indices
+    (ascending, ``_packing.index_width(numel)`` bytes each) and values (``bits``: 32 float32, 16 bfloat16; 8, 4 or 2
+    Int8's, Int4's or Int2's code with one float32 scale for the k values, packed). The reduce adds every message's
+    values at its indices in machine order and divides by their number; error feedback keeps what was not sent."""
+
+    name = "topk"
+
+    def __init__(self, fraction: float, bits: int = 32) -> None:
+        self.fraction = check_number("TopK fraction", fraction, maximum=1.0)
+        if bits not in _TOPK_BITS:
+            raise ValueError(f"Invalid TopK bits: {bits!r} (one of {', '.join(map(str, _TOPK_BITS))})")
+        self.bits = bits
+
+    def k(self, numel: int) -> int:
+        """The values a message of a tensor of ``numel`` values carries."""
+        return min(numel, max(1, math.ceil(self.fraction * numel)))
+
+    def encode(self, change: Tensor) -> tuple[Tensor, ...]:
+        top = torch.argsort(change.abs(), descending=True, stable=True)[: self.k(change.numel())]
+        index = top.sort().values
+        values = change[index]
+        packed = _packing.pack_indices(index, _packing.index_width(change.numel()))
+        if self.bits == 32:
+            return packed, values.to(torch.float32)
+        if self.bits == 16:
+            return packed, values.to(torch.bfloat16)
+        codes, scale = _packing.quantise(values, (1 << (self.bits - 1)) - 1)
+        return packed, _packing.pack(codes, self.bits), scale.reshape(1)
+
+    def _sparse(self, message: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        index = _packing.unpack_indices(message[0], _packing.index_width(numel))
+        if self.bits >= 16:
+            return index, message[1].to(dtype)
+        codes = _packing.unpack(message[1], self.bits, index.numel())
+        return index, codes.to(dtype).mul_(message[2].to(dtype))
+
+    def decode(self, message: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> Tensor:
+        index, values = self._sparse(message, numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=values.device).index_put_((index,), values)
+
+    def message_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        k = self.k(numel)
+        values = k * self.bits // 8 if self.bits >= 16 else -(-k * self.bits // 8) + 4
+        return k * _packing.index_width(numel) + values
+
+    def reduce(self, messages: list[Any], numel: int, dtype: torch.dtype) -> Tensor:
+        """Every message's values added at its indices, in machine order, divided by their number."""
+        total: Optional[Tensor] = None
+        for message in messages:
+            index, values = self._sparse(message, numel, dtype)
+            if total is None:
+                total = torch.zeros(numel, dtype=dtype, device=values.device)
+            total.index_add_(0, index, values)
+        assert total is not None
+        return total.div_(len(messages))
+
+
+_TOPK_BITS = (2, 4, 8, 16, 32)
+
 #: The compressors the ``compression`` argument names.
-NAMES = {"bf16": BFloat16, "int8": Int8}
+NAMES = {"bf16": BFloat16, "int8": Int8, "int4": Int4, "int2": Int2}
+#: The spelling of a ``TopK`` (``"topk:0.01:2"``: fraction 0.01, 2 bits; ``"topk:0.01"``: 32 bits).
+TOPK_SPELLING = "topk:<fraction>[:<bits>]"
+
+
+def _topk(spec: str) -> TopK:
+    """The ``TopK`` ``"topk:<fraction>[:<bits>]"`` spells; one line if it spells none."""
+    parts = spec.split(":")
+    try:
+        if len(parts) > 3:
+            raise ValueError
+        fraction, bits = float(parts[1]), int(parts[2]) if len(parts) == 3 else 32
+    except (IndexError, ValueError):
+        raise ValueError(f"Invalid compression: {spec!r} ({TOPK_SPELLING}, e.g. 'topk:0.01:2')") from None
+    return TopK(fraction, bits)
 
 
 def compressor(spec: Union[None, str, Compressor, Code]) -> Union[None, Compressor, Code]:
-    """The code ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, a ``Compressor`` or a ``Code``."""
+    """The code ``spec`` names: ``None`` (no compression), ``"bf16"``, ``"int8"``, ``"int4"``, ``"int2"``,
+    ``"topk:<fraction>[:<bits>]"`` (``TopK``), a ``Compressor`` or a ``Code``."""
     if isinstance(spec, (Code, Compressor)):
         base, needed = (
             (Code, ("encode", "decode", "message_bytes"))
@@ -211,7 +323,9 @@ def compressor(spec: Union[None, str, Compressor, Code]) -> Union[None, Compress
         return spec
     if isinstance(spec, str) and spec in NAMES:
         return NAMES[spec]()
+    if isinstance(spec, str) and spec.startswith("topk:"):
+        return _topk(spec)
     raise ValueError(
-        f"Invalid compression: {spec!r} (None, one of {', '.join(map(repr, NAMES))}, a lit_slowcal.compression.Compressor "
-        "or a lit_slowcal.compression.Code)"
+        f"Invalid compression: {spec!r} (None, one of {', '.join(map(repr, NAMES))}, {TOPK_SPELLING!r}, "
+        "a lit_slowcal.compression.Compressor or a lit_slowcal.compression.Code)"
     )

@@ -584,8 +584,11 @@ def test_a_resume_with_a_clamped_nonnegative_state_is_exact():
     [
         (
             {"compression": "fp4"},
-            r"^Invalid compression: 'fp4' \(None, one of 'bf16', 'int8', a lit_slowcal.compression.Compressor or a lit_slowcal",
+            r"^Invalid compression: 'fp4' \(None, one of 'bf16', 'int8', 'int4', 'int2', 'topk:<fraction>\[:<bits>\]', "
+            r"a lit_slowcal.compression.Compressor or a lit_slowcal",
         ),
+        ({"compression": "topk:0.01:3"}, r"^Invalid TopK bits: 3 \(one of 2, 4, 8, 16, 32\)$"),
+        ({"compression": "int4:1"}, r"^Invalid compression: 'int4:1' \(None, one of"),
         ({"compression": "int8", "error_feedback": "yes"}, r"^Invalid error_feedback: 'yes' \(True, False, or None"),
         (
             {"compression": "int8", "overlap_delay": 1},

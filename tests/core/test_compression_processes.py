@@ -1,7 +1,7 @@
 """Compressed synchronisation on several gloo processes: the same bits as the same machines simulated in
-one process (the two-stage reduce's chunks, one per process, do not change a value), for int8 and bf16,
-with and without partial participation and error feedback, with 2 and 3 processes (uneven chunks); a run
-resumed from every process's saved error feedback ends with the bits of the uninterrupted one."""
+one process (the two-stage reduce's chunks, one per process, do not change a value), for int8, bf16 and int2
+(packed codes), with and without partial participation and error feedback, with 2 and 3 processes (uneven
+chunks); a run resumed from every process's saved error feedback ends with the bits of the uninterrupted one."""
 
 import os
 import tempfile
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, cases: list) -> Non
     dist.destroy_process_group()
 
 
-CASES = [("int8", None, True), ("bf16", None, True), ("int8", 2, True), ("int8", None, False)]
+CASES = [("int8", None, True), ("bf16", None, True), ("int8", 2, True), ("int8", None, False), ("int2", 2, True)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -129,7 +129,7 @@ def test_options_are_one_value_built_once_and_replaced_with_their_checks():
         ({"participation_seed": 2**63}, "Invalid participation_seed: 9223372036854775808 (must be an integer >= 0 and < 2**63)"),
         ({"bucket_views": 1}, "Invalid bucket_views: 1 (True or False)"),
         ({"check_schedule": "yes"}, "Invalid check_schedule: 'yes' (True or False)"),
-        ({"compression": "int4"}, "Invalid compression: 'int4' (None, one of 'bf16', 'int8'"),
+        ({"compression": "int3"}, "Invalid compression: 'int3' (None, one of 'bf16', 'int8', 'int4', 'int2', 'topk:"),
         ({"error_feedback": "on", "compression": "int8"}, "Invalid error_feedback: 'on' (True, False, or None"),
         ({"average_state": "w"}, "Invalid average_state: 'w' (a sequence of state key names)"),
         ({"bucket_cap_mb": 0}, "Invalid bucket_cap_mb: 0 (must be a finite number > 0)"),

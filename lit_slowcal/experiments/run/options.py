@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
+from lit_slowcal.compression import TOPK_SPELLING, compressor
 from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
@@ -188,11 +189,16 @@ def step_seconds_of(value: Any) -> Optional[float]:
 
 
 def compression_options(get: Callable[[str], Any]) -> dict[str, Any]:
-    """The strategy's ``compression`` and ``error_feedback`` from ``--compression`` (unset, bf16 or int8) and
-    ``--error_feedback`` (which needs ``--compression``); one line for anything else."""
+    """The strategy's ``compression`` and ``error_feedback`` from ``--compression`` (unset, bf16, int8, int4, int2 or
+    ``topk:<fraction>[:<bits>]``) and ``--error_feedback`` (which needs ``--compression``); one line for anything
+    else."""
     name, feedback = get("compression"), get("error_feedback")
     if name is not None and name not in COMPRESSIONS:
-        raise ValueError(f"Invalid compression: {name!r} ({', '.join(COMPRESSIONS)}, or unset: the exact average)")
+        if not (isinstance(name, str) and name.startswith("topk:")):
+            raise ValueError(
+                f"Invalid compression: {name!r} ({', '.join(COMPRESSIONS)}, {TOPK_SPELLING}, or unset: the exact average)"
+            )
+        compressor(name)  # its fraction and bits, checked: one line
     if feedback is not None and name is None:
         raise ValueError(f"Invalid error_feedback: {feedback!r} (it applies with --compression only; leave it unset)")
     return {"compression": name, "error_feedback": feedback}
@@ -221,7 +227,8 @@ def averaging_options(get: Callable[[str], Any]) -> AveragingOptions:
 #: How a round travels (docs/communication.md): (option, type, default, help).
 COMMUNICATION_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--compression", Optional[str], None,
-     "how a machine's round change travels: bf16 or int8 (docs/communication.md); unset: the exact average"),
+     "how a machine's round change travels: bf16, int8, int4, int2 or topk:<fraction>[:<bits>], e.g. topk:0.01:2 "
+     "(docs/communication.md); unset: the exact average"),
     ("--error_feedback", Optional[bool], None,
      "with --compression, carry what each message lost into the next round; unset: on"),
     ("--overlap_delay", int, 0,

@@ -35,7 +35,13 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--compression=fp4"], "Invalid compression: 'fp4' (bf16, int8, or unset: the exact average)"),
+        (
+            ["--compression=fp4"],
+            "Invalid compression: 'fp4' (bf16, int8, int4, int2, topk:<fraction>[:<bits>], or unset: the exact average)",
+        ),
+        (["--compression=topk:0.01:3"], "Invalid TopK bits: 3 (one of 2, 4, 8, 16, 32)"),
+        (["--compression=topk:2"], "Invalid TopK fraction: 2.0 (must be a finite number > 0 and <= 1)"),
+        (["--compression=topk:x"], "Invalid compression: 'topk:x' (topk:<fraction>[:<bits>], e.g. 'topk:0.01:2')"),
         (["--error_feedback=false"], "Invalid error_feedback: False (it applies with --compression only"),
         (["--overlap_delay=64"], "Invalid overlap_delay: 64 (must be < sync_every // fragments = 64"),
         (["--overlap_delay=-1"], "Invalid overlap_delay: -1"),
