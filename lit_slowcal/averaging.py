@@ -202,7 +202,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.steps = steps
         self.num_syncs = steps // period
         self.last_sync_step = self.num_syncs * period
-        whole = self.sync_every * self.options.state_every  # the last round with the state, where rounds block
+        whole = self.sync_every * (self.options.state_every if self._averaged_keys() else 1)  # the last with the state
         self._settled_step = self.last_sync_step if self._overlapped else steps // whole * whole
         self._count_from_syncs()
 
@@ -267,7 +267,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if self.engine.in_flight is not None:
             self._land()
         self._blocking_round(self._begin_round(None, state), state=state)
-        if state:  # after a round without the optimizer state, the machines' state may differ: still in a round
+        if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
             self._settled_step = self.steps
 
     def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:

@@ -98,8 +98,13 @@ def test_a_round_that_skipped_the_state_leaves_the_round_open_and_a_closing_roun
     _steps(machines, optimizer, averager, _noise(2), 0, 2)  # round 1: parameters only
     assert averager.in_round  # the buffers differ: close_round() averages them
     assert averager.close_round() and not averager.in_round and averager.bytes_communicated == 24 + 48
-    assert PeriodicAverager(*_build()[:2], K, state_every=N, start_step=8).in_round  # round 4 skipped the state
-    assert not PeriodicAverager(*_build()[:2], K, state_every=N, start_step=6).in_round  # round 3 carried it
+    keys = {"state_every": N, "average_state": ("momentum_buffer",)}
+    assert PeriodicAverager(*_build()[:2], K, **keys, start_step=8).in_round  # round 4 skipped the state
+    assert not PeriodicAverager(*_build()[:2], K, **keys, start_step=6).in_round  # round 3 carried it
+    plain = nn.Linear(2, 1)  # no state averaged: every round is whole
+    assert not PeriodicAverager(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1), K, state_every=N, start_step=8
+    ).in_round
 
 
 @pytest.mark.parametrize("saved_at", [8, 9])  # right after round 4 (no state), one step into period 5
