@@ -52,13 +52,14 @@ class Anchored:
         self._take_loaded(tensors, names)
         return [n in self.anchors and self.specs.get(n) == self.spec(t, s) for (t, s), n in zip(tensors, names)]
 
-    def anchor(self, tensors: Tensors, names: list[str], missing_only: bool = False) -> None:
+    def anchor(self, tensors: Tensors, names: list[str], missing_only: bool = False, only: bool = False) -> None:
         """Every tensor's current value (machine 0's slice of a stacked one) becomes its anchor (``missing_only``:
         of the tensors without one); the error feedback starts afresh where a tensor changed its spec; names no
-        longer averaged are dropped. Only where every machine holds the same values."""
+        longer averaged are dropped, unless ``only`` (a round of some of them: the others' stay as they are).
+        Only where every machine holds the same values."""
         had = self.anchored(tensors, names)
-        specs: dict[str, list[Any]] = {}
-        anchors: dict[str, Tensor] = {}
+        specs: dict[str, list[Any]] = dict(self.specs) if only else {}
+        anchors: dict[str, Tensor] = dict(self.anchors) if only else {}
         for (t, s), n, kept in zip(tensors, names, had):
             value = (t[0] if s else t).detach()
             specs[n] = self.spec(t, s)

@@ -13,12 +13,12 @@ schedule's rounds, so a resume and a run that took them count alike. ``Counted``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lit_slowcal import link
 from lit_slowcal._rounds import Engine
-from lit_slowcal._selection import Tensors, floats_sent
+from lit_slowcal._selection import Tensors, among, floats_sent
 from lit_slowcal.options import AveragingOptions
 
 __all__ = ["Counted", "Counts", "counted"]
@@ -109,7 +109,7 @@ class Counted:
         @property
         def compressed(self) -> Optional[Any]: ...
 
-        def _tensors(self) -> Tensors: ...
+        def _tensors(self, state: bool = True) -> Tensors: ...
 
         def _fragments(self) -> list[Tensors]: ...
 
@@ -125,18 +125,25 @@ class Counted:
 
     def floats_per_sync(self) -> Union[int, float]:
         """Floats one machine sends per synchronisation: one machine's averaged tensors (S/M of them with S < M
-        participants; with F fragments, a round sends one fragment: 1/F of them on average); 0 with one machine."""
+        participants; with F fragments, a round sends one fragment: 1/F of them on average; with ``state_every``
+        n > 1, the mean over n rounds, one of them with the optimizer state); 0 with one machine."""
         if self.num_machines == 1:
             return 0
-        return floats_sent(self._tensors(), self.num_machines, self.participants) / self.options.fragments
+        return self._per_sync(lambda tensors: floats_sent(tensors, self.num_machines, self.participants))
 
     def bytes_per_sync(self) -> Union[int, float]:
         """Bytes one machine sends per synchronisation, as ``floats_per_sync`` in the dtypes sent (with
         ``compression``, the first stage's message: codes and per-block values); so that ``bytes_per_sync()
-        x num_syncs`` is ``bytes_communicated`` after whole periods of K steps. On the ring a participant
-        sends 2 (S - 1) / S times its payload (``link_counts``)."""
-        first = self.engine.sent(self._tensors(), self.participants).bytes
-        return Counts.per_machine(first, self.num_machines, self.participants) / self.options.fragments
+        x num_syncs`` is ``bytes_communicated`` after whole periods of n K steps and no closing round. On the
+        ring a participant sends 2 (S - 1) / S times its payload (``link_counts``)."""
+        sent = lambda tensors: self.engine.sent(tensors, self.participants).bytes  # noqa: E731
+        return Counts.per_machine(self._per_sync(sent), self.num_machines, self.participants)
+
+    def _per_sync(self, amount: Callable[[Tensors], Number]) -> Number:
+        """``amount`` of a round, its mean over the n rounds of a period of ``state_every`` and the F fragments."""
+        n, F = self.options.state_every, self.options.fragments
+        full = amount(self._tensors())
+        return (full if n == 1 else (full + (n - 1) * amount(self._tensors(state=False))) / n) / F
 
     def ddp_counts(self) -> link.LinkCounts:
         """The DDP reference: what DDP would have sent over the ``steps`` taken so far, one all-reduce of one
@@ -146,21 +153,27 @@ class Counted:
 
     def _count_from_syncs(self, floats: bool = True) -> None:
         """The counts of what was sent, rebuilt as ``num_syncs`` rounds of what is averaged now (with
-        fragments, round j sends fragment j mod F; with ``compression``, every round counted as
-        compressed); ``floats``: ``floats_communicated`` too."""
-        n, F = self.num_syncs, self.options.fragments
+        fragments, round j sends fragment j mod F; with ``state_every`` n, of each fragment's rounds, the
+        state travels in every n-th; with ``compression``, every round counted as compressed); ``floats``:
+        ``floats_communicated`` too."""
+        N, F, n = self.num_syncs, self.options.fragments, self.options.state_every
         parts = [self._tensors()] if F == 1 else self._fragments()
+        light = self._tensors(state=False)
         S = self.participants
-        rounds = [
-            (tensors, self.engine.sent(tensors, S), len(range(f or F, n + 1, F))) for f, tensors in enumerate(parts)
-        ]
+        rounds = []
+        for f, tensors in enumerate(parts):
+            periods = len(range(f or F, N + 1, F))  # fragment f's rounds, one a period of K steps
+            rounds.append((tensors, self.engine.sent(tensors, S), periods // n))
+            if n > 1:
+                without = among(tensors, light)
+                rounds.append((without, self.engine.sent(without, S), periods - periods // n))
         sent = Counts.rebuilt(rounds, self.num_machines, S, overlapped=self.options.overlap_delay > 0)
         if not floats:
             sent.floats = self.counts.floats
         self.counts = sent
 
     def stage_bytes(self) -> tuple[int, int]:
-        """One participant's bytes in the two stages of a synchronisation (``LinkCounts.of_stages``): the
+        """One participant's bytes in the two stages of a synchronisation with the optimizer state (``LinkCounts.of_stages``): the
         payload twice (the ring all-reduce's halves), or with ``compression`` its first-stage message and
         the mean's (as if every tensor had an anchor)."""
         if self.compressed is None:

@@ -87,13 +87,13 @@ class OverlappedSchedule:
 
         def participant_weights(self, round_index: Optional[int] = None) -> Optional[Tensor]: ...
 
-        def _tensors(self) -> Tensors: ...
+        def _tensors(self, state: bool = True) -> Tensors: ...
 
         def _averaged_keys(self) -> tuple[str, ...]: ...
 
-        def _begin_round(self, fragment: Optional[int]) -> Tensors: ...
+        def _begin_round(self, fragment: Optional[int], state: bool = True) -> Tensors: ...
 
-        def _blocking_round(self, tensors: Tensors) -> None: ...
+        def _blocking_round(self, tensors: Tensors, state: bool = True) -> None: ...
 
         def _end_round(self, count: bool = True) -> None: ...
 
@@ -128,9 +128,10 @@ class OverlappedSchedule:
         """Fragment ``fragment``'s scheduled round: blocking with tau = 0, else started to land tau steps later."""
         if self.engine.in_flight is not None:  # K made smaller mid-run: the last round lands before the next starts
             self._land()
-        tensors = self._begin_round(fragment if self.options.fragments > 1 else None)
+        state = self.options.state_round(self.steps)  # the optimizer state in this round (``state_every``)
+        tensors = self._begin_round(fragment if self.options.fragments > 1 else None, state)
         if not isinstance(self.engine, OverlappedRound):  # tau = 0
-            self._blocking_round(tensors)
+            self._blocking_round(tensors, state=state)
             return
         with torch.no_grad():
             sent = self.engine.start(tensors, self.participant_weights(), self.steps, fragment)

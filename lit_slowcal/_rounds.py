@@ -8,8 +8,9 @@ engine, through one small interface:
   ring counts for ``lit_slowcal.link``);
 - ``sent(tensors, participants) -> Sent``: what such a round sends, without running it (``bytes_per_sync``,
   a resumed schedule's counts);
-- ``settle(tensors)``: after the round (the outer step and ``post_sync`` applied): what every machine
-  now holds becomes the next round's starting point (a coded round's anchors);
+- ``settle(tensors, state)``: after the round (the outer step and ``post_sync`` applied): what every machine
+  now holds becomes the next round's starting point (a coded round's anchors); ``state=False`` for a round
+  that skipped the optimizer state (``state_every``): the state's anchors stay at their last common value;
 - ``in_flight``: the round started and not landed (``None`` but in an overlapped engine).
 
 ``OverlappedRound`` adds what lands when: ``start(tensors, weights, step, fragment)`` takes the round's
@@ -87,7 +88,7 @@ class ExactRound:
         payload = link.payload_bytes(tensors)
         return Sent(payload, link.LinkCounts.of_syncs(payload, participants or self.machines))
 
-    def settle(self, tensors: Tensors) -> None:
+    def settle(self, tensors: Tensors, state: bool = True) -> None:
         pass
 
 
@@ -152,8 +153,8 @@ class CodedRound:
         not: such a tensor is averaged exactly, counted as such)."""
         return self.state.message_bytes([pair])[0] < link.payload_bytes([pair])
 
-    def settle(self, tensors: Tensors) -> None:
-        self.state.anchor(tensors, self.names(tensors))
+    def settle(self, tensors: Tensors, state: bool = True) -> None:
+        self.state.anchor(tensors, self.names(tensors), only=not state)
 
     def anchor_missing(self, tensors: Tensors) -> None:
         """The tensors without an anchor take their value now as one (every machine holds the same values)."""
@@ -182,8 +183,8 @@ class OverlappedRound:
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
         return self.inner.sent(tensors, participants)
 
-    def settle(self, tensors: Tensors) -> None:
-        self.inner.settle(tensors)
+    def settle(self, tensors: Tensors, state: bool = True) -> None:
+        self.inner.settle(tensors, state)
 
     def start(self, tensors: Tensors, weights: Optional[Tensor], step: int, fragment: int) -> Sent:
         """Start the round of ``tensors`` (fragment ``fragment``'s) at ``step``: their snapshot, whose average

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lit_slowcal.simulated import SimulatedMachines
 
 __all__ = [
-    "all_modules", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "check_state_keys", "floats_sent",
+    "all_modules", "among", "averaged_tensors", "averaged_units", "buffer_owners", "check_sharding", "check_state_keys", "floats_sent",
     "fingerprint", "is_averaged", "local", "machine_buffers", "machines_per_process", "names_of", "reshard",
     "shard_group", "state_key",
 ]  # fmt: skip
@@ -221,6 +221,14 @@ def averaged_tensors(
     optimizer state of such a parameter with the parameter's shape.
     """
     return [pair for unit in averaged_units(modules, optimizer, keys, buffers) for pair in unit]
+
+
+def among(tensors: Tensors, kept: Tensors) -> Tensors:
+    """The pairs of ``tensors`` whose tensor is one of ``kept``'s, by address, shape and dtype (a DTensor's local
+    shard is a new object at each call): a round's tensors without the optimizer state (``state_every``)."""
+    key = lambda t: (t.data_ptr(), t.shape, t.dtype)  # noqa: E731
+    keys = {key(t) for t, _ in kept}
+    return [(t, s) for t, s in tensors if key(t) in keys]
 
 
 def check_state_keys(optimizer: Optimizer, keys: Sequence[str]) -> bool:

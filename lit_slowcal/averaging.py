@@ -116,7 +116,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.steps = 0
         self.num_syncs = 0
         self.last_sync_step = 0  # steps at the last synchronisation (scheduled or closing a round)
-        self._settled_step = 0  # steps at the last blocking synchronisation of the whole model
+        self._settled_step = 0  # steps at the last blocking synchronisation of the whole model and its state
         #: What was sent so far, every kind of round counted alike (``lit_slowcal._counts``).
         self.counts = Counts()
         self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
@@ -167,7 +167,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             return self._overlapped_step()
         if self.steps % self.sync_every:
             return False
-        self.sync()
+        self.sync(state=self.options.state_round(self.steps))
         return True
 
     @property
@@ -201,7 +201,9 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         period = self.sync_every // self.options.fragments
         self.steps = steps
         self.num_syncs = steps // period
-        self.last_sync_step = self._settled_step = self.num_syncs * period
+        self.last_sync_step = self.num_syncs * period
+        whole = self.sync_every * (self.options.state_every if self._averaged_keys() else 1)  # the last with the state
+        self._settled_step = self.last_sync_step if self._overlapped else steps // whole * whole
         self._count_from_syncs()
 
     @property
@@ -214,7 +216,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """This process's state (``lit_slowcal._averager_state`` lists the keys): the schedule and counts, its
         machines' per-machine optimizer state, the outer optimizer's, a coded round's anchors and error
         feedback, a round in flight (waited for). Local; ``gather_state_dict()`` holds every process's."""
-        settled = self._settled_step if self._overlapped else None
+        settled = self._settled_step if self._overlapped or self.options.state_every > 1 else None
         return _averager_state.state_dict(self, self._averaged_keys(), settled, self.engine.in_flight, self._tensors)
 
     def gather_state_dict(self, dst: int = 0) -> Optional[dict[str, Any]]:
@@ -254,19 +256,21 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
 
     # -- the synchronisation -----------------------------------------------------------------
 
-    def sync(self) -> None:
+    def sync(self, state: bool = True) -> None:
         """Synchronise now: the sync pre-hooks, ``optimizer.pre_sync()``, the average over all machines,
-        ``optimizer.post_sync()``. A round in flight lands first.
+        ``optimizer.post_sync()``. A round in flight lands first. ``state=False``: the parameters and buffers
+        only (a scheduled round that ``state_every`` skips).
 
         With several processes it first checks that every rank is at the same point of the schedule
         (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
         """
         if self.engine.in_flight is not None:
             self._land()
-        self._blocking_round(self._begin_round(None))
-        self._settled_step = self.steps
+        self._blocking_round(self._begin_round(None, state), state=state)
+        if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
+            self._settled_step = self.steps
 
-    def _blocking_round(self, tensors: Tensors) -> None:
+    def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
         every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors."""
         with torch.no_grad():
@@ -274,11 +278,11 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             self._outer_step(tensors, tensors)
         self.counts.add(tensors, sent, self.num_machines, self.participants)
         self._end_round()
-        self.engine.settle(tensors)  # what every machine holds now: a coded round's next anchors
+        self.engine.settle(tensors, state)  # what every machine holds now: a coded round's next anchors
 
-    def _begin_round(self, fragment: Optional[int]) -> Tensors:
+    def _begin_round(self, fragment: Optional[int], state: bool = True) -> Tensors:
         """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``.
-        Returns the tensors it averages (``fragment``'s, or all)."""
+        Returns the tensors it averages (``fragment``'s, or all; with ``state=False``, no optimizer state)."""
         if self.world_size > 1 and (self.options.check_schedule or not self._setup_checked):
             # Every rank at the same step (and, the first time, set up alike), or one error on all.
             self.check_setup(counts=self.options.check_schedule)
@@ -291,7 +295,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             protocol.pre_sync()
         if not self._keys_checked:  # once the optimizer holds state: a misspelt average_state key, one line
             self._keys_checked = _selection.check_state_keys(self.optimizer, self.options.average_state)
-        return self._tensors() if fragment is None else self._fragments()[fragment]
+        tensors = self._tensors() if fragment is None else self._fragments()[fragment]
+        return tensors if state else _selection.among(tensors, self._tensors(state=False))
 
     def _end_round(self, count: bool = True) -> None:
         """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
@@ -376,10 +381,11 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
         return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.options.average_state)))
 
-    def _tensors(self) -> Tensors:
+    def _tensors(self, state: bool = True) -> Tensors:
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
-        optimizer's declared state and ``average_state``, the buffers."""
-        return _selection.averaged_tensors(self.modules, self.optimizer, self._averaged_keys(), self.buffers)
+        optimizer's declared state and ``average_state`` (unless ``state=False``), the buffers."""
+        keys = self._averaged_keys() if state else ()
+        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers)
 
     def __repr__(self) -> str:
         return (

@@ -16,9 +16,12 @@ Which combinations work (docs/communication.md, "Which options combine", gives t
 - ``bucket_views`` with ``fragments`` > 1 or ``overlap_delay`` >= 1: refused (those rounds send a fragment
   or a snapshot, never the model's buffer where it lies); with ``participation`` it works, and with
   ``compression`` it serves the rounds that go exactly (the first, a tensor without an anchor).
+- ``state_every`` n > 1 with ``bucket_views``: refused (a round that skips the state would all-reduce part of
+  the buffer the tensors live in); with ``compression``, ``participation``, overlap and fragments it works.
 - ``participation``, ``outer_optimizer``, ``check_schedule``, ``bucket_cap_mb`` combine with everything.
 - With the optimizer: ``pre_sync``/``post_sync`` declared with ``overlap_delay`` >= 1 or ``fragments`` > 1;
-  ``participation`` with an optimizer that does not support it; ``outer_optimizer`` with one whose
+  ``participation`` with an optimizer that does not support it; ``state_every`` > 1 with
+  ``pre_sync``/``post_sync`` declared; ``outer_optimizer`` with one whose
   ``post_sync`` rewrites the parameters (``supports_outer_optimizer = False``): refused.
 - With the model: an FSDP2-sharded model with ``fragments`` > 1, ``bucket_views`` or
   ``SimulatedMachines``; ``compression`` with simulated machines and averaged tensors outside them: refused.
@@ -73,6 +76,10 @@ class AveragingOptions:
         fragments: F, the parts of the model that take turns, one round every K / F steps.
         bucket_views: the averaged tensors of each device and dtype become views of one flat buffer that a
             blocking exact synchronisation all-reduces where it lies (docs/communication.md, "Bucket views").
+        state_every: n, the optimizer state a round averages (the declared ``averaged_state`` and
+            ``average_state``) goes in every n-th scheduled round only, those of the periods ceil(steps / K)
+            that n divides; parameters and buffers in every round, everything in a closing round
+            (docs/communication.md, "The optimizer state on its own period").
 
     Example::
 
@@ -93,6 +100,7 @@ class AveragingOptions:
     overlap_delay: int = 0
     fragments: int = 1
     bucket_views: bool = False
+    state_every: int = 1
     #: The compressor ``compression`` names (``None``: the exact average); derived, not an option.
     compressor: Optional[Compressor] = field(default=None, init=False, repr=False)
 
@@ -123,7 +131,9 @@ class AveragingOptions:
                 f"Invalid error_feedback: {self.error_feedback!r} (True, False, or None: on for a lossy compressor)"
             )
         check_overlap(self.sync_every, self.overlap_delay, self.fragments)
-        for name in ("sync_every", "overlap_delay", "fragments", "participation_seed"):  # numpy's integers as int
+        check_int("state_every", self.state_every)
+        integers = ("sync_every", "overlap_delay", "fragments", "participation_seed", "state_every")
+        for name in integers:  # numpy's integers as int
             object.__setattr__(self, name, int(getattr(self, name)))
         self._check_pairs()
 
@@ -146,6 +156,11 @@ class AveragingOptions:
                 f"Invalid bucket_views: True with {other} (those rounds send a fragment or a snapshot, never the "
                 "model's buffer where it lies; use bucket_views=False)"
             )
+        if self.bucket_views and self.state_every > 1:
+            raise ValueError(
+                f"Invalid bucket_views: True with state_every={self.state_every} (a round that skips the optimizer "
+                "state would all-reduce part of the buffer the tensors live in; use bucket_views=False)"
+            )
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -157,6 +172,11 @@ class AveragingOptions:
         check_int("sync_every", value)
         check_overlap(value, self.overlap_delay, self.fragments, setting_k=True)
         return dataclasses.replace(self, sync_every=value)
+
+    def state_round(self, steps: int) -> bool:
+        """Whether the scheduled round after ``steps`` steps averages the optimizer state: its period p =
+        ceil(steps / K) (the round after step p K, or a fragment's within those K steps) is a multiple of n."""
+        return -(-steps // self.sync_every) % self.state_every == 0
 
     @property
     def lossy_feedback(self) -> bool:
@@ -209,6 +229,11 @@ class AveragingOptions:
             raise ValueError(
                 f"Invalid overlap_delay: {self.overlap_delay} ({name}'s post_sync takes the round's average in the "
                 "step its pre_sync starts it; use overlap_delay=0)"
+            )
+        if hooks and self.state_every > 1:
+            raise ValueError(
+                f"Invalid state_every: {self.state_every} ({name}'s pre_sync/post_sync rebuild its state from every "
+                "round's averages; use state_every=1)"
             )
         if self.participation is not None and not protocol.supports_participation:
             raise ValueError(

@@ -27,6 +27,7 @@ from lit_slowcal.options import OPTION_NAMES
 from tests.helpers import finish_rank, spawn_ranks
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+MOMENTUM = ("momentum_buffer",)
 
 #: Every pair of options that is refused on its own (no optimizer or model needed): (id, settings, message start).
 REFUSED_PAIRS = [
@@ -43,6 +44,8 @@ REFUSED_PAIRS = [
      "Invalid bucket_views: True with fragments=2 (those rounds send a fragment or a snapshot"),
     ("bucket_views_with_overlap_delay", {"sync_every": 4, "overlap_delay": 1, "bucket_views": True},
      "Invalid bucket_views: True with overlap_delay=1 (those rounds send a fragment or a snapshot"),
+    ("bucket_views_with_state_every", {"sync_every": 2, "state_every": 3, "bucket_views": True},
+     "Invalid bucket_views: True with state_every=3 (a round that skips the optimizer state would all-reduce part"),
 ]  # fmt: skip
 
 #: Every pair that works (each runs a few rounds below): (id, settings).
@@ -60,6 +63,10 @@ WORKING_PAIRS = [
     ("check_schedule_off_with_overlap", {"sync_every": 4, "check_schedule": False, "overlap_delay": 1}),
     ("bucket_cap_mb_with_bucket_views", {"sync_every": 2, "bucket_cap_mb": 1e-4, "bucket_views": True}),
     ("compression_with_bucket_views", {"sync_every": 2, "compression": "int8", "bucket_views": True}),
+    ("state_every_with_compression", {"sync_every": 2, "state_every": 2, "average_state": MOMENTUM, "compression": "int8"}),
+    ("state_every_with_participation", {"sync_every": 2, "state_every": 2, "average_state": MOMENTUM, "participation": 0.5}),
+    ("state_every_with_outer_optimizer", {"sync_every": 2, "state_every": 2, "average_state": MOMENTUM, "outer_optimizer": OUTER}),
+    ("state_every_with_overlap", {"sync_every": 4, "state_every": 2, "average_state": MOMENTUM, "overlap_delay": 1, "fragments": 2}),
 ]  # fmt: skip
 
 
@@ -162,6 +169,11 @@ def test_the_rules_that_need_the_optimizer_or_the_model_refuse_where_the_average
     with pytest.raises(ValueError) as error:
         PeriodicAverager(nn.Linear(1, 1), AdaptiveSlowcal([w], lr=0.1, beta=0.5), 4, overlap_delay=1)
     assert _one_line(error).startswith("Invalid overlap_delay: 1 (AdaptiveSlowcal's post_sync")
+    for optimizer in (Scaffold([w], lr=0.1), AdaptiveSlowcal([w], lr=0.1, beta=0.5)):  # hooks fed every round's state
+        with pytest.raises(ValueError) as error:
+            PeriodicAverager(nn.Linear(1, 1), optimizer, 2, state_every=2)
+        name = type(optimizer).__name__
+        assert _one_line(error).startswith(f"Invalid state_every: 2 ({name}'s pre_sync/post_sync rebuild its state")
     machines = SimulatedMachines(nn.Linear(3, 2), 2)
     loose = nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([*machines.parameters(), loose], lr=0.1)
@@ -220,6 +232,7 @@ DIFFERING = {
     "overlap_delay": ({"sync_every": 4}, 0, 1, ("0", "1")),
     "fragments": ({"sync_every": 4}, 1, 2, ("1", "2")),
     "bucket_views": ({}, False, True, ("False", "True")),
+    "state_every": ({}, 1, 3, ("1", "3")),
 }  # fmt: skip
 
 
