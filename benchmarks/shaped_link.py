@@ -174,6 +174,7 @@ class ShapedLink:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.made: list[str] = []  # the namespaces made so far (removed on exit, whatever happened)
+        self.stopped: list[int] = []  # the ranks the last run stopped because another had failed
         self._previous: object = None
 
     def __enter__(self) -> ShapedLink:
@@ -226,6 +227,7 @@ class ShapedLink:
                     raise TimeoutError(f"the command ran past {timeout:g} s in {self.plan.procs} namespaces")
                 time.sleep(0.05)
         finally:
+            self.stopped = [i for i, p in enumerate(procs) if p.poll() is None]  # the ranks this harness stops
             for p in procs:  # the processes this harness started, each by its own process group
                 if p.poll() is None:
                     try:
@@ -267,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with ShapedLink(Plan(args.procs, rate, burst=args.burst, latency=args.latency)) as net:
             codes = net.run(command, timeout=args.timeout)
-    except Refused as e:
+    except (Refused, ValueError) as e:  # ValueError: a bad --procs, --rate, ... (nothing made)
         print(f"shaped_link: refused: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, _Terminated):
@@ -276,7 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TimeoutError as e:
         print(f"shaped_link: {e}; the namespaces are removed", file=sys.stderr)
         return 124
-    failed = [c for c in codes if c]
+    # The first process that failed on its own: not one this harness stopped because another had failed.
+    failed = [c for i, c in enumerate(codes) if c and i not in net.stopped] or [c for c in codes if c]
     return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
 
 

@@ -13,6 +13,7 @@ w, at the first step) is so averaged exactly once, the parameters coded from the
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from torch import Tensor
@@ -135,5 +136,24 @@ def check_saved(state: dict[str, Any]) -> None:
             isinstance(values, list) and all(v is None or isinstance(v, Tensor) for v in values)
         ):
             problem = f"{key!r} is not a list of tensors or None"
+    if problem is None and signature is not None:
+        problem = _wrong_size(state, signature)
     if problem is not None:
         raise ValueError(f"Cannot load the averager's state: its 'compression' part is damaged: {problem}")
+
+
+def _wrong_size(state: dict[str, Any], signature: list[Any]) -> Optional[str]:
+    """The first entry whose values do not fit its tensor's spec (anchors and owner errors: one machine's values;
+    errors: every machine's), or a spec that is not ``[shape, dtype, stacked]``."""
+    for i, spec in enumerate(signature):
+        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], list)):
+            return f"signature entry {i} is {spec!r} (shape, dtype, stacked)"
+        full = math.prod(spec[0])
+        one = math.prod(spec[0][1:]) if spec[2] else full
+        for key, size in (("anchors", one), ("errors", full), ("owner_errors", one)):
+            values = state.get(key) or []
+            if i < len(values) and values[i] is not None and values[i].numel() != size:
+                return (
+                    f"{key} entry {i} holds {values[i].numel()} values for a tensor of shape {tuple(spec[0])} ({size})"
+                )
+    return None

@@ -251,11 +251,11 @@ def _saved_compression(averager: Averager, state: dict[str, Any]) -> dict[str, l
     return coded
 
 
-def configuration(averager: Averager) -> dict[str, str]:
+def configuration(averager: Averager) -> dict[str, Any]:
     """What a saved state's meaning depends on, as text: the compression (its code and settings), whether it keeps
-    error feedback, the optimizer's class and its options (``defaults``, but those of ``_FREE_OPTIONS``)."""
+    error feedback, the optimizer's class and each of its options (``defaults``, but those of ``_FREE_OPTIONS``)."""
     optimizer = averager.optimizer
-    options = ", ".join(f"{k}={v!r}" for k, v in sorted(optimizer.defaults.items()) if k not in _FREE_OPTIONS)
+    options = {k: repr(v) for k, v in sorted(optimizer.defaults.items()) if k not in _FREE_OPTIONS}
     return {
         "compression": repr(averager.options.compressor),
         "error_feedback": repr(averager.options.lossy_feedback),
@@ -270,9 +270,13 @@ def _check_configuration(averager: Averager, state: dict[str, Any]) -> None:
     if saved is None:
         return
     mine = configuration(averager)
-    differ = [key for key in mine if key in saved and str(saved[key]) != mine[key]]
+    pairs = [(key, saved[key], mine[key]) for key in mine if key in saved and key != "optimizer options"]
+    if isinstance(saved.get("optimizer options"), dict) and saved.get("optimizer") == mine["optimizer"]:
+        theirs = saved["optimizer options"]  # each option apart: the line names the ones that differ
+        pairs += [(f"optimizer option {k}", theirs[k], v) for k, v in mine["optimizer options"].items() if k in theirs]
+    differ = [(key, old, new) for key, old, new in pairs if str(old) != str(new)]
     if differ:
-        what = "; ".join(f"{key} {saved[key]} (this averager's: {mine[key]})" for key in differ)
+        what = "; ".join(f"{key} {old} (this averager's: {new})" for key, old, new in differ)
         raise ValueError(
             f"Cannot load the averager's state: it was saved with {what}; build the averager and its optimizer "
             "as they were when it was saved"

@@ -46,7 +46,8 @@ class HoldsOptions:
             raise TypeError(f"Invalid options: {value!r} (an AveragingOptions)")
         held = getattr(self, "_options", None)
         if held is not None and self._options_built():
-            changed = [n for n in _OPTIONS_NOT_K if getattr(value, n) != getattr(held, n)]
+            field = lambda n: "compressor" if n == "compression" else n  # noqa: E731 (a code compared as the code)
+            changed = [n for n in _OPTIONS_NOT_K if getattr(value, field(n)) != getattr(held, field(n))]
             if changed:
                 name = sorted(changed)[0]
                 raise AttributeError(
@@ -71,7 +72,7 @@ class HoldsOptions:
         if name in _OPTIONS_NOT_K:  # an option lives in ``options`` only: never set silently
             raise AttributeError(
                 f"{type(self).__name__}.{name} is an option, fixed when it was built: give {name}= to its "
-                "constructor (or options=dataclasses.replace(options, ...))"
+                "constructor (only sync_every changes afterwards)"
             )
         super().__setattr__(name, value)
 

@@ -4,6 +4,8 @@ indices in the fewest whole bytes.
 - ``quantise(x, levels)``: per row of the last dimension a float32 scale ``max |v| / levels`` and the codes
   ``round(v / scale)`` (half to even) clamped to ``[-levels, levels]``, as int8 (a row whose max is 0: zeros,
   scale 0);
+- ``saturate(x, dtype)``: a float64 ``x`` clamped to ``dtype``'s finite range (a scale or value that would
+  overflow float32 or bfloat16 travels as their largest, error feedback keeping the rest);
 - ``pack(codes, bits)``: codes of ``bits`` bits (``code + 2^(bits-1)``, never negative) packed ``8 // bits`` to a
   byte along the last dimension, the first in the lowest bits; a last byte short of codes is filled with zeros;
   ``unpack(packed, bits, count)`` gives the first ``count`` codes back;
@@ -19,16 +21,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["index_width", "pack", "pack_indices", "quantise", "unpack", "unpack_indices"]
+__all__ = ["index_width", "pack", "pack_indices", "quantise", "saturate", "unpack", "unpack_indices"]
 
 
 def quantise(x: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     """``x``'s rows (its last dimension) as int8 codes in ``[-levels, levels]`` and one float32 scale each."""
     # max |v| as the larger of |max| and |min|: the same value, without a pass writing |v|.
     largest = torch.maximum(x.amax(dim=-1).abs_(), x.amin(dim=-1).abs_())
-    scale = (largest / levels).to(torch.float32)
+    scale = saturate(largest / levels, torch.float32).to(torch.float32)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype).unsqueeze(-1)
     return torch.div(x, divisor).round_().clamp_(-levels, levels).to(torch.int8), scale
+
+
+def saturate(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` with what lies beyond ``dtype``'s finite range clamped to it (a float64 change too large for float32
+    or bfloat16 travels as their largest value; error feedback keeps the rest); ``x`` itself where nothing can."""
+    if x.dtype != torch.float64:  # float32 is within bfloat16's range but for its last 0.4 %: left as it is
+        return x
+    top = torch.finfo(dtype).max
+    return x.clamp(-top, top)
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:

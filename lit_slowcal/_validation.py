@@ -19,8 +19,8 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """An ``int`` or ``float`` and not a ``bool``."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (``int``, ``float``, or another ``numbers.Real`` such as numpy's) and not a ``bool``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:

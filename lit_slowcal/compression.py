@@ -79,7 +79,7 @@ import torch
 from torch import Tensor
 
 from lit_slowcal import _packing
-from lit_slowcal._validation import check_int, check_number
+from lit_slowcal._validation import check_int, check_number, is_int
 
 __all__ = ["BFloat16", "Code", "Compressor", "Int2", "Int4", "Int8", "TopK", "compressor"]
 
@@ -134,7 +134,7 @@ class BFloat16(Compressor):
     name = "bf16"
 
     def encode(self, blocks: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        return blocks.to(torch.bfloat16), None
+        return _packing.saturate(blocks, torch.bfloat16).to(torch.bfloat16), None
 
     def decode(self, codes: Tensor, per_block: Optional[Tensor], dtype: torch.dtype) -> Tensor:
         return codes.to(dtype)
@@ -235,10 +235,10 @@ class TopK(Code):
     name = "topk"
 
     def __init__(self, fraction: float, bits: int = 32) -> None:
-        self.fraction = check_number("TopK fraction", fraction, maximum=1.0)
-        if bits not in _TOPK_BITS:
+        self.fraction = float(check_number("TopK fraction", fraction, maximum=1.0))
+        if not is_int(bits) or bits not in _TOPK_BITS:
             raise ValueError(f"Invalid TopK bits: {bits!r} (one of {', '.join(map(str, _TOPK_BITS))})")
-        self.bits = bits
+        self.bits = int(bits)
 
     def k(self, numel: int) -> int:
         """The values a message of a tensor of ``numel`` values carries."""
@@ -249,10 +249,9 @@ class TopK(Code):
         index = top.sort().values
         values = change[index]
         packed = _packing.pack_indices(index, _packing.index_width(change.numel()))
-        if self.bits == 32:
-            return packed, values.to(torch.float32)
-        if self.bits == 16:
-            return packed, values.to(torch.bfloat16)
+        if self.bits >= 16:  # float32 or bfloat16, a float64 value beyond their range saturated at it
+            dtype = torch.float32 if self.bits == 32 else torch.bfloat16
+            return packed, _packing.saturate(values, dtype).to(dtype)
         codes, scale = _packing.quantise(values, (1 << (self.bits - 1)) - 1)
         return packed, _packing.pack(codes, self.bits), scale.reshape(1)
 

@@ -167,7 +167,7 @@ def test_what_was_made_is_removed_when_a_step_fails_or_is_interrupted(monkeypatc
                 codes = net.run(["python", "x.py"])
         assert killed == [1000, 1002, 1003]  # those still running; rank 1 had failed
         if fails_at == "process":
-            assert codes == [-9, 3, -9, -9]
+            assert codes == [-9, 3, -9, -9] and link.stopped == [0, 2, 3]  # main() reports rank 1's 3, not -9
     deleted = [c[3] for c in done if c[:3] == ["ip", "netns", "delete"]]
     assert sorted(deleted) == sorted(made) and link.made == []
 
@@ -190,3 +190,32 @@ def test_the_model_reads_tc_s_rates_as_the_library_s_links():
 def test_a_subprocess_run_is_not_needed_to_plan(monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran a command"))
     Plan(4, "1gbit").setup_commands()
+
+
+@pytest.mark.parametrize("procs", ["0", "251"])
+def test_a_bad_process_count_is_one_line_and_makes_nothing(monkeypatch, capsys, procs):
+    """``--procs 0`` printed a traceback."""
+    _allowed(monkeypatch)
+    monkeypatch.setattr(shaped_link.subprocess, "run", lambda *a, **k: pytest.fail("ran a command"))
+    assert shaped_link.main(["--procs", procs, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shaped_link: refused: Invalid procs: {procs} (") and err.count("\n") == 1
+
+
+def test_main_reports_the_status_of_the_process_that_failed_not_of_those_it_stopped(monkeypatch):
+    """Rank 1 exits 3 while rank 0 waits: the harness stops rank 0 (-9) and exited 137 instead of 3."""
+
+    class Net:
+        stopped = [0]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, command, timeout):
+            return [-9, 3]
+
+    monkeypatch.setattr(shaped_link, "ShapedLink", lambda plan: Net())
+    assert shaped_link.main(["--", "true"]) == 3

@@ -223,8 +223,8 @@ def test_state_dict_resume_and_bad_values():
     saved = averager.state_dict()
     assert other.state_dict() == saved and saved.pop("configuration") == {
         "compression": "None", "error_feedback": "False", "optimizer": "SGD",
-        "optimizer options": ", ".join(f"{k}={v!r}" for k, v in sorted(optimizer.defaults.items())
-                                       if k not in ("lr", "foreach", "fused", "capturable", "differentiable")),
+        "optimizer options": {k: repr(v) for k, v in sorted(optimizer.defaults.items())
+                              if k not in ("lr", "foreach", "fused", "capturable", "differentiable")},
     }  # fmt: skip
     assert saved == {
         "steps": 10, "num_syncs": 2, "last_sync_step": 8, "floats_communicated": 8, "bytes_communicated": 64,

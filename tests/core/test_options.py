@@ -22,7 +22,7 @@ from lit_slowcal import (
     SimulatedMachines,
     SlowcalSGD,
 )
-from lit_slowcal.compression import Code
+from lit_slowcal.compression import Code, Int4
 from lit_slowcal.options import OPTION_NAMES
 from tests.helpers import finish_rank, spawn_ranks
 
@@ -375,6 +375,8 @@ def test_an_option_set_on_the_averager_is_refused_not_ignored():
             averager.options = dataclasses.replace(averager.options, **{name: value})
         assert _one_line(error).startswith(f"Invalid options: {name}={value!r} (it is "), name
         assert averager.compressed is None and type(averager.engine).__name__ == "ExactRound"
+    coded = PeriodicAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compression="int4")
+    coded.options = dataclasses.replace(coded.options, compression=Int4())  # the same code spelt otherwise: kept
     with pytest.raises(TypeError, match=r"^Invalid options: 'junk' \(an AveragingOptions\)"):
         averager.options = "junk"
     averager.options = dataclasses.replace(averager.options, sync_every=4)  # K may change: it replaces the options

@@ -250,3 +250,30 @@ def test_two_processes_give_the_simulated_machines_bits_and_counts(tmp_path):
             # x second (each stage the full message), the self-addressed parts included.
             first, second = ranks[0][compression]["stages"]
             assert sum(r[compression]["all_to_all"] for r in ranks) == ROUNDS * (M * first + 2 * second)
+
+
+def test_topk_takes_only_integer_bits_and_numpys_fractions_as_floats():
+    """``TopK(0.1, 4.0)`` was accepted and failed in the first round (a float message size); ``np.float32(0.1)``
+    was refused while ``np.float64(0.1)`` was kept as numpy's (its saved record then refused ``TopK(0.1)``)."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"^Invalid TopK bits: 4.0 \(one of 2, 4, 8, 16, 32\)$"):
+        TopK(0.1, 4.0)
+    for fraction in (np.float32(0.25), np.float64(0.25)):
+        code = TopK(fraction, np.int64(4))
+        assert (type(code.fraction), type(code.bits)) == (float, int) and code == TopK(0.25, 4)
+        assert repr(code) == "TopK(bits=4, fraction=0.25)"
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4", "int2", "bf16", "topk:0.5", "topk:0.5:16", "topk:0.5:2"])
+def test_a_float64_change_beyond_float32s_range_saturates_and_stays_finite(compression):
+    """A float64 change of 1e300 overflowed the float32 scale (or bfloat16 value): 0 x inf decoded as NaN on every
+    machine. Now it travels as float32's (bfloat16's) largest, error feedback keeping the rest."""
+    machines, optimizer, averager = _build(compression)
+    weight = next(machines.parameters())  # [M, DOUT, DIN]
+    with torch.no_grad():
+        weight[0, 0, 0] += 1e300  # machine 0's change
+    averager.sync()
+    assert torch.isfinite(weight).all() and torch.equal(weight[0], weight[1])
+    top = torch.finfo(torch.bfloat16 if "16" in compression or compression == "bf16" else torch.float32).max
+    assert 0 < weight[0, 0, 0] <= 127 * top  # saturated (at most the codes' largest level times it), and moved
