@@ -110,6 +110,8 @@ class CodedRound:
         self.names = names or (lambda tensors: [str(k) for k in range(len(tensors))])
         #: The optimizer state keys landed at no less than 0 (``protocol.Declared.nonnegative_state``).
         self.nonnegative = nonnegative
+        #: The last round's exact bytes and coded stages' bytes (``counted``'s arguments).
+        self.last_parts: tuple[int, int, int] = (0, 0, 0)
 
     def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
         if self.machines == 1:
@@ -121,6 +123,7 @@ class CodedRound:
         sent = self.exact.average(exact, weights) if exact else None
         if not coded:
             assert sent is not None
+            self.last_parts = (sent.bytes, 0, 0)
             return sent
         participants = None if weights is None else weights > 0
         nonnegative = {name for _, name in coded if _selection.state_key(name) in self.nonnegative}
@@ -129,11 +132,17 @@ class CodedRound:
             machines_per_process=self.exact.machines_per_process, process_group=self.exact.process_group,
             nonnegative=nonnegative,
         )  # fmt: skip
-        counts = self.state.link_counts(first, second, _participants(weights) or self.machines)
-        if sent is None:
-            return Sent(first, counts)
-        # One round: its exact part's bytes and collectives, and its coded part's.
-        return Sent(sent.bytes + first, dataclasses.replace(sent.link + counts, syncs=1))
+        self.last_parts = (0 if sent is None else sent.bytes, first, second)
+        return self.counted(*self.last_parts, _participants(weights) or self.machines)
+
+    def counted(self, exact: int, first: int, second: int, participants: int) -> Sent:
+        """What a round sends whose exact part is ``exact`` bytes (0: none) and whose coded part's stages are
+        ``first`` and ``second`` bytes (0: none): one round, each part's bytes and collectives."""
+        coded = self.state.link_counts(first, second, participants)
+        if not exact:
+            return Sent(first, coded)
+        plain = link.LinkCounts.of_syncs(exact, participants)
+        return Sent(exact + first, dataclasses.replace(plain + coded, syncs=1) if first else plain)
 
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
         """What a round sends where every tensor has an anchor (a tensor its code does not shrink, exactly)."""

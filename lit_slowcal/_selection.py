@@ -265,8 +265,10 @@ def names_of(
     """Each of ``tensors``' (some of ``averaged_tensors``) name, the same for the tensor that takes its place
     (optimizer state loaded afresh): ``"param i"`` (the i-th of the optimizer's parameters), ``"param i
     key"`` (its state under ``key``), ``"buffer j"``."""
-    where = {id(t): name for unit in _named_units(modules, optimizer, keys, buffers) for name, t, _ in unit}
-    return [where[id(t)] for t, _ in tensors]
+    # By storage, shape and dtype: a DTensor's local shard (``local``) is a new object at each call.
+    key = lambda t: (t.data_ptr(), tuple(t.shape), t.dtype, 0 if t.numel() else id(t))  # noqa: E731
+    where = {key(t): name for unit in _named_units(modules, optimizer, keys, buffers) for name, t, _ in unit}
+    return [where[key(t)] for t, _ in tensors]
 
 
 def state_key(name: str) -> Optional[str]:

@@ -43,6 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lit_slowcal._rounds import CodedRound
 from lit_slowcal.experiments.run.options import compression_options, links_of
 from lit_slowcal.experiments.sweep.grouping import (
     StackedTrial,
@@ -235,6 +236,7 @@ class _Group:
                 [models[i].machines for i in s.members], s.optimizer, s.shape.sync_every,
                 **compression_options(self.first.get),
             )  # fmt: skip
+            s.averager.anchor()  # every machine starts at x_0: compressed from the first round, as a single run
             s.driver = RoundDriver(
                 s.optimizer,
                 RoundSchedule(log_every=self.log_every, eval_every=s.shape.val_check_interval),
@@ -329,15 +331,19 @@ class _Group:
         stopped (its slices dropped from the optimizer, the others going on), the train-loss rows logged, the
         block due for evaluation."""
         if s.driver.step():
-            # As a single run's averager adds them: the first synchronisation exact (no anchor yet), the others
-            # compressed where the trials are.
+            # As a single run's averager adds them: the first synchronisation codes what had an anchor at the start
+            # (the parameters) and sends the state born at the first step exactly; the others compressed.
             if not s.floats_per_sync:  # all active in round 1: one trial's share of the averager's counts
-                s.floats_per_sync = s.averager.floats_communicated // len(s.members)
-                s.payload_per_sync = s.averager.link_counts.payload_bytes // len(s.members)
-                if s.averager.compressed is not None:
+                n = len(s.members)
+                s.floats_per_sync = s.averager.floats_communicated // n
+                s.payload_per_sync = s.averager.link_counts.payload_bytes // n
+                engine = s.averager.engine
+                if isinstance(engine, CodedRound):
                     first, second = s.averager.stage_bytes()
-                    s.stages_per_sync = (first // len(s.members), second // len(s.members))
-                s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
+                    s.stages_per_sync = (first // n, second // n)
+                    s.sent += engine.counted(*(part // n for part in engine.last_parts), self.M).link
+                else:
+                    s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
             elif s.stages_per_sync is not None:
                 s.sent += LinkCounts.of_stages(*s.stages_per_sync, self.M)
             else:
