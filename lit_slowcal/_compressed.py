@@ -4,6 +4,9 @@
 anchor (the value every machine held after the last synchronisation, one machine's shape) and the
 error-feedback buffers: ``errors`` per machine of this process (the tensor's own shape, stacked or not),
 ``owner_errors`` for the blocks of the chunk this process reduces (one machine's shape, zero elsewhere).
+Process j reduces the j-th of ``P`` nearly equal contiguous runs of each tensor's own blocks (``_Layout``),
+whatever else the round codes: a block's second-stage error feedback stays where its next round reads it
+when the coded tensors change between rounds (state anchored a round after the parameters, ``state_every``).
 ``average`` runs one synchronisation of the tensors that are ``anchored``; the caller averages the others
 exactly in the same round, and then calls ``anchor``.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Optional
 
 import torch
@@ -35,11 +39,17 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass
 class _Layout:
     """Where the values of a group of tensors (one device, one accumulation dtype) lie in its padded
-    buffer of ``NB`` blocks (``NB * block_size`` values, each tensor starting at a block).
+    buffer of ``NB`` blocks (``NB * block_size`` values, each tensor starting at a block), and which
+    blocks each process reduces.
 
     ``sizes``: one machine's values of each tensor; ``starts``: where each starts in the padded buffer;
-    ``N``: the real values in all; ``block_starts[j]``: chunk j's first block (``P + 1`` entries);
-    ``segments[j]``: the padded ranges ``(lo, hi)`` of real values in chunk j, in order.
+    ``N``: the real values in all. Each tensor's own blocks are cut into ``P`` nearly equal contiguous
+    runs, run j of every tensor reduced by process j, whatever else the round averages: chunk j is the
+    round's tensors' j-th runs, one after another. The communication's buffer holds the blocks in that
+    chunk-major order (``order[i]``: the padded buffer's block at position i; ``None``: the same order,
+    as with one process): ``block_starts[j]``: chunk j's first position (``P + 1`` entries);
+    ``segments[j]``: the ranges ``(lo, hi)`` of real values of chunk j in that order; ``pieces[j]``: per
+    tensor with a run in chunk j, ``(tensor, lo, hi, at)``: its values ``lo:hi`` lie from ``at`` on.
     """
 
     sizes: list[int]
@@ -48,22 +58,34 @@ class _Layout:
     NB: int
     block_starts: list[int]
     segments: list[list[tuple[int, int]]]
+    pieces: list[list[tuple[int, int, int, int]]]
+    order: Optional[Tensor]
+    inverse: Optional[Tensor]
 
     @classmethod
     def of(cls, sizes: list[int], block_size: int, chunks: int) -> _Layout:
-        starts, block = [], 0
-        for n in sizes:
-            starts.append(block * block_size)
-            block += -(-n // block_size)
-        NB = block
-        block_starts = [NB * j // chunks for j in range(chunks + 1)]
-        segments = []
+        blocks = [-(-n // block_size) for n in sizes]
+        firsts = list(accumulate(blocks, initial=0))[:-1]
+        NB = sum(blocks)
+        order: list[int] = []
+        block_starts, pieces = [0], []
         for j in range(chunks):
-            lo, hi = block_starts[j] * block_size, block_starts[j + 1] * block_size
-            segments.append(
-                [(max(st, lo), min(st + n, hi)) for st, n in zip(starts, sizes) if max(st, lo) < min(st + n, hi)]
-            )
-        return cls(sizes, starts, sum(sizes), NB, block_starts, segments)
+            chunk = []
+            for i, (n, nb, first) in enumerate(zip(sizes, blocks, firsts)):
+                r0, r1 = nb * j // chunks, nb * (j + 1) // chunks
+                if r0 < r1:
+                    chunk.append((i, r0 * block_size, min(r1 * block_size, n), len(order) * block_size))
+                    order.extend(range(first + r0, first + r1))
+            pieces.append(chunk)
+            block_starts.append(len(order))
+        segments = [[(at, at + hi - lo) for _, lo, hi, at in chunk] for chunk in pieces]
+        starts = [first * block_size for first in firsts]
+        if order == list(range(NB)):
+            return cls(sizes, starts, sum(sizes), NB, block_starts, segments, pieces, None, None)
+        permutation = torch.tensor(order, dtype=torch.long)
+        inverse = torch.empty_like(permutation)
+        inverse[permutation] = torch.arange(NB)
+        return cls(sizes, starts, sum(sizes), NB, block_starts, segments, pieces, permutation, inverse)
 
     def widths(self) -> list[int]:
         """The real values of each chunk."""
@@ -73,12 +95,23 @@ class _Layout:
         """The blocks of each chunk."""
         return [b - a for a, b in zip(self.block_starts, self.block_starts[1:])]
 
+    def to_chunks(self, x: Tensor, dim: int) -> Tensor:
+        """``x``'s blocks (along ``dim``, in the padded buffer's order) in chunk-major order."""
+        return x if self.order is None else x.index_select(dim, self.order.to(x.device))
+
+    def from_chunks(self, x: Tensor, dim: int) -> Tensor:
+        """``x``'s blocks (along ``dim``, in chunk-major order) back in the padded buffer's order."""
+        return x if self.inverse is None else x.index_select(dim, self.inverse.to(x.device))
+
     def real(self, x: Tensor, chunk: int, offset: int = 0) -> Tensor:
-        """The real values of chunk ``chunk`` of ``x`` (``[..., padded]``, starting at padded ``offset``), in order."""
-        return torch.cat([x[..., lo - offset : hi - offset] for lo, hi in self.segments[chunk]], dim=-1)
+        """The real values of chunk ``chunk`` of ``x`` (``[..., padded]`` in chunk-major order, starting at
+        ``offset``), in order."""
+        parts = [x[..., lo - offset : hi - offset] for lo, hi in self.segments[chunk]]
+        return torch.cat(parts, dim=-1) if parts else x[..., :0]
 
     def place(self, values: Tensor, out: Tensor, chunk: int, offset: int = 0) -> None:
-        """Write ``values`` (``[..., real values of chunk]``) into their places in ``out`` (padded from ``offset``)."""
+        """Write ``values`` (``[..., real values of chunk]``) into their places in ``out`` (padded in chunk-major
+        order, from ``offset``)."""
         i = 0
         for lo, hi in self.segments[chunk]:
             out[..., lo - offset : hi - offset] = values[..., i : i + hi - lo]
@@ -201,11 +234,14 @@ class CompressedAverage(Anchored):
                     e.view(m, n)[mine] = lost[mine]
         first = self._message_bytes(codes, per_block, coded.N, NB)
 
-        # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean.
+        # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean. From here on
+        # the blocks lie in chunk-major order (``_Layout``; with one process, as they are).
         b0, b1 = layout.block_starts[rank], layout.block_starts[rank + 1]
         if world == 1:
             received = decoded
         else:
+            codes = layout.to_chunks(codes.view(m, NB, C), 1)
+            per_block = None if per_block is None else layout.to_chunks(per_block, 1)
             sent = torch.cat([coded.real(codes.view(m, NB * C), j) for j in range(world)], dim=1)
             got = _all_to_all(sent, coded.widths(), m, group)
             # The padding (never sent) as the codes of zeros, as a process's own padded blocks have them: it decodes
@@ -216,18 +252,23 @@ class CompressedAverage(Anchored):
             got_blocks = None
             if per_block is not None:
                 got_blocks = _all_to_all(per_block, layout.block_widths(), m, group)
-            received = code.decode(chunk_codes.view(world * m, b1 - b0, C), got_blocks, acc).view(world * m, -1)
+            received = torch.zeros(world * m, 0, dtype=acc, device=device)  # no block here: fewer than processes
+            if b1 > b0:
+                received = code.decode(chunk_codes.view(world * m, b1 - b0, C), got_blocks, acc).view(world * m, -1)
         mean = _mean(received, participants)
 
         # 4. The mean, encoded again by its chunk's owner (with its error feedback), to every process.
         if code.second_stage:
-            owner = self._owner_chunk(items, layout, acc, b0 * B, b1 * B) if self.error_feedback else None
+            owner = self._owner_chunk(items, layout, acc, rank) if self.error_feedback else None
             if owner is not None:
                 mean.add_(owner)
-            codes2, per_block2 = code.encode(mean.view(b1 - b0, B))
-            result = code.decode(codes2, per_block2, acc).view(-1)
+            if b1 > b0:
+                codes2, per_block2 = code.encode(mean.view(b1 - b0, B))
+                result = code.decode(codes2, per_block2, acc).view(-1)
+            else:  # no block here: nothing to encode (the first stage's codes, none of them, to gather)
+                codes2, per_block2, result = codes[0, :0], None if per_block is None else per_block[0, :0], mean
             if owner is not None:
-                self._keep_owner_chunk(items, layout, mean - result, b0 * B, b1 * B)
+                self._keep_owner_chunk(items, layout, mean - result, rank)
             second = self._message_bytes(codes2, per_block2, coded.N, NB)
             if world > 1:
                 all_codes = code.encode(torch.zeros(1, 1, B, dtype=acc, device=device))[0].reshape(1, C).repeat(1, NB)
@@ -248,6 +289,7 @@ class CompressedAverage(Anchored):
                     layout.place(part.view(1, -1), full, j)
                 mean = full.view(W)
             result = mean
+        result = layout.from_chunks(result.view(NB, B), 0).reshape(W)
 
         # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
         for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
@@ -270,30 +312,30 @@ class CompressedAverage(Anchored):
         t.detach().copy_(value.unsqueeze(0).expand_as(t) if stacked else value)
 
     def _owner_chunk(
-        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, acc: torch.dtype, lo: int, hi: int
+        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, acc: torch.dtype, rank: int
     ) -> Tensor:
-        """The second stage's error feedback on the padded range ``lo:hi`` (this process's chunk)."""
-        out = torch.zeros(hi - lo, dtype=acc, device=items[0][1].device)
-        for (k, t, _), st, n in zip(items, layout.starts, layout.sizes):
-            e = self.owner_errors.get(k)
-            a, b = max(st, lo), min(st + n, hi)
-            if e is not None and a < b:
-                out[a - lo : b - lo] = e.reshape(-1)[a - st : b - st]
+        """The second stage's error feedback on chunk ``rank`` (this process's, padded, in chunk-major order)."""
+        b0, b1, B = layout.block_starts[rank], layout.block_starts[rank + 1], self.code.block_size
+        out = torch.zeros((b1 - b0) * B, dtype=acc, device=items[0][1].device)
+        for i, lo, hi, at in layout.pieces[rank]:
+            e = self.owner_errors.get(items[i][0])
+            if e is not None:
+                out[at - b0 * B : at - b0 * B + hi - lo] = e.reshape(-1)[lo:hi]
         return out
 
     def _keep_owner_chunk(
-        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, lost: Tensor, lo: int, hi: int
+        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, lost: Tensor, rank: int
     ) -> None:
-        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
-            a, b = max(st, lo), min(st + n, hi)
-            if a >= b:
-                continue
+        """``lost`` (chunk ``rank``'s, as ``_owner_chunk``'s) into each tensor's buffer, on that tensor's run."""
+        at0 = layout.block_starts[rank] * self.code.block_size
+        for i, lo, hi, at in layout.pieces[rank]:
+            k, t, s = items[i]
             e = self.owner_errors.get(k)
             if e is None:
                 e = self.owner_errors[k] = torch.zeros(
                     t.shape[1:] if s else t.shape, dtype=lost.dtype, device=lost.device
                 )
-            e.reshape(-1)[a - st : b - st] = lost[a - lo : b - lo]
+            e.reshape(-1)[lo:hi] = lost[at - at0 : at - at0 + hi - lo]
 
 
 def _mean(values: Tensor, participants: Optional[Tensor]) -> Tensor:

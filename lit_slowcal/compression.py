@@ -12,8 +12,9 @@ The reduce is the two-stage scheme (torchft's for DiLoCo), the same on every pat
 of processes P:
 
 1. every machine encodes its change, block by block;
-2. an all-to-all gives process j every machine's codes for its chunk j of the blocks (the blocks
-   split into P nearly equal runs);
+2. an all-to-all gives process j every machine's codes for its chunk j of the blocks (every tensor's
+   blocks split into P nearly equal runs, chunk j the round's tensors' j-th runs: a block's process
+   depends on its tensor and P alone, not on the other tensors of the round);
 3. process j decodes them and sums the changes in the accumulation dtype (float32; float64 for
    float64 tensors), in machine order, then divides by M (under partial participation: sums the S
    participants' and divides by S);
