@@ -176,3 +176,30 @@ TORCH_ONLY = (
     "test_accelerated", "test_adaptive", "test_average_layout", "test_compression", "test_compression_processes",
     "test_compression_state", "test_machine_state", "test_protocol", "test_scaffold", "test_sharded", "test_simulated",
 )  # fmt: skip
+
+
+# -- the int8 code of lit_slowcal.compression, written again from its documentation ---------------
+
+INT8_BLOCK = 256  # Int8's default block
+
+
+def int8_decoded(v: torch.Tensor) -> torch.Tensor:
+    """A float32 block through the documented int8 code: scale max|v|/127 (float32), round half to even."""
+    scale = (v.abs().max() / 127).to(torch.float32)
+    if scale == 0:
+        return torch.zeros_like(v)
+    return torch.round(v / scale).clamp(-127, 127) * scale
+
+
+def int8_blocks(v: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor through the int8 code, block by block."""
+    return torch.cat([int8_decoded(v[i : i + INT8_BLOCK]) for i in range(0, v.numel(), INT8_BLOCK)])
+
+
+def int8_mean(changes: torch.Tensor) -> torch.Tensor:
+    """The two-stage int8 mean without error feedback of ``changes`` (one row a machine): each machine's code, the
+    float32 sum in machine order divided by the machines, coded again."""
+    total = int8_blocks(changes[0])
+    for i in range(1, changes.shape[0]):
+        total = total + int8_blocks(changes[i])
+    return int8_blocks(total / changes.shape[0])

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lit_slowcal import AdaptiveSlowcal, PeriodicAverager, SimulatedMachines, SlowcalSGD
 from lit_slowcal.compression import Int8
+from tests.helpers import int8_mean
 
 M = 4
 B = 256  # Int8's default block
@@ -30,27 +31,6 @@ def _local_steps(machines: nn.Module, optimizer: torch.optim.Optimizer, averager
             p.grad = torch.randn(p.shape, generator=g)
         optimizer.step()
         averager.step()
-
-
-def _int8_decoded(v: Tensor) -> Tensor:
-    """A float32 block through the documented int8 code: scale max|v|/127 (float32), round half to even."""
-    scale = (v.abs().max() / 127).to(torch.float32)
-    if scale == 0:
-        return torch.zeros_like(v)
-    return torch.round(v / scale).clamp(-127, 127) * scale
-
-
-def _int8_blocks(v: Tensor) -> Tensor:
-    return torch.cat([_int8_decoded(v[i : i + B]) for i in range(0, v.numel(), B)])
-
-
-def _int8_mean(changes: Tensor) -> Tensor:
-    """The two-stage int8 mean of the first round (no error feedback yet): each machine's code, the float32 sum
-    in machine order divided by M, coded again."""
-    total = _int8_blocks(changes[0])
-    for i in range(1, M):
-        total = total + _int8_blocks(changes[i])
-    return _int8_blocks(total / M)
 
 
 def _int8_bytes(n: int) -> int:
@@ -78,7 +58,7 @@ def test_after_broadcast_the_first_round_codes_the_parameters_and_averages_new_s
     _local_steps(machines, opt, averager, g, 2)
     xs, ws = before[0]
     for p, x, a in zip(params, xs, anchors):
-        want = a + _int8_mean(x.reshape(M, -1) - a)
+        want = a + int8_mean(x.reshape(M, -1) - a)
         got = p.detach().reshape(M, -1)
         for i in range(M):
             assert torch.equal(got[i], want), i

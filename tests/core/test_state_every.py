@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_slowcal import PeriodicAverager, SimulatedMachines
+from tests.helpers import int8_mean
 
 M, K, N, LR, MU = 3, 2, 3, 0.1, 0.9  # machines, sync_every, state_every, SGD's lr and momentum
 A = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)  # machine i's gradient: A[i] x + its noise
@@ -155,29 +156,6 @@ def test_fragments_take_the_state_in_the_period_they_fall_in_and_a_resume_recoun
 
 # ---------------------------------------------------------------------- int8: the state's anchors
 
-B = 256  # Int8's default block
-
-
-def _int8_decoded(v: Tensor) -> Tensor:
-    """A float32 block through the documented int8 code: scale max|v|/127 (float32), round half to even."""
-    scale = (v.abs().max() / 127).to(torch.float32)
-    if scale == 0:
-        return torch.zeros_like(v)
-    return torch.round(v / scale).clamp(-127, 127) * scale
-
-
-def _int8_blocks(v: Tensor) -> Tensor:
-    return torch.cat([_int8_decoded(v[i : i + B]) for i in range(0, v.numel(), B)])
-
-
-def _int8_mean(changes: Tensor) -> Tensor:
-    """The two-stage int8 mean without error feedback: each machine's code, the float32 sum in machine order
-    divided by the machines, coded again."""
-    total = _int8_blocks(changes[0])
-    for i in range(1, changes.shape[0]):
-        total = total + _int8_blocks(changes[i])
-    return _int8_blocks(total / changes.shape[0])
-
 
 def test_with_int8_the_state_keeps_its_anchor_across_a_skipped_round_and_is_coded_from_it():
     """n = 2, K = 2, 4 machines, error feedback off: the buffers appear at the first step and go exactly in round 2
@@ -211,7 +189,7 @@ def test_with_int8_the_state_keeps_its_anchor_across_a_skipped_round_and_is_code
     anchors = averager.compressed.anchors
     for i, (p, anchor) in enumerate(zip(params, common)):
         buf = optimizer.state[p]["momentum_buffer"].reshape(machines_n, -1)
-        want = anchor.reshape(-1) + _int8_mean(before[3][i].reshape(machines_n, -1) - anchor.reshape(-1))
+        want = anchor.reshape(-1) + int8_mean(before[3][i].reshape(machines_n, -1) - anchor.reshape(-1))
         assert all(torch.equal(buf[k], want) for k in range(machines_n)), i
         assert torch.equal(anchors[f"param {i} momentum_buffer"].reshape(-1), want)
 
