@@ -62,6 +62,7 @@ from lit_slowcal.experiments.run.options import (
     compression_options,
     links_of,
     overlap_options,
+    state_options,
     step_seconds_of,
 )
 from lit_slowcal.experiments.run.resume import check_checkpoint, check_trains_more, last_checkpoint
@@ -170,7 +171,10 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             averaging_options(get)
             init = get("trainer.strategy.init_args")
             if init is not None:  # the strategy's own options and the run's: one line now if both give one
-                ours = {**compression_options(get), **overlap_options(get), "participation": get("participation")}
+                ours = {
+                    **compression_options(get), **overlap_options(get), **state_options(get),
+                    "participation": get("participation"),
+                }  # fmt: skip
                 self._settled(lambda name: init.get(name, getattr(AveragingOptions(), name)), ours)
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
@@ -365,6 +369,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             "participation_seed": seed if isinstance(seed, int) and seed >= 0 else 0,
             **compression_options(self.setting),
             **overlap_options(self.setting),
+            **state_options(self.setting),
         }
         strategy.options = replace(
             strategy.options, **self._settled(lambda name: getattr(strategy.options, name), ours)

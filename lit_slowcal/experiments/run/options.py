@@ -214,14 +214,19 @@ def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
     return {"overlap_delay": tau, "fragments": parts}
 
 
+def state_options(get: Callable[[str], Any]) -> dict[str, Any]:
+    """The strategy's ``state_every`` from ``--state_every`` (an integer >= 1; 1: the state every round)."""
+    return {"state_every": check_int("state_every", get("state_every"))}
+
+
 def averaging_options(get: Callable[[str], Any]) -> AveragingOptions:
     """The run's synchronisation options (K from the run's shape, ``--compression``, ``--overlap_delay``, ...),
     checked alone and together by ``AveragingOptions`` itself: one line for anything that cannot work."""
-    coded, overlap = compression_options(get), overlap_options(get)
+    coded, overlap, state = compression_options(get), overlap_options(get), state_options(get)
     if coded["compression"] is None and overlap == {"overlap_delay": 0, "fragments": 1}:
-        return AveragingOptions(**coded, **overlap)  # nothing that depends on K
+        return AveragingOptions(**coded, **overlap, **state)  # nothing that depends on K
     period = steps_between_syncs(get("method"), get("num_machines"), get("local_steps"), get("batch_size"))
-    return AveragingOptions(sync_every=period, **coded, **overlap)
+    return AveragingOptions(sync_every=period, **coded, **overlap, **state)
 
 
 #: How a round travels (docs/communication.md): (option, type, default, help).
@@ -234,6 +239,8 @@ COMMUNICATION_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--overlap_delay", int, 0,
      "tau: optimizer steps a round's average takes to land while training goes on (0: rounds block; < K / fragments)"),
     ("--fragments", int, 1, "F: the model's parts that take turns, one round every K / F steps (F divides K)"),
+    ("--state_every", int, 1,
+     "n: the optimizer state a round averages (SLowcal-SGD's w, ...) goes in every n-th round; 1: every round"),
 )  # fmt: skip
 
 

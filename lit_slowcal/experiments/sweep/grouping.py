@@ -84,6 +84,8 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return "participation is set (stacking averages every machine every round)"
     if config.get("overlap_delay", 0) != 0 or config.get("fragments", 1) != 1:
         return "overlap_delay or fragments is set (stacking runs blocking rounds)"
+    if config.get("state_every", 1) != 1:
+        return "state_every is set (stacking averages the state every round)"
     if config.get("method") == "diloco" or model.get("outer") not in (None, "none"):
         return "it takes a server step (diloco, model.outer; stacking takes the plain average)"
     return None

@@ -54,12 +54,23 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
             ["--compression=int8", "--overlap_delay=1"],
             "Invalid compression: 'int8' with overlap_delay=1, fragments=1 (compressed rounds are blocking",
         ),
+        (["--state_every=0"], "Invalid state_every: 0 (must be an integer >= 1)"),
+        (["--method=scaffold", "--state_every=2"], "Invalid state_every: 2 (Scaffold"),
     ],
 )
 def test_a_bad_communication_option_is_one_line_before_training(tmp_path, capsys, args, message):
     code, err = command(capsys, *args, run_dir=tmp_path)
     assert code != 0 and message in error_line(err)
     assert not (tmp_path / RUN).exists()  # refused before anything is built
+
+
+def test_the_state_on_its_own_period_sends_w_in_every_second_round(tmp_path, capsys):
+    """``--state_every=2``: rounds 1 and 3 send x alone (half of EXACT), rounds 2 and 4 x and w; nothing closes a
+    round (the last one carries w), so four rounds in all."""
+    code, err = command(capsys, "--state_every=2", run_dir=tmp_path / "state")
+    assert code == 0, err
+    row = last_train_row(tmp_path / "state")
+    assert float(row["ring_bytes_per_machine"]) == (2 * EXACT / 2 + 2 * EXACT) * 2 * (M - 1) / M
 
 
 def test_an_overlapped_fit_lands_every_round_and_counts_what_it_sent(tmp_path, capsys):
