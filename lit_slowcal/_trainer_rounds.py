@@ -11,7 +11,8 @@ model, the same on every machine. Before every validation during ``fit``, before
 sanity check), ``on_train_start`` builds the averagers, restores their schedules from the checkpoint being resumed
 and checks that every rank built them alike; the first batch of every epoch checks that every rank
 reads as many batches this epoch (one small all-gather an epoch: Lightning runs a collective of its own
-every step, so ranks whose epochs end at other steps would hang). Where a checkpoint keeps the averagers' states is the
+every step, so ranks whose epochs end at other steps would hang); where some rank cannot know its count, every
+batch checks instead that the ranks' data ends at the same batch. Where a checkpoint keeps the averagers' states is the
 strategy's: ``_put_schedules`` and ``_take_schedules``.
 """
 
@@ -53,6 +54,7 @@ class TrainerRounds(AveragerSet):
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
         self._epoch_checked = -1  # the last epoch whose length the ranks compared
+        self._ends_compared = False  # whether the ranks compare at every step whether their data ended (lengths unknown)
 
     def _new_averager(
         self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
@@ -125,18 +127,25 @@ class TrainerRounds(AveragerSet):
         if epoch != self._epoch_checked:  # the first batch of an epoch (of a resumed one too)
             self._epoch_checked = epoch
             self._check_epoch_length()
+        if self._ends_compared:
+            self._check_data_ends(batch_idx)
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def _check_epoch_length(self) -> None:
         """Every rank reads as many batches this epoch (``trainer.num_training_batches``), or one ``RuntimeError``
         on every rank naming each rank's count: one all-gather of every process, before the epoch's first step.
-        Not compared where a rank cannot know its count (a loader without ``__len__``)."""
+        Where a rank cannot know its count (a loader without ``__len__``), the ranks compare instead, at every
+        step of the epoch, whether their data has ended (``_check_data_ends``)."""
+        self._ends_compared = False
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         batches = self.lightning_module.trainer.num_training_batches  # type: ignore[attr-defined]
         known = -1 if math.isinf(batches) else int(batches)
         everyone = [n for (n,) in gather_ints_on(self.root_device, [known], None)]  # type: ignore[attr-defined]
-        if -1 in everyone or len(set(everyone)) == 1:
+        if -1 in everyone:
+            self._ends_compared = True
+            return
+        if len(set(everyone)) == 1:
             return
         counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(everyone))
         raise RuntimeError(
@@ -144,6 +153,28 @@ class TrainerRounds(AveragerSet):
             f"(trainer.num_training_batches: {counts}); give every rank the same number each epoch (equal "
             "shards, drop_last=True, or limit_train_batches), or the ranks' rounds and Lightning's own "
             "collectives would pair different steps; nothing of this epoch was trained."
+        )
+
+    def _check_data_ends(self, batch_idx: int) -> None:
+        """Every rank's data goes on past this batch, or ends with it on every rank; else one ``RuntimeError`` on
+        every rank naming each rank's count, before this batch is trained: one all-gather of two int64 values a
+        rank, every step of an epoch whose length some rank cannot know. Lightning's prefetch knows at each batch
+        whether it is the last (``batch_progress.is_last_batch``); a rank whose data ended would otherwise leave
+        the others in a collective it never joins."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        everyone = gather_ints_on(self.root_device, [batch_idx + 1, int(last)], None)  # type: ignore[attr-defined]
+        ended = {bool(e) for _, e in everyone}
+        if len(ended) == 1:
+            return
+        counts = ", ".join(
+            f"rank {r}: {n}" if e else f"rank {r}: more than {n}" for r, (n, e) in enumerate(everyone)
+        )
+        raise RuntimeError(
+            f"{type(self).__name__}: the ranks' training data ended at different batches this epoch (a loader "
+            f"without __len__; batches: {counts}); give every rank the same number each epoch (equal shards, "
+            f"drop_last=True, or limit_train_batches), or the ranks' rounds and Lightning's own collectives would "
+            f"pair different steps; the run stops before batch {batch_idx + 1} on every rank, the model not averaged."
         )
 
     def on_train_end(self) -> None:

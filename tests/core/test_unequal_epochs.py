@@ -1,8 +1,7 @@
 """Ranks that read unequal numbers of batches an epoch (each its own shard, ``use_distributed_sampler=False``):
 two gloo processes under Lightning's Trainer, rank 0 with 12 batches and rank 1 with 10, K = 4, a validation at
 the end of the epoch. Every rank raises the same one line naming each rank's count, before the first step where
-the lengths are known; an iterable of unknown length is caught at the first round boundary the ranks reach
-together. A short process-group timeout turns a hang into a failure of the test, not of the suite."""
+the lengths are known; an iterable of unknown length is caught at the batch where the first rank's data ends. A short process-group timeout turns a hang into a failure of the test, not of the suite."""
 
 from __future__ import annotations
 
@@ -139,23 +138,22 @@ def test_unequal_epochs_are_refused_on_every_rank_before_the_first_step(tmp_path
     assert ranks[0]["message"] == ranks[1]["message"]
 
 
-def test_an_unknown_length_is_refused_at_the_first_round_boundary(tmp_path):
-    """Lengths unknown (no ``__len__``): rank 1 closes its round at the validation after its 10 steps, rank 0 goes on
-    to its synchronisation at step 12. Where Lightning runs a collective of its own every step (its SIGTERM
-    broadcast, since 2.6), both then wait in the round's check until the process group's timeout, and each raises
-    one line naming its own steps; without it (2.5) the two checks meet, and each rank's line names both ranks'."""
-    ranks = _spawn("periodic", True, str(tmp_path))
+@pytest.mark.parametrize("strategy", ["periodic", "sharded"])
+def test_an_unknown_length_is_refused_at_the_batch_where_the_first_rank_s_data_ends(tmp_path, strategy):
+    """Lengths unknown (no ``__len__``): at every batch the ranks compare whether their data has ended, so at batch
+    10 (rank 1's last) both raise the same line naming rank 1's 10 and rank 0's "more than 10", before batch 10 is
+    trained; without the comparison rank 1 closes its round while rank 0 goes on, and (Lightning 2.6's per-step
+    broadcast) both wait until the process group's timeout, each naming only its own steps."""
+    ranks = _spawn(strategy, True, str(tmp_path))
+    name = {"periodic": "PeriodicAveragingStrategy", "sharded": "ShardedAveragingStrategy"}[strategy]
+    expected = (
+        f"{name}: the ranks' training data ended at different batches this epoch (a loader "
+        f"without __len__; batches: rank 0: more than {BATCHES[1]}, rank 1: {BATCHES[1]}); "
+    )
     for rank, result in enumerate(ranks):
         assert result.get("type") == "RuntimeError", (rank, result)
         message = result["message"]
-        assert "\n" not in message, (rank, message)
-        if message.startswith("PeriodicAverager: the ranks reached this synchronisation at different points ("):
-            for r in range(WORLD):
-                assert f"rank {r}: {BATCHES[r]} steps, {BATCHES[r]} backward passes" in message, (rank, message)
-            continue
-        assert message.startswith("PeriodicAverager: the ranks did not all reach a synchronisation (this rank: "), (
-            rank,
-            message,
-        )
-        assert f"(this rank: {BATCHES[rank]} steps, {BATCHES[rank]} backward passes;" in message, (rank, message)
-        assert "give every rank the same number of batches" in message, (rank, message)
+        assert message.startswith(expected) and "\n" not in message, (rank, message)
+        assert f"the run stops before batch {BATCHES[1]} on every rank" in message, (rank, message)
+        assert result["steps"] == BATCHES[1] - 1, (rank, result)
+    assert ranks[0]["message"] == ranks[1]["message"]
