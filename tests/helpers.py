@@ -1,12 +1,15 @@
 """Shared by the tests that start the CLI in a subprocess, and by those that spawn gloo ranks."""
 
+import contextlib
 import os
+import socket
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -121,6 +124,19 @@ def ref_adaptive_slowcal(
     return {"param": beta * x + (1 - beta) * w, "x": x, "w": w, "v": torch.stack(vs)}
 
 
+def resumed(build: Callable[[], tuple[Any, Any, Any]], machines, optimizer, averager, generator):
+    """``build()``'s fresh (machines, optimizer, averager) with the given ones' states loaded, and a generator in
+    ``generator``'s state: what a run resumed from a checkpoint taken now holds."""
+    saved = (machines.state_dict(), optimizer.state_dict(), averager.state_dict(), generator.get_state())
+    machines, optimizer, averager = build()
+    machines.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    averager.load_state_dict(saved[2])
+    generator = torch.Generator()
+    generator.set_state(saved[3])
+    return machines, optimizer, averager, generator
+
+
 def reloaded(machines, optimizer, averager, make_optimizer):
     """New machines, optimizer and averager restored from the states of the given ones, as a resumed
     process would have them: the module's parameters zeroed first, then every state loaded."""
@@ -153,6 +169,22 @@ BARRIER = textwrap.dedent(
         time.sleep(0.002)
     """
 )
+
+
+@contextlib.contextmanager
+def rendezvous_here() -> Iterator[None]:
+    """``MASTER_ADDR`` and ``MASTER_PORT`` set to a free port of this host while the block runs (Lightning's
+    rendezvous of spawned ranks), restored after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = pytest.MonkeyPatch()
+    env.setenv("MASTER_ADDR", "127.0.0.1")
+    env.setenv("MASTER_PORT", str(port))
+    try:
+        yield
+    finally:
+        env.undo()
 
 
 def spawn_ranks(worker: Callable[..., None], nprocs: int, out: str) -> list[Any]:

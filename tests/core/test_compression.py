@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from lit_slowcal import AdaptiveSlowcal, PeriodicAverager, SimulatedMachines, SlowcalSGD
 from lit_slowcal._server import participant_weights
 from lit_slowcal.compression import Code, Compressor, Int8
+from tests.helpers import resumed
 
 M = 4
 B = 256  # Int8's default block
@@ -301,14 +302,8 @@ def test_a_resume_from_the_state_dict_is_exact(stop):
     machines, opt, averager = build()
     g = torch.Generator().manual_seed(7)
     steps(machines, opt, averager, g, stop)
-    saved = {"model": machines.state_dict(), "opt": opt.state_dict(), "avg": averager.state_dict(), "g": g.get_state()}
-    assert saved["avg"]["compression"]["ranks"][0]["errors"][0] is not None
-    machines, opt, averager = build()
-    machines.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    averager.load_state_dict(saved["avg"])
-    g = torch.Generator()
-    g.set_state(saved["g"])
+    assert averager.state_dict()["compression"]["ranks"][0]["errors"][0] is not None
+    machines, opt, averager, g = resumed(build, machines, opt, averager, g)
     steps(machines, opt, averager, g, 12 - stop)
     assert all(torch.equal(a, b) for a, b in zip(_values(machines), reference))
 
@@ -564,13 +559,7 @@ def test_a_resume_with_a_clamped_nonnegative_state_is_exact():
     machines, opt, averager = build()
     g = torch.Generator().manual_seed(7)
     steps(machines, opt, averager, g, 0, 22)
-    saved = {"model": machines.state_dict(), "opt": opt.state_dict(), "avg": averager.state_dict(), "g": g.get_state()}
-    machines, opt, averager = build()
-    machines.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    averager.load_state_dict(saved["avg"])
-    g = torch.Generator()
-    g.set_state(saved["g"])
+    machines, opt, averager, g = resumed(build, machines, opt, averager, g)
     steps(machines, opt, averager, g, 22, 40)
     got = _values(machines) + [opt.state[machines.weight]["exp_avg_sq"]]
     assert all(torch.equal(a, b) for a, b in zip(got, reference))

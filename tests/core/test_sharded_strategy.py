@@ -14,14 +14,13 @@ S = 1 of the M = 2 replicas: every rank ends at the reference whose rounds take 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import finish_rank, spawn_ranks
+from helpers import finish_rank, rendezvous_here, spawn_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_server import participants
 from test_sharded import CASES, LOCAL_NUMEL, ROWS, _max_difference, _model, _reference
@@ -172,16 +171,8 @@ def _participation_worker(rank: int, init_file: str, out: str) -> None:
 
 def _spawn(worker: Any, out: str) -> list[Any]:
     """``worker`` on the four processes of Lightning's rendezvous at a free port of this host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MASTER_ADDR", "127.0.0.1")
-    mp.setenv("MASTER_PORT", str(port))
-    try:
+    with rendezvous_here():
         return spawn_ranks(worker, WORLD, out)
-    finally:
-        mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -310,16 +301,8 @@ def _missing_state_worker(rank: int, init_file: str, out: str) -> None:
 def test_a_missing_process_state_file_is_refused_in_one_line_on_every_rank(tmp_path):
     """The resume of a checkpoint whose ``periodic_averaging.rank1.pt`` is gone: every rank stops with the same
     line naming that file and what to do, before any collective of the resume (none hangs or times out)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MASTER_ADDR", "127.0.0.1")
-    mp.setenv("MASTER_PORT", str(port))
-    try:
+    with rendezvous_here():
         ranks = spawn_ranks(_missing_state_worker, 2, str(tmp_path))
-    finally:
-        mp.undo()
     missing = os.path.join(ranks[0]["checkpoint"], f"{CHECKPOINT_KEY}.rank1.pt")
     for rank, results in enumerate(ranks):
         assert results["error"] is not None, rank

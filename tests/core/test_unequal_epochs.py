@@ -6,7 +6,6 @@ the lengths are known; an iterable of unknown length is caught at the batch wher
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 from functools import partial
@@ -16,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import rendezvous_here
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -101,13 +101,7 @@ def _worker(strategy: str, stream: bool, rank: int, init_file: str, out: str) ->
 
 def _spawn(strategy: str, stream: bool, out: str) -> list[dict[str, Any]]:
     """Both ranks' results; every process killed when they are not all in within ``DEADLINE``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = pytest.MonkeyPatch()
-    env.setenv("MASTER_ADDR", "127.0.0.1")
-    env.setenv("MASTER_PORT", str(port))
-    try:
+    with rendezvous_here():
         context = mp.spawn(partial(_worker, strategy, stream), args=("", out), nprocs=WORLD, join=False)
         deadline = time.monotonic() + DEADLINE
         while not context.join(timeout=1):
@@ -115,8 +109,6 @@ def _spawn(strategy: str, stream: bool, out: str) -> list[dict[str, Any]]:
                 for process in context.processes:
                     process.kill()
                 break
-    finally:
-        env.undo()
     files = [os.path.join(out, f"rank{r}.pt") for r in range(WORLD)]
     missing = [f for f in files if not os.path.exists(f)]
     assert not missing, f"ranks still running after {DEADLINE} s (hung): {missing}"
