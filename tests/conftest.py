@@ -12,7 +12,9 @@ command, then once more with the oldest Lightning allowed, there with ``-m "not 
 (said in its output): the Lightning integration is the same for every method, and the second pass
 stays short. It also leaves out the modules of ``TORCH_ONLY`` (marked ``torch_only``): they import no
 Lightning (``tests/test_markers.py`` checks it), so no Lightning version can change what they test.
-The list is ``helpers.TORCH_ONLY``.
+The list is ``helpers.TORCH_ONLY``. And it leaves out ``tests/experiments/sweep`` (the sweep runner's
+bookkeeping of trials, records and workers; a trial's Lightning path is the app's run, which
+``tests/experiments/run`` tests in both passes).
 
 Tests marked ``slow`` (subprocess launches, multi-process runs, sweeps, whole fits; a module that is
 all such sets ``pytestmark``) are left out of the fast tier, ``pytest -m "not slow"``; the README's
