@@ -12,6 +12,14 @@ time is the slower rank's; one warm-up, then ``--reps``, the median):
   (x and w; after ``broadcast()``, which anchors both, so every timed round is coded; the machines' values
   moved apart before each, outside the timing), as shipped (the schedule check on).
 
+and, with ``--training`` (default ``cnn,lm``), real training rounds of the app's models on their own data:
+``cnn`` (the small CNN of docs/nonconvex.md, 11,274 parameters, on each process's MNIST shard, batch 32) and ``lm``
+(the character transformer of ``configs/charlm.yaml``, 33,760 parameters, on each process's ``StdlibChars``
+windows, batch 8): K = ``--local-steps`` SlowcalSGD steps, then the round's synchronisation through
+``PeriodicAverager.step()`` (exact, and int8 as ``cnn_int8`` / ``lm_int8``); the sync is timed after a barrier
+(the ranks' compute skew left out), and so is each round's compute. Each then also gives the round's time
+(compute + sync, measured) against compute + the modelled sync, the time docs/time_to_accuracy.md models.
+
 The model is the library's: the counts the averager added to its ``link_counts`` over the timed rounds
 (``LinkCounts.of_syncs`` for the bare all-reduce), in seconds at ``Link(rate, latency)``, where the latency is
 the link's own, measured in the same run: the median of a 4-byte ``all_reduce``, divided by its ring hops
@@ -20,6 +28,7 @@ shaped time, the case is CPU-bound (the model of a link alone cannot be within 2
 modelled time is above ``--max-seconds`` a rep is left out (said so).
 
     python benchmarks/bench_shaped_link.py [--procs 2,4] [--rates 100mbit,1gbit] [--sizes 1M,10M] [--reps 3]
+        [--training cnn,lm] [--local-steps 16] [--burst 256kb]
 
 Needs root (network namespaces, ``tc``); anywhere else it refuses in one line (``shaped_link.py``).
 """
@@ -82,7 +91,81 @@ def _apart(tensors: list[Any], generator: Any) -> None:
             t.add_(torch.randn(t.shape, generator=generator), alpha=1e-3)
 
 
-def worker(out: Path, sizes: list[int], reps: int, rate: Optional[str], max_seconds: float) -> None:
+def _training_setup(kind: str, rank: int, world: int) -> tuple[Any, Any, Any, int]:
+    """The app's model of ``kind`` (``cnn`` or ``lm``), this process's share of its problem's training data and its
+    loss, with the batch size of its docs (the CNN's 32, the LM's 8)."""
+    import torch
+    from torch.nn import functional
+
+    from lit_slowcal.experiments.data.mnist import load_mnist
+    from lit_slowcal.experiments.data.problems import VOCABULARY, StdlibChars
+    from lit_slowcal.experiments.train.architectures import get_architecture
+
+    torch.manual_seed(0)  # one initialisation on every machine, as the app's
+    if kind == "cnn":
+        x, y = load_mnist(ROOT / "data")[:2]
+        model = get_architecture("cnn").build(784, 10)
+        return model, (x[rank::world], y[rank::world]), functional.cross_entropy, 32
+    data = StdlibChars().build(world, 1, None)
+    shard = data.shards[rank]
+    model = get_architecture("transformer").build(StdlibChars().input_dim, len(VOCABULARY))
+
+    def next_token(logits: Any, targets: Any) -> Any:
+        return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return model, (data.train_x[shard], data.train_y[shard]), next_token, 8
+
+
+def _training_rounds(
+    kind: str, local_steps: int, rounds: int, rank: int, world: int, timed_sync: Any
+) -> dict[str, Any]:
+    """``rounds`` rounds of K local SlowcalSGD steps and their synchronisation: each round's compute and sync
+    seconds (the slower rank's), and the library's counts of one round."""
+    import time
+
+    import torch
+
+    from lit_slowcal import PeriodicAverager, SlowcalSGD
+
+    name, _, code = kind.partition("_")
+    model, (x, y), loss_fn, batch = _training_setup(name, rank, world)
+    optimizer = SlowcalSGD(model.parameters(), lr=0.05)
+    averager = PeriodicAverager(model, optimizer, sync_every=local_steps, compression=code or None)
+    averager.broadcast()
+    g = torch.Generator().manual_seed(rank)
+    computes, syncs, before = [], [], None
+    for r in range(rounds):
+        start = time.perf_counter()
+        for k in range(local_steps):
+            rows = torch.randint(len(x), (batch,), generator=g)
+            optimizer.zero_grad()
+            loss_fn(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+            if k < local_steps - 1:
+                averager.step()
+        computes.append(time.perf_counter() - start)
+        if r == 1:
+            before = averager.link_counts
+        syncs.append(timed_sync(averager.step))  # the K-th step: the round's synchronisation
+    added = averager.link_counts
+    n = rounds - 1
+    averager.remove_hooks()
+    return {
+        "case": kind, "size": sum(p.numel() for p in model.parameters()), "compute": computes[1:], "times": syncs[1:],
+        "ring_bytes": (added.ring_bytes - before.ring_bytes) / n, "ring_hops": (added.ring_hops - before.ring_hops) // n,
+        "bytes_per_sync": averager.bytes_per_sync(),
+    }  # fmt: skip
+
+
+def worker(
+    out: Path,
+    sizes: list[int],
+    reps: int,
+    rate: Optional[str],
+    max_seconds: float,
+    training: list[str],
+    local_steps: int,
+) -> None:
     import torch
     import torch.distributed as dist
     from bench_sync import build_model
@@ -158,6 +241,16 @@ def worker(out: Path, sizes: list[int], reps: int, rate: Optional[str], max_seco
                 averager.remove_hooks()
             row.update(times=times, ring_bytes=counts.ring_bytes, ring_hops=counts.ring_hops, wire=wire)
             result["cases"].append(row)
+    for kind in training:
+
+        def one_sync(fn: Any) -> float:
+            return timed(fn, 1)[0]
+
+        sent = _tx_bytes()
+        row = _training_rounds(kind, local_steps, 1 + reps, rank, world, one_sync)
+        row["compute"] = slower(row["compute"])
+        row["wire"] = slower([(_tx_bytes() - sent) / (1 + reps)])[0]  # a round's compute and sync traffic together
+        result["cases"].append(row)
     if rank == 0:
         out.write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -169,11 +262,11 @@ def worker(out: Path, sizes: list[int], reps: int, rate: Optional[str], max_seco
 def measure(procs: int, rate: Optional[str], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"p{procs}-{rate or 'none'}.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "worker", str(out), args.sizes, str(args.reps)]
-    argv += [rate or "none", str(args.max_seconds)]
+    argv += [rate or "none", str(args.max_seconds), args.training, str(args.local_steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     start = time.perf_counter()
-    with ShapedLink(Plan(procs, rate)) as net:
+    with ShapedLink(Plan(procs, rate, burst=args.burst)) as net:
         codes = net.run(argv, timeout=args.timeout, env=env)
     if any(codes):
         sys.exit(f"bench_shaped_link: the workers failed (P = {procs}, rate {rate}): exit statuses {codes}")
@@ -184,8 +277,9 @@ def measure(procs: int, rate: Optional[str], args: argparse.Namespace, tmp: Path
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        out, sizes, reps, rate, max_seconds = sys.argv[2:7]
-        worker(Path(out), [_parse_size(s) for s in sizes.split(",")], int(reps), None if rate == "none" else rate, float(max_seconds))  # fmt: skip
+        out, sizes, reps, rate, max_seconds, training, local_steps = sys.argv[2:9]
+        worker(Path(out), [_parse_size(s) for s in sizes.split(",") if s], int(reps), None if rate == "none" else rate,
+               float(max_seconds), [t for t in training.split(",") if t], int(local_steps))  # fmt: skip
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--procs", default="2,4", help="numbers of processes, comma-separated (default 2,4)")
@@ -193,6 +287,9 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,10M", help="parameters, comma-separated (1M, 10M)")
     p.add_argument("--reps", type=int, default=3, help="timed reps per case after one warm-up (default 3)")
     p.add_argument("--max-seconds", type=float, default=2.5, help="leave out cases modelled above this a rep")
+    p.add_argument("--training", default="cnn,lm", help="training rounds: cnn, lm, cnn_int8, lm_int8 ('' for none)")
+    p.add_argument("--local-steps", type=int, default=16, help="K of the training rounds (default 16)")
+    p.add_argument("--burst", default="256kb", help="tbf's burst (default 256kb)")
     p.add_argument("--timeout", type=float, default=300, help="seconds one P and rate may take (default 300)")
     args = p.parse_args()
     rates = args.rates.split(",")
@@ -247,6 +344,20 @@ def main() -> None:
             f"{modelled:>10.3f} {got / modelled:>6.2f} {base:>10.3f} {'yes' if bound else 'no':>9}  {met}"
             + (" (CPU-bound)" if bound and met == "NOT met" else "")
         )
+    rounds = [(procs, rate, link, c) for procs, rate, link, c, _ in rows if "compute" in c]
+    if rounds:
+        print()
+        print("the training rounds whole: K steps' compute (measured) plus the sync, measured against compute plus the")
+        print("modelled sync (the round time of docs/time_to_accuracy.md's model); medians, the slower rank's")
+        print(f"{'case':<11} {'params':>11} {'link':>8} {'P':>2} {'compute s':>10} {'sync s':>10} {'round s':>10} {'modelled s':>10} {'ratio':>6}")  # fmt: skip
+        for procs, rate, link, c in rounds:
+            counts = LinkCounts(syncs=1, ring_bytes=c["ring_bytes"], ring_hops=c["ring_hops"])
+            compute, sync = statistics.median(c["compute"]), statistics.median(c["times"])
+            modelled = compute + counts.seconds(link)
+            print(
+                f"{c['case']:<11} {c['size']:>11,} {rate:>8} {procs:>2} {compute:>10.3f} {sync:>10.4f} "
+                f"{compute + sync:>10.3f} {modelled:>10.3f} {(compute + sync) / modelled:>6.2f}"
+            )
 
 
 if __name__ == "__main__":
