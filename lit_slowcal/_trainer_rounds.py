@@ -54,7 +54,7 @@ class TrainerRounds(AveragerSet):
         self._sync_pre_hooks: OrderedDict[int, Callable[[PeriodicAverager], None]] = OrderedDict()
         self._restored: Optional[list[dict[str, Any]]] = None  # the schedules of the checkpoint being resumed
         self._epoch_checked = -1  # the last epoch whose length the ranks compared
-        self._ends_compared = False  # whether the ranks compare at every step whether their data ended (lengths unknown)
+        self._ends_compared = False  # the ranks compare at every batch whether their data ended (lengths unknown)
 
     def _new_averager(
         self, modules: Any, optimizer: Optimizer, buffers: Optional[list[Tensor]] = None
@@ -159,17 +159,15 @@ class TrainerRounds(AveragerSet):
         """Every rank's data goes on past this batch, or ends with it on every rank; else one ``RuntimeError`` on
         every rank naming each rank's count, before this batch is trained: one all-gather of two int64 values a
         rank, every step of an epoch whose length some rank cannot know. Lightning's prefetch knows at each batch
-        whether it is the last (``batch_progress.is_last_batch``); a rank whose data ended would otherwise leave
+        whether it is the last (``trainer.is_last_batch``); a rank whose data ended would otherwise leave
         the others in a collective it never joins."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        last = bool(trainer.is_last_batch)
         everyone = gather_ints_on(self.root_device, [batch_idx + 1, int(last)], None)  # type: ignore[attr-defined]
         ended = {bool(e) for _, e in everyone}
         if len(ended) == 1:
             return
-        counts = ", ".join(
-            f"rank {r}: {n}" if e else f"rank {r}: more than {n}" for r, (n, e) in enumerate(everyone)
-        )
+        counts = ", ".join(f"rank {r}: {n}" if e else f"rank {r}: more than {n}" for r, (n, e) in enumerate(everyone))
         raise RuntimeError(
             f"{type(self).__name__}: the ranks' training data ended at different batches this epoch (a loader "
             f"without __len__; batches: {counts}); give every rank the same number each epoch (equal shards, "
