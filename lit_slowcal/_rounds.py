@@ -228,13 +228,14 @@ def _participants(weights: Optional[Tensor]) -> Optional[int]:
 
 def engine_for(
     options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any],
-    names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (),
+    names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (), bucket_views: bool = False,
 ) -> Engine:  # fmt: skip
     """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``;
     ``names``: the averaged tensors' names, ``nonnegative``: the state keys landed at no less than 0,
     ``CodedRound``), or overlapped (``overlap_delay`` >= 1, exact: the
-    options refuse compression with it)."""
-    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
+    options refuse compression with it); ``bucket_views``: ``options.bucket_views`` resolved (its ``None``, the
+    averager's choice)."""
+    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, bucket_views)
     code = options.compressor
     if options.overlap_delay:
         return OverlappedRound(exact, options.overlap_delay)

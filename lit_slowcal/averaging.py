@@ -150,7 +150,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         names = lambda ts: _selection.names_of(ts, self.modules, optimizer, self._averaged_keys(), self.buffers)  # noqa: E731
         self.engine: Engine = engine_for(
             self.options, self.num_machines, self.machines_per_process, process_group, names,
-            declared(optimizer).nonnegative_state,
+            declared(optimizer).nonnegative_state, self._bucket_views(),
         )  # fmt: skip
         if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
@@ -416,6 +416,16 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             self.engine.anchor_missing(self._tensors())
 
     # -- what is averaged ---------------------------------------------------------------------
+
+    def _bucket_views(self) -> bool:
+        """``options.bucket_views``, its default (``None``) resolved: on where the averaged tensors are the model's
+        own (no optimizer state averaged: the buffer holds what ``model.state_dict()`` holds, so saving it writes
+        nothing more) and every round is a blocking exact one; off where it is refused or where rounds are coded."""
+        o = self.options
+        if o.bucket_views is not None:
+            return o.bucket_views
+        blocking_exact = o.compressor is None and not o.overlap_delay and o.fragments == 1 and o.state_every == 1
+        return blocking_exact and not self.sharded and not self._averaged_keys()
 
     def _outer_pairs(self, tensors: Optional[Tensors] = None) -> Tensors:
         """The optimizer's parameters, each with whether it is stacked (one slice per machine);

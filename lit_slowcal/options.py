@@ -75,7 +75,10 @@ class AveragingOptions:
         overlap_delay: tau, optimizer steps a round's average takes to land while training goes on (0: blocking).
         fragments: F, the parts of the model that take turns, one round every K / F steps.
         bucket_views: the averaged tensors of each device and dtype become views of one flat buffer that a
-            blocking exact synchronisation all-reduces where it lies (docs/communication.md, "Bucket views").
+            blocking exact synchronisation all-reduces where it lies (docs/communication.md, "Bucket views");
+            ``None`` (the default): on where no optimizer state is averaged (the buffer then holds what the model
+            holds: saving it writes nothing more) and the rounds are blocking and exact (no ``compression``,
+            ``overlap_delay``, ``fragments`` > 1, ``state_every`` > 1 or FSDP2 shards); else off.
         state_every: n, the optimizer state a round averages (the declared ``averaged_state`` and
             ``average_state``) goes in every n-th scheduled round only, those of the periods ceil(steps / K)
             that n divides; parameters and buffers in every round, everything in a closing round
@@ -99,7 +102,7 @@ class AveragingOptions:
     error_feedback: Optional[bool] = None
     overlap_delay: int = 0
     fragments: int = 1
-    bucket_views: bool = False
+    bucket_views: Optional[bool] = None
     state_every: int = 1
     #: The compressor ``compression`` names (``None``: the exact average); derived, not an option.
     compressor: Optional[Compressor] = field(default=None, init=False, repr=False)
@@ -115,8 +118,10 @@ class AveragingOptions:
         object.__setattr__(self, "average_state", keys)
         check_number("bucket_cap_mb", self.bucket_cap_mb)
         for name in ("check_schedule", "bucket_views"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Invalid {name}: {getattr(self, name)!r} (True or False)")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "bucket_views" and value is None):
+                more = ", or None: on where it changes nothing a program saves" if name == "bucket_views" else ""
+                raise ValueError(f"Invalid {name}: {value!r} (True or False){more}")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise TypeError(
                 f"Invalid outer_optimizer: {self.outer_optimizer!r} (a callable params -> torch.optim.Optimizer)"

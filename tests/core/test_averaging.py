@@ -238,7 +238,7 @@ def test_state_dict_resume_and_bad_values():
         PeriodicAverager(machines, object(), sync_every=1)
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
+@pytest.mark.parametrize("bad", [1, "yes", 0.5])
 def test_bucket_views_refused_unless_a_bool(bad):
     model = nn.Linear(2, 2)
     message = rf"^Invalid bucket_views: {bad!r} \(True or False"
