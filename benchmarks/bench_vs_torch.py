@@ -1,20 +1,22 @@
 """One blocking exact sync of parameters (SGD) against torch's own averager, on 2 gloo processes (1 thread each).
 
-Each process holds three copies of ``bench_sync.py``'s model (four square ``nn.Linear`` layers and a
-``LayerNorm``), stepped by ``torch.optim.SGD`` (no state: the sync averages the parameters alone):
-(a) ``PeriodicAverager(model, SGD, sync_every=1).sync()`` with the default options (as shipped),
-(b) the same with ``bucket_views=True``, and (c) torch's
-``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager(period=1).average_parameters``
+Each process holds copies of ``bench_sync.py``'s model (four square ``nn.Linear`` layers and a ``LayerNorm``),
+each stepped by ``torch.optim.SGD`` (no state: the sync averages the parameters alone): (a) "ours",
+``PeriodicAverager(model, SGD, sync_every=1).sync()`` with the default options, as shipped (bucket views on, since
+no optimizer state is averaged; the schedule check in the rounds that ``check_every`` = 16 divides), and (b)
+torch's ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager(period=1).average_parameters``
 of its own copy (flatten, divide, all-reduce, the parameters rebound to views of the flat result).
 Per size, in a shuffled order every rep after a warm-up, each process times each after a barrier;
 a rep's time is the slower rank's. The table gives the medians and, per contender, the median of
 the reps' ratios to the same rep's torch averager (the host's drift cancels). Goal: (a) <= 1.0x.
-With ``--parts``, also (d) the default sync with ``check_schedule=False`` and (e) one bare
-``all_reduce`` of the same bytes (where the time goes).
+With ``--parts`` (where the time goes), also: the default with the check in every round (``check_every = 1``),
+with ``check_schedule=False``, with ``bucket_views=False`` (the layout without views: tensors of 512 KiB or more
+reduced in place, the others flattened), the same with every tensor flattened, and one bare ``all_reduce`` of
+the same bytes. ``--runs 3``: three runs in fresh processes, and per size the min / median / max of their medians.
 
-``--digest`` prints, per size, a digest of rank 0's parameters after the syncs of (a), (b) and (c):
-the three average alike (2 processes: a / 2 + b / 2 == (a + b) / 2 in binary floating point, away from
-subnormals), so the three digests are equal.
+``--digest`` prints, per size, a digest of rank 0's parameters after the syncs of every contender: they average
+alike (2 processes: a / 2 + b / 2 == (a + b) / 2 in binary floating point, away from subnormals), so the digests
+are equal.
 
     python benchmarks/bench_vs_torch.py [--sizes 100K,1M,10M] [--reps 30] [--runs 1] [--parts] [--digest]
 """
@@ -63,38 +65,44 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, parts: bool, dige
         return model, optimizer
 
     for numel in sizes:
-        model, optimizer = build(numel)
-        ours = PeriodicAverager(model, optimizer, sync_every=1)
-        vmodel, voptimizer = build(numel)
-        views = PeriodicAverager(vmodel, voptimizer, sync_every=1, bucket_views=True)
+        kept: list[Any] = []  # every contender's model, for the digests and until the size is done
+
+        def averager(**settings: Any) -> PeriodicAverager:
+            model, optimizer = build(numel)
+            kept.append(model)
+            return PeriodicAverager(model, optimizer, sync_every=1, **settings)
+
+        ours = averager()
         tmodel, _ = build(numel)
         theirs = PeriodicModelAverager(period=1, warmup_steps=0)
-        umodel, uoptimizer = build(numel)
-        unchecked = PeriodicAverager(umodel, uoptimizer, sync_every=1, check_schedule=False)
-        wmodel, woptimizer = build(numel)
-        views_unchecked = PeriodicAverager(wmodel, woptimizer, sync_every=1, check_schedule=False, bucket_views=True)
-        n = sum(p.numel() for p in model.parameters())
+        n = sum(p.numel() for p in tmodel.parameters())
         flat = torch.randn(n)
-        run = {
-            "ours": ours.sync,
-            "views": views.sync,
-            "torch": lambda m=tmodel, a=theirs: a.average_parameters(m.parameters()),
-        }
+        run = {"ours": ours.sync, "torch": lambda m=tmodel, a=theirs: a.average_parameters(m.parameters())}
+        models = {"ours": ours.modules[0], "torch": tmodel}
         if parts:
-            run["unchecked"] = unchecked.sync
-            run["views_unchecked"] = views_unchecked.sync
-            fmodel, foptimizer = build(numel)
-            flattened = PeriodicAverager(fmodel, foptimizer, sync_every=1, check_schedule=False)
+            checked_every_round = averager()
+            checked_every_round.check_every = 1
+            run["checked"] = checked_every_round.sync
+            run["unchecked"] = averager(check_schedule=False).sync
+            no_views = averager(bucket_views=False)
+            run["no_views"] = no_views.sync
+            models["no_views"] = no_views.modules[0]
+            flattened = averager(bucket_views=False)
 
             def flat_sync(a=flattened) -> None:  # every tensor into the flattened buckets, none reduced in place
-                kept, _communication.IN_PLACE_BYTES = _communication.IN_PLACE_BYTES, 2**62
+                was, _communication.IN_PLACE_BYTES = _communication.IN_PLACE_BYTES, 2**62
                 try:
                     a.sync()
                 finally:
-                    _communication.IN_PLACE_BYTES = kept
+                    _communication.IN_PLACE_BYTES = was
 
             run["flattened"] = flat_sync
-            run["all_reduce"] = lambda t=flat: dist.all_reduce(t)
+            models["flattened"] = flattened.modules[0]
+
+            def bare(t: torch.Tensor = flat) -> None:
+                dist.all_reduce(t)
+
+            run["all_reduce"] = bare
         times: dict[str, list[float]] = {name: [] for name in run}
         warmup = 3
         order = list(run)
@@ -121,13 +129,14 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, parts: bool, dige
                 line[name] = statistics.median(each)
                 line[name + "_ratio"] = statistics.median(a / b for a, b in zip(each, base))
             if digest:
-                for key, m in {"ours": model, "views": vmodel, "torch": tmodel}.items():
+                for key, m in models.items():
                     h = hashlib.sha256()
                     for p in m.parameters():
                         h.update(p.detach().numpy().tobytes())
                     line[key + "_digest"] = h.hexdigest()[:16]
             queue.put(line)
-        del model, vmodel, tmodel, umodel, wmodel, ours, views, unchecked, views_unchecked, flat, run
+        kept.clear()
+        del models, tmodel, ours, flat, run
     dist.destroy_process_group()
 
 
@@ -150,17 +159,18 @@ def main() -> None:
     print(
         "one blocking exact sync of SGD's parameters vs torch's PeriodicModelAverager.average_parameters, 2 gloo "
         "processes, 1 thread each (medians of the slower rank; ratio: the median of the reps' ratios to the same "
-        "rep's torch averager; 'ours': PeriodicAverager as shipped; 'bucket_views': bucket_views=True"
+        "rep's torch averager; 'ours': PeriodicAverager as shipped"
         + (
-            "; 'unchecked': as shipped with check_schedule=False; 'all_reduce': one bare all_reduce)"
+            "; 'checked': with the schedule check in every round (check_every = 1); 'unchecked': "
+            "check_schedule=False; 'no_views': bucket_views=False (the layout without bucket views); 'flattened': "
+            "bucket_views=False with every tensor flattened into a bucket; 'all_reduce': one bare all_reduce of "
+            "the same bytes)"
             if args.parts
             else ")"
         )
     )
-    head = f"{'run':>3} {'parameters':>12} {'reps':>5} {'torch ms':>9} {'ours ms':>8} {'ratio':>6} {'goal':<16}"
-    head += f" {'bucket_views ms':>15} {'ratio':>6}"
-    print(head)
-    ratios: dict[int, list[float]] = {}
+    print(f"{'run':>3} {'parameters':>12} {'reps':>5} {'torch ms':>9} {'ours ms':>8} {'ratio':>6} {'goal':<16}")
+    ratios: dict[int, list[tuple[float, float, float]]] = {}
     for run in range(args.runs):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -174,26 +184,30 @@ def main() -> None:
         )
         while not queue.empty():
             r = queue.get()
-            ratios.setdefault(r["size"], []).append(r["ours_ratio"])
+            ratios.setdefault(r["size"], []).append((r["ours"], r["torch"], r["ours_ratio"]))
             met = "met" if r["ours_ratio"] <= GOAL else "NOT met"
             text = (
                 f"{run + 1:>3} {r['size']:>12,} {r['reps']:>5} {r['torch'] * 1e3:>9.2f} {r['ours'] * 1e3:>8.2f} "
-                f"{r['ours_ratio']:>6.3f} {f'<= {GOAL}x: {met}':<16} {r['views'] * 1e3:>15.2f} {r['views_ratio']:>6.3f}"
+                f"{r['ours_ratio']:>6.3f} {f'<= {GOAL}x: {met}':<16}"
             )
             if args.parts:
                 text += "".join(
                     f"  {name} {r[name] * 1e3:.2f} ms {r[name + '_ratio']:.3f}"
-                    for name in ("unchecked", "views_unchecked", "flattened", "all_reduce")
+                    for name in ("checked", "unchecked", "no_views", "flattened", "all_reduce")
                 )
             if args.digest:
-                same = r["ours_digest"] == r["views_digest"] == r["torch_digest"]
-                text += f"  digest {r['ours_digest']} ({'all three the same' if same else 'DIFFERENT'})"
+                digests = {key[: -len("_digest")]: value for key, value in r.items() if key.endswith("_digest")}
+                same = len(set(digests.values())) == 1
+                text += f"  digest {r['ours_digest']} ({'all the same' if same else f'DIFFERENT: {digests}'})"
             print(text, flush=True)
     if args.runs > 1:
+        print(f"over {args.runs} runs (each run's medians): min / median / max")
         for size, each in ratios.items():
+            ours, theirs, ratio = ([e[i] for e in each] for i in range(3))
+            spread = lambda v, scale=1.0: "/".join(f"{f(v) * scale:.3g}" for f in (min, statistics.median, max))  # noqa: E731
             print(
-                f"{size:>16,} parameters, ours / torch over {len(each)} runs: {min(each):.3f}-{max(each):.3f} "
-                f"(median {statistics.median(each):.3f})"
+                f"{size:>12,} parameters: ours {spread(ours, 1e3)} ms, torch {spread(theirs, 1e3)} ms, "
+                f"ratio {spread(ratio)} ({'all <= ' if max(ratio) <= GOAL else 'NOT all <= '}{GOAL}x)"
             )
 
 

@@ -71,11 +71,15 @@ class ExactRound:
         self.pool = _communication.FlatPool(bucket_views)
 
     def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
-        _communication.average(
+        # ``_communication.average``, with what the round sends counted while its collectives are in flight.
+        averaging = _communication.start_average(
             tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
-            bucket_cap_bytes=self.bucket_cap_bytes, pool=self.pool,
+            bucket_cap_bytes=self.bucket_cap_bytes, flat_in_flight=2, pool=self.pool,
         )  # fmt: skip
-        return self.sent(tensors, _participants(weights))
+        sent = self.sent(tensors, _participants(weights))
+        averaging.wait()
+        self.pool.keep_used()
+        return sent
 
     def start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
         """The average's collectives started, not waited for (``wait()`` on the handle lands it in ``tensors``)."""

@@ -40,7 +40,7 @@ from lit_slowcal._rounds import CodedRound, Engine, OverlappedRound, engine_for
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
-from lit_slowcal.protocol import declared
+from lit_slowcal.protocol import Declared, declared
 
 #: With ``check_schedule``, a blocking round compares the ranks' counts in rounds 0, n, 2n, ... of this n
 #: (``PeriodicAverager.check_every``), and in every round that closes one, follows a resume, a load or a new K;
@@ -135,6 +135,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.check_every = CHECK_EVERY
         self._check_next = False  # the next blocking round compares the counts (a boundary: resume, load, new K)
         self._counts_checked = False  # this round compared the ranks' counts
+        self._round_protocol: Optional[Declared] = None  # what the optimizer declares, during a blocking round
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -286,9 +287,13 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if self.engine.in_flight is not None:
             self._land()
         check = closing or self._check_next or self.num_syncs % self.check_every == 0
-        self._blocking_round(self._begin_round(None, state, check), state=state)
-        if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
-            self._settled_step = self.steps
+        self._round_protocol = declared(self.optimizer)
+        try:
+            self._blocking_round(self._begin_round(None, state, check), state=state)
+            if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
+                self._settled_step = self.steps
+        finally:
+            self._round_protocol = None
 
     def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
@@ -321,7 +326,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             hook(self)
         if self.sharded:  # resharded (an evaluation's gathered parameters would outlive the average), buffers as one
             _selection.machine_buffers(self.modules, self.buffers, self._shard_group)
-        protocol = declared(self.optimizer)
+        protocol = self._declared()
         if protocol.pre_sync is not None:
             protocol.pre_sync()
         if not self._keys_checked:  # once the optimizer holds state: a misspelt average_state key, one line
@@ -345,7 +350,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
     def _end_round(self, count: bool = True) -> None:
         """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
         round (an overlapped round is counted when it starts)."""
-        protocol = declared(self.optimizer)
+        protocol = self._declared()
         if protocol.post_sync is not None:
             protocol.post_sync()
         if count:
@@ -434,7 +439,12 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
 
     def _averaged_keys(self) -> tuple[str, ...]:
         """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.options.average_state)))
+        return tuple(dict.fromkeys((*self._declared().averaged_state, *self.options.average_state)))
+
+    def _declared(self) -> Declared:
+        """``declared(self.optimizer)``: what the optimizer declares, read once per blocking round (``_sync``)."""
+        held = getattr(self, "_round_protocol", None)
+        return held if held is not None else declared(self.optimizer)
 
     def _tensors(self, state: bool = True) -> Tensors:
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
