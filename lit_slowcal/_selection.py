@@ -229,7 +229,7 @@ def averaged_tensors(
             if isinstance(module, SimulatedMachines):
                 stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
             if buffers is None:
-                found.extend(b for b in module._buffers.values() if b is not None)
+                found.extend(module.buffers(recurse=False))
     dtensor = _dtensor_type()
     seen: set[int] = set()
     out: Tensors = []
