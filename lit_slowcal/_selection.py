@@ -222,14 +222,7 @@ def averaged_tensors(
 
     The units of ``averaged_units`` one after another, without their names (this runs at every round).
     """
-    stacked_ids: set[int] = set()
-    found: list[Tensor] = []  # every buffer of ``modules``, in ``Module.buffers()``'s order, walked with the modules
-    for top in modules:
-        for module in top.modules():
-            if isinstance(module, SimulatedMachines):
-                stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
-            if buffers is None:
-                found.extend(module.buffers(recurse=False))
+    stacked_ids = _stacked_ids(modules)
     dtensor = _dtensor_type()
     seen: set[int] = set()
     out: Tensors = []
@@ -247,7 +240,7 @@ def averaged_tensors(
                 if id(t) not in seen and is_averaged(t):
                     seen.add(id(t))
                     out.append((local(t), id(p) in stacked_ids and t.shape == p.shape))
-    for b in buffers if buffers is not None else found:
+    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
         if id(b) not in seen and is_averaged(b):
             seen.add(id(b))
             out.append((local(b), id(b) in stacked_ids))
