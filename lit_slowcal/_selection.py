@@ -211,7 +211,11 @@ def is_averaged(t: Tensor) -> bool:
 
 
 def averaged_tensors(
-    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+    modules: Sequence[nn.Module],
+    optimizer: Optimizer,
+    keys: Sequence[str],
+    buffers: Optional[Sequence[Tensor]],
+    simulated: bool = True,
 ) -> Tensors:
     """The floating tensors to average, each with whether it has a leading machine dimension: every
     parameter of ``optimizer``, its state under ``keys``, and ``buffers`` (``None``: every buffer of
@@ -220,9 +224,10 @@ def averaged_tensors(
     A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
     optimizer state of such a parameter with the parameter's shape.
 
-    The units of ``averaged_units`` one after another, without their names (this runs at every round).
+    The units of ``averaged_units`` one after another, without their names (this runs at every round);
+    ``simulated=False``: ``modules`` hold no ``SimulatedMachines`` (``has_simulated``), not looked for again.
     """
-    stacked_ids = _stacked_ids(modules)
+    stacked_ids = _stacked_ids(modules) if simulated else set()
     dtensor = _dtensor_type()
     seen: set[int] = set()
     out: Tensors = []
@@ -245,6 +250,11 @@ def averaged_tensors(
             seen.add(id(b))
             out.append((local(b), id(b) in stacked_ids))
     return out
+
+
+def has_simulated(modules: Modules) -> bool:
+    """Whether ``modules`` hold a ``SimulatedMachines``."""
+    return any(isinstance(m, SimulatedMachines) for m in all_modules(modules))
 
 
 def _stacked_ids(modules: Sequence[nn.Module]) -> set[int]:

@@ -105,6 +105,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")
+        # Whether the model holds SimulatedMachines, looked for once (as m, ``machines_per_process``, is counted once).
+        self._simulated = _selection.has_simulated(self.modules)
         # Wrappers (Lightning's or Fabric's optimizer) expose the torch optimizer as `.optimizer`.
         while not isinstance(optimizer, Optimizer) and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
             optimizer = optimizer.optimizer
@@ -132,7 +134,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         #: n: with ``check_schedule``, the blocking rounds that compare the ranks' counts: those whose index
         #: (``num_syncs``) n divides, a round closing one, the first after a resume, a load or a new K. Part of
         #: the set-up every rank must agree on; 1: every round.
-        self.check_every = CHECK_EVERY
+        self._check_every = CHECK_EVERY
         self._check_next = False  # the next blocking round compares the counts (a boundary: resume, load, new K)
         self._counts_checked = False  # this round compared the ranks' counts
         self._round_protocol: Optional[Declared] = None  # what the optimizer declares, during a blocking round
@@ -182,6 +184,18 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             return False
         self.sync(state=self.options.state_round(self.steps))
         return True
+
+    @property
+    def check_every(self) -> int:
+        """n: with ``check_schedule``, the blocking rounds that compare the ranks' counts are those whose index
+        (``num_syncs``) n divides, every ``close_round()`` and the first after a resume, a load or a new K (16,
+        ``CHECK_EVERY``; 1: every round). Set it alike on every rank, before the first synchronisation: it is
+        part of the set-up the ranks compare."""
+        return self._check_every
+
+    @check_every.setter
+    def check_every(self, value: int) -> None:
+        self._check_every = check_int("check_every", value)
 
     @property
     def in_round(self) -> bool:
@@ -286,7 +300,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """``sync()``; ``closing``: ``close_round()``'s, whose round always compares the ranks' counts."""
         if self.engine.in_flight is not None:
             self._land()
-        check = closing or self._check_next or self.num_syncs % self.check_every == 0
+        check = closing or self._check_next or self.num_syncs % self._check_every == 0
         self._round_protocol = declared(self.optimizer)
         try:
             self._blocking_round(self._begin_round(None, state, check), state=state)
@@ -450,7 +464,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state`` (unless ``state=False``), the buffers."""
         keys = self._averaged_keys() if state else ()
-        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers)
+        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers, self._simulated)
 
     def _sync_every_changed(self, value: int) -> None:
         """K set mid-run: the next blocking round compares the ranks' counts."""

@@ -163,6 +163,8 @@ def test_the_check_is_due_every_check_every_rounds_at_close_round_and_after_a_re
     assert CHECK_EVERY == 16
     averager = build()
     assert averager.check_every == 16 and averager.setup_fingerprint()["check_every"] == (16, "16")
+    with pytest.raises(ValueError, match=r"^Invalid check_every: 0 \(must be an integer >= 1\)$"):
+        averager.check_every = 0
     averager.check_every = 4
     for _ in range(10):
         averager.step()
