@@ -127,7 +127,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self._settled_step = 0  # steps at the last blocking synchronisation of the whole model and its state
         #: What was sent so far, every kind of round counted alike (``lit_slowcal._counts``).
         self.counts = Counts()
-        self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
+        self.backward_passes = 0  # counted by a gradient hook; compared in the rounds that check
         self._machines: Optional[int] = None  # m, counted once
         self._keys_checked = not self.options.average_state  # average_state's keys found in the optimizer's state
         self._setup_checked = False  # the ranks compared their set-up (before the first average)

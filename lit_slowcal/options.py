@@ -61,8 +61,10 @@ class AveragingOptions:
         sync_every: K, optimizer steps between synchronisations (>= 1).
         average_state: extra per-parameter optimizer state keys to average (``("momentum_buffer",)``: SGD's).
         bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
-        check_schedule: with several processes, compare the ranks' step and backward counts at every
-            synchronisation and raise on a difference (one small all-gather a sync).
+        check_schedule: with several processes, compare the ranks' step and backward counts before the
+            average of the blocking rounds that check (the first, every ``PeriodicAverager.check_every``-th, every
+            ``close_round()``, the first after a resume, a load or a new K; overlapped rounds: every round) and
+            raise on a difference (one small all-gather a round that checks).
         outer_optimizer: ``params -> Optimizer``, the server's optimizer on the pseudo-gradient x_s - x_bar
             (DiLoCo, FedAvgM, FedAdam); ``None``: the optimizer's own if it declares one, else the plain average.
         participation: machines taking part in each round: an int S >= 1 or a fraction of M in (0, 1];
