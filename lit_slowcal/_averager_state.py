@@ -71,6 +71,7 @@ class Averager(Protocol):
     link_counts: link.LinkCounts
     overlapped_counts: link.LinkCounts
     short_rounds: dict[int, int]
+    skip_advice: str
 
     @property
     def optimizer(self) -> Optimizer: ...
@@ -145,7 +146,9 @@ def gather_state_dict(averager: Averager, dst: int) -> Optional[dict[str, Any]]:
         return state
     rank, group = averager.rank, averager.process_group
     # Every rank here, or one line on every rank (not a mismatched gather with another collective).
-    _collectives.check_same_point(averager.optimizer, (0, 0), group, "", collective="gather_state_dict()")
+    _collectives.check_same_point(
+        averager.optimizer, (0, 0), group, averager.skip_advice, collective="gather_state_dict()"
+    )
     mine = state.pop(_machine_state.KEY, {"ranks": {}})["ranks"].get(rank, {})
     own = {i: {k: v.cpu() for k, v in per.items()} for i, per in mine.items()}
     coded = _cpu(state.pop(COMPRESSION_KEY, {"ranks": {}})["ranks"].get(rank))

@@ -206,7 +206,9 @@ def start_average(
             t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
 
     if pool is not None and pool.bucket_views:
-        tensors = _home(tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place, weigh)
+        tensors = _home(
+            tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place, weigh, local is not None
+        )
     for bucket in buckets(tensors, bucket_cap_bytes, alone_bytes=alone):
         if _in_place(bucket):
             weigh(bucket[0][0])
@@ -248,6 +250,7 @@ def _home(
     cap_bytes: Optional[int],
     reduce: Callable[[Tensor], None],
     weigh: Callable[[Tensor], None],
+    weighted: bool,
 ) -> Tensors:
     """``bucket_views``: the tensors of each kind (device and dtype) that all can be reduced in place live
     in one flat buffer (``FlatPool.home``), reduced where it lies with ``reduce``: whole, or with
@@ -259,7 +262,9 @@ def _home(
             rest += items
             continue
         flat = pool.home([t for t, _ in items])
-        for t, _ in items:  # with participation, each tensor weighted where it lies (the same products)
+        for t, _ in (
+            items if weighted else ()
+        ):  # with participation, each tensor weighted where it lies (the same products)
             weigh(t)
         if cap_bytes is None:
             reduce(flat)

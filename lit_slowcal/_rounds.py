@@ -71,11 +71,15 @@ class ExactRound:
         self.pool = _communication.FlatPool(bucket_views)
 
     def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
-        _communication.average(
+        # ``_communication.average``, with what the round sends counted while its collectives are in flight.
+        averaging = _communication.start_average(
             tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
-            bucket_cap_bytes=self.bucket_cap_bytes, pool=self.pool,
+            bucket_cap_bytes=self.bucket_cap_bytes, flat_in_flight=2, pool=self.pool,
         )  # fmt: skip
-        return self.sent(tensors, _participants(weights))
+        sent = self.sent(tensors, _participants(weights))
+        averaging.wait()
+        self.pool.keep_used()
+        return sent
 
     def start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
         """The average's collectives started, not waited for (``wait()`` on the handle lands it in ``tensors``)."""
@@ -228,13 +232,14 @@ def _participants(weights: Optional[Tensor]) -> Optional[int]:
 
 def engine_for(
     options: AveragingOptions, machines: int, machines_per_process: int, group: Optional[Any],
-    names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (),
+    names: Optional[Callable[[Tensors], list[str]]] = None, nonnegative: tuple[str, ...] = (), bucket_views: bool = False,
 ) -> Engine:  # fmt: skip
     """The round engine of ``options``: exact, coded by its compressor (a block ``Compressor`` or a ``Code``;
     ``names``: the averaged tensors' names, ``nonnegative``: the state keys landed at no less than 0,
     ``CodedRound``), or overlapped (``overlap_delay`` >= 1, exact: the
-    options refuse compression with it)."""
-    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, options.bucket_views)
+    options refuse compression with it); ``bucket_views``: ``options.bucket_views`` resolved (its ``None``, the
+    averager's choice)."""
+    exact = ExactRound(machines, machines_per_process, group, options.bucket_cap_bytes, bucket_views)
     code = options.compressor
     if options.overlap_delay:
         return OverlappedRound(exact, options.overlap_delay)

@@ -211,7 +211,11 @@ def is_averaged(t: Tensor) -> bool:
 
 
 def averaged_tensors(
-    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
+    modules: Sequence[nn.Module],
+    optimizer: Optimizer,
+    keys: Sequence[str],
+    buffers: Optional[Sequence[Tensor]],
+    simulated: bool = True,
 ) -> Tensors:
     """The floating tensors to average, each with whether it has a leading machine dimension: every
     parameter of ``optimizer``, its state under ``keys``, and ``buffers`` (``None``: every buffer of
@@ -219,8 +223,47 @@ def averaged_tensors(
 
     A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
     optimizer state of such a parameter with the parameter's shape.
+
+    The units of ``averaged_units`` one after another, without their names (this runs at every round);
+    ``simulated=False``: ``modules`` hold no ``SimulatedMachines`` (``has_simulated``), not looked for again.
     """
-    return [pair for unit in averaged_units(modules, optimizer, keys, buffers) for pair in unit]
+    stacked_ids = _stacked_ids(modules) if simulated else set()
+    dtensor = _dtensor_type()
+    seen: set[int] = set()
+    out: Tensors = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen and is_averaged(p):
+                seen.add(id(p))
+                out.append((local(p) if dtensor is not None and isinstance(p, dtensor) else p, id(p) in stacked_ids))
+            state = optimizer.state.get(p) if keys else None
+            for key in keys if state else ():
+                t = state[key] if key in state else None
+                if not isinstance(t, Tensor):
+                    continue
+                _check_like(t, p, key)
+                if id(t) not in seen and is_averaged(t):
+                    seen.add(id(t))
+                    out.append((local(t), id(p) in stacked_ids and t.shape == p.shape))
+    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
+        if id(b) not in seen and is_averaged(b):
+            seen.add(id(b))
+            out.append((local(b), id(b) in stacked_ids))
+    return out
+
+
+def has_simulated(modules: Modules) -> bool:
+    """Whether ``modules`` hold a ``SimulatedMachines``."""
+    return any(isinstance(m, SimulatedMachines) for m in all_modules(modules))
+
+
+def _stacked_ids(modules: Sequence[nn.Module]) -> set[int]:
+    """The ids of the parameters and buffers of the ``SimulatedMachines`` among ``modules``."""
+    stacked_ids: set[int] = set()
+    for module in all_modules(modules):
+        if isinstance(module, SimulatedMachines):
+            stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    return stacked_ids
 
 
 def among(tensors: Tensors, kept: Tensors) -> Tensors:
@@ -281,10 +324,7 @@ def _named_units(
     modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
 ) -> list[list[tuple[str, Tensor, bool]]]:
     """``averaged_units``, each tensor with its name (``names_of``)."""
-    stacked_ids: set[int] = set()
-    for module in all_modules(modules):
-        if isinstance(module, SimulatedMachines):
-            stacked_ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    stacked_ids = _stacked_ids(modules)
     seen: set[int] = set()
     out: list[list[tuple[str, Tensor, bool]]] = []
 

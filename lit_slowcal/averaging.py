@@ -13,7 +13,8 @@ server's step (``_server``), the overlapped schedule (``_overlap``), the counts 
 A round ends after every K-th step. Code that takes the model out of training mid-round (evaluation,
 a checkpoint, the end of training) calls ``close_round()``: every machine then holds the same averaged
 model, and the next round is still at the next multiple of K. Every machine must count ``step()`` alike
-(``check_schedule``).
+(``check_schedule``: compared in the first round, every ``check_every``-th round, at ``close_round()`` and after a
+resume, a load or a new K).
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ from lit_slowcal._rounds import CodedRound, Engine, OverlappedRound, engine_for
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
-from lit_slowcal.protocol import declared
+from lit_slowcal.protocol import Declared, declared
+
+#: With ``check_schedule``, a blocking round compares the ranks' counts in rounds 0, n, 2n, ... of this n
+#: (``PeriodicAverager.check_every``), and in every round that closes one, follows a resume, a load or a new K;
+#: the rounds between send their average alone (docs/library.md, "A mismatch is caught").
+CHECK_EVERY = 16
 
 __all__ = [
-    "COMPRESSION_KEY", "IN_FLIGHT_KEY", "PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process",
+    "CHECK_EVERY", "COMPRESSION_KEY", "IN_FLIGHT_KEY", "PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process",
 ]  # fmt: skip
 
 
@@ -99,6 +105,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
         if not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(f"Invalid module: {module!r} (an nn.Module or a sequence of them)")
+        # Whether the model holds SimulatedMachines, looked for once (as m, ``machines_per_process``, is counted once).
+        self._simulated = _selection.has_simulated(self.modules)
         # Wrappers (Lightning's or Fabric's optimizer) expose the torch optimizer as `.optimizer`.
         while not isinstance(optimizer, Optimizer) and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
             optimizer = optimizer.optimizer
@@ -119,10 +127,17 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self._settled_step = 0  # steps at the last blocking synchronisation of the whole model and its state
         #: What was sent so far, every kind of round counted alike (``lit_slowcal._counts``).
         self.counts = Counts()
-        self.backward_passes = 0  # counted by a gradient hook; compared across ranks at every sync
+        self.backward_passes = 0  # counted by a gradient hook; compared in the rounds that check
         self._machines: Optional[int] = None  # m, counted once
         self._keys_checked = not self.options.average_state  # average_state's keys found in the optimizer's state
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
+        #: n: with ``check_schedule``, the blocking rounds that compare the ranks' counts: those whose index
+        #: (``num_syncs``) n divides, a round closing one, the first after a resume, a load or a new K. Part of
+        #: the set-up every rank must agree on; 1: every round.
+        self._check_every = CHECK_EVERY
+        self._check_next = False  # the next blocking round compares the counts (a boundary: resume, load, new K)
+        self._counts_checked = False  # this round compared the ranks' counts
+        self._round_protocol: Optional[Declared] = None  # what the optimizer declares, during a blocking round
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -138,7 +153,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         names = lambda ts: _selection.names_of(ts, self.modules, optimizer, self._averaged_keys(), self.buffers)  # noqa: E731
         self.engine: Engine = engine_for(
             self.options, self.num_machines, self.machines_per_process, process_group, names,
-            declared(optimizer).nonnegative_state,
+            declared(optimizer).nonnegative_state, self._bucket_views(),
         )  # fmt: skip
         if self.options.fragments > 1:
             self._fragments()  # at least F units, or one line now
@@ -171,6 +186,18 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         return True
 
     @property
+    def check_every(self) -> int:
+        """n: with ``check_schedule``, the blocking rounds that compare the ranks' counts are those whose index
+        (``num_syncs``) n divides, every ``close_round()`` and the first after a resume, a load or a new K (16,
+        ``CHECK_EVERY``; 1: every round). Set it alike on every rank, before the first synchronisation: it is
+        part of the set-up the ranks compare."""
+        return self._check_every
+
+    @check_every.setter
+    def check_every(self, value: int) -> None:
+        self._check_every = check_int("check_every", value)
+
+    @property
     def in_round(self) -> bool:
         """Whether the machines may differ: a step was taken since the last synchronisation of the whole
         model, or a round is in flight."""
@@ -187,7 +214,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """
         if not self.in_round:
             return False
-        self.sync()
+        self._sync(closing=True)
         return True
 
     def resume(self, steps: int) -> None:
@@ -198,6 +225,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """
         check_int("steps", steps, minimum=0)
         self._refuse_in_flight("resume()")
+        self._check_next = True
         period = self.sync_every // self.options.fragments
         self.steps = steps
         self.num_syncs = steps // period
@@ -239,6 +267,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         lands at its step with the saved values. One ``ValueError`` line for a state this averager cannot take
         (``lit_slowcal._averager_state``); ``RuntimeError`` while a round of its own is in flight."""
         self._refuse_in_flight("load_state_dict()")
+        self._check_next = True
         recount = lambda: self._count_from_syncs(floats=False)  # noqa: E731
         loaded = _averager_state.load_state_dict(self, state, self._averaged_keys(), recount)
         self._settled_step = loaded.settled_step
@@ -262,35 +291,56 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         only (a scheduled round that ``state_every`` skips).
 
         With several processes it first checks that every rank is at the same point of the schedule
-        (``check_schedule``) and raises ``RuntimeError`` on every rank when not.
+        (``check_schedule``) and raises ``RuntimeError`` on every rank when not: in the rounds ``check_every``
+        divides (the first among them), the first after a resume, a load or a new K, and in ``close_round()``.
         """
+        self._sync(state)
+
+    def _sync(self, state: bool = True, closing: bool = False) -> None:
+        """``sync()``; ``closing``: ``close_round()``'s, whose round always compares the ranks' counts."""
         if self.engine.in_flight is not None:
             self._land()
-        self._blocking_round(self._begin_round(None, state), state=state)
-        if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
-            self._settled_step = self.steps
+        check = closing or self._check_next or self.num_syncs % self._check_every == 0
+        self._round_protocol = declared(self.optimizer)
+        try:
+            self._blocking_round(self._begin_round(None, state, check), state=state)
+            if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
+                self._settled_step = self.steps
+        finally:
+            self._round_protocol = None
 
     def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
         every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors."""
         with torch.no_grad():
-            sent = self.engine.average(tensors, self.participant_weights())
+            try:
+                sent = self.engine.average(tensors, self.participant_weights())
+            except RuntimeError as error:  # the backend's, where another rank is in another collective
+                if self._counts_checked or self.world_size == 1 or str(error).startswith("PeriodicAverager"):
+                    raise
+                raise self._unreached(error) from error
             self._outer_step(tensors, tensors)
         self.counts.add(tensors, sent, self.num_machines, self.participants)
         self._end_round()
         self.engine.settle(tensors, state)  # what every machine holds now: a coded round's next anchors
 
-    def _begin_round(self, fragment: Optional[int], state: bool = True) -> Tensors:
+    def _begin_round(self, fragment: Optional[int], state: bool = True, check: bool = True) -> Tensors:
         """What a round does before its average: the checks, the sync pre-hooks, ``optimizer.pre_sync()``.
-        Returns the tensors it averages (``fragment``'s, or all; with ``state=False``, no optimizer state)."""
-        if self.world_size > 1 and (self.options.check_schedule or not self._setup_checked):
+        Returns the tensors it averages (``fragment``'s, or all; with ``state=False``, no optimizer state).
+        ``check``: whether this round compares the ranks' counts (with ``check_schedule``; the set-up is
+        compared before the first average whatever it says)."""
+        counts = self.options.check_schedule and check
+        self._counts_checked = False
+        if self.world_size > 1 and (counts or not self._setup_checked):
             # Every rank at the same step (and, the first time, set up alike), or one error on all.
             self.check_setup(counts=self.options.check_schedule)
+            self._counts_checked = self.options.check_schedule
+            self._check_next = False
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
         if self.sharded:  # resharded (an evaluation's gathered parameters would outlive the average), buffers as one
             _selection.machine_buffers(self.modules, self.buffers, self._shard_group)
-        protocol = declared(self.optimizer)
+        protocol = self._declared()
         if protocol.pre_sync is not None:
             protocol.pre_sync()
         if not self._keys_checked:  # once the optimizer holds state: a misspelt average_state key, one line
@@ -298,10 +348,23 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         tensors = self._tensors() if fragment is None else self._fragments()[fragment]
         return tensors if state else _selection.among(tensors, self._tensors(state=False))
 
+    def _unreached(self, error: RuntimeError) -> RuntimeError:
+        """The one line of a round that did not compare the ranks' counts, whose collective failed (``error``, the
+        backend's: another rank never joined it, the process group's timeout)."""
+        backend = " ".join(str(error).split())
+        return RuntimeError(
+            f"PeriodicAverager: the ranks did not all reach the average of this synchronisation (this rank: "
+            f"{self.steps} steps, {self.backward_passes} backward passes, round {self.num_syncs}, one that does not "
+            f"compare the ranks' counts: they are compared every {self.check_every} rounds, in close_round() and in "
+            f"gather_state_dict(); the backend: {backend}); a rank that called close_round() or gather_state_dict() "
+            "alone, or whose data ended at another step, is elsewhere: every rank calls them alike, give every rank "
+            f"the same number of batches, and {self.skip_advice}."
+        )
+
     def _end_round(self, count: bool = True) -> None:
         """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
         round (an overlapped round is counted when it starts)."""
-        protocol = declared(self.optimizer)
+        protocol = self._declared()
         if protocol.post_sync is not None:
             protocol.post_sync()
         if count:
@@ -325,6 +388,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         return {
             **self.options.agreement(),
             "machines per process": (self.machines_per_process, str(self.machines_per_process)),
+            "check_every": (self.check_every, str(self.check_every)),
             "participation (S)": (self.participants, str(self.participants)),
             **_server.fingerprint(self.outer),
             **_selection.fingerprint(self._tensors(), self._averaged_keys(), self.optimizer),
@@ -372,6 +436,16 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
 
     # -- what is averaged ---------------------------------------------------------------------
 
+    def _bucket_views(self) -> bool:
+        """``options.bucket_views``, its default (``None``) resolved: on where the averaged tensors are the model's
+        own (no optimizer state averaged: the buffer holds what ``model.state_dict()`` holds, so saving it writes
+        nothing more) and every round is a blocking exact one; off where it is refused or where rounds are coded."""
+        o = self.options
+        if o.bucket_views is not None:
+            return o.bucket_views
+        blocking_exact = o.compressor is None and not o.overlap_delay and o.fragments == 1 and o.state_every == 1
+        return blocking_exact and not self.sharded and not self._averaged_keys()
+
     def _outer_pairs(self, tensors: Optional[Tensors] = None) -> Tensors:
         """The optimizer's parameters, each with whether it is stacked (one slice per machine);
         ``tensors``: ``_tensors()`` where the caller has it already."""
@@ -379,13 +453,22 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
 
     def _averaged_keys(self) -> tuple[str, ...]:
         """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*declared(self.optimizer).averaged_state, *self.options.average_state)))
+        return tuple(dict.fromkeys((*self._declared().averaged_state, *self.options.average_state)))
+
+    def _declared(self) -> Declared:
+        """``declared(self.optimizer)``: what the optimizer declares, read once per blocking round (``_sync``)."""
+        held = getattr(self, "_round_protocol", None)
+        return held if held is not None else declared(self.optimizer)
 
     def _tensors(self, state: bool = True) -> Tensors:
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
         optimizer's declared state and ``average_state`` (unless ``state=False``), the buffers."""
         keys = self._averaged_keys() if state else ()
-        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers)
+        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers, self._simulated)
+
+    def _sync_every_changed(self, value: int) -> None:
+        """K set mid-run: the next blocking round compares the ranks' counts."""
+        self._check_next = True
 
     def __repr__(self) -> str:
         return (

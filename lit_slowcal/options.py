@@ -61,8 +61,10 @@ class AveragingOptions:
         sync_every: K, optimizer steps between synchronisations (>= 1).
         average_state: extra per-parameter optimizer state keys to average (``("momentum_buffer",)``: SGD's).
         bucket_cap_mb: the largest flattened buffer of one collective, in megabytes (> 0).
-        check_schedule: with several processes, compare the ranks' step and backward counts at every
-            synchronisation and raise on a difference (one small all-gather a sync).
+        check_schedule: with several processes, compare the ranks' step and backward counts before the
+            average of the blocking rounds that check (the first, every ``PeriodicAverager.check_every``-th, every
+            ``close_round()``, the first after a resume, a load or a new K; overlapped rounds: every round) and
+            raise on a difference (one small all-gather a round that checks).
         outer_optimizer: ``params -> Optimizer``, the server's optimizer on the pseudo-gradient x_s - x_bar
             (DiLoCo, FedAvgM, FedAdam); ``None``: the optimizer's own if it declares one, else the plain average.
         participation: machines taking part in each round: an int S >= 1 or a fraction of M in (0, 1];
@@ -75,7 +77,10 @@ class AveragingOptions:
         overlap_delay: tau, optimizer steps a round's average takes to land while training goes on (0: blocking).
         fragments: F, the parts of the model that take turns, one round every K / F steps.
         bucket_views: the averaged tensors of each device and dtype become views of one flat buffer that a
-            blocking exact synchronisation all-reduces where it lies (docs/communication.md, "Bucket views").
+            blocking exact synchronisation all-reduces where it lies (docs/communication.md, "Bucket views");
+            ``None`` (the default): on where no optimizer state is averaged (the buffer then holds what the model
+            holds: saving it writes nothing more) and the rounds are blocking and exact (no ``compression``,
+            ``overlap_delay``, ``fragments`` > 1, ``state_every`` > 1 or FSDP2 shards); else off.
         state_every: n, the optimizer state a round averages (the declared ``averaged_state`` and
             ``average_state``) goes in every n-th scheduled round only, those of the periods ceil(steps / K)
             that n divides; parameters and buffers in every round, everything in a closing round
@@ -99,7 +104,7 @@ class AveragingOptions:
     error_feedback: Optional[bool] = None
     overlap_delay: int = 0
     fragments: int = 1
-    bucket_views: bool = False
+    bucket_views: Optional[bool] = None
     state_every: int = 1
     #: The compressor ``compression`` names (``None``: the exact average); derived, not an option.
     compressor: Optional[Compressor] = field(default=None, init=False, repr=False)
@@ -115,8 +120,10 @@ class AveragingOptions:
         object.__setattr__(self, "average_state", keys)
         check_number("bucket_cap_mb", self.bucket_cap_mb)
         for name in ("check_schedule", "bucket_views"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Invalid {name}: {getattr(self, name)!r} (True or False)")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "bucket_views" and value is None):
+                more = ", or None: on where it changes nothing a program saves" if name == "bucket_views" else ""
+                raise ValueError(f"Invalid {name}: {value!r} (True or False){more}")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise TypeError(
                 f"Invalid outer_optimizer: {self.outer_optimizer!r} (a callable params -> torch.optim.Optimizer)"
