@@ -181,9 +181,9 @@ def seeds() -> None:
                 )  # fmt: skip
 
 
-def rows() -> list[dict]:
+def rows(path: Path = RESULTS) -> list[dict]:
     """One row per cell at its chosen rate: the seeds' metric and what a machine sent (means, sample std)."""
-    cells, out = load(), []
+    cells, out = load(path), []
     for key in sorted(cells, key=lambda k: (list(SETTINGS).index(k[0]), METHODS.index(k[1]), k[3], not k[4], k[2])):
         setting, method, code, state, ef = key
         if state != 1:  # a state_every cell trains at its code's rate, chosen with the state every round
