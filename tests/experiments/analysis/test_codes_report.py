@@ -51,7 +51,7 @@ def test_rows_choose_by_seed_one_then_report_every_seed_at_that_rate(codes, tmp_
     assert found["slowcal", "int2"]["lr"] == 0.01  # seeds 1-2 ran at both rates: their mean picks
     assert math.isnan(found["slowcal", "int2"]["x_float32_bytes"])  # no float32 cell to compare with
     rows = list(found.values())
-    assert codes.targets(rows, "mnist64") == [("float32 Local-SGD with AdamW", pytest.approx(0.71))]
+    assert codes.targets(rows, "mnist64") == [("float32 Local-SGD with AdamW", pytest.approx(0.709))]  # less 0.1 point
     first = codes.cheapest(rows, "mnist64", 0.71)
     assert [(r["method"], r["code"]) for r in first] == [("local_adamw", "int2"), ("local_adamw", "float32"),
                                                           ("slowcal", "int2")]  # fmt: skip
