@@ -18,6 +18,7 @@ sweep mnist64_local_adamw mnist64_diloco mnist16_local_adamw mnist16_diloco
 "$PY" sweeps/communication/codes.py seeds
 sweep $(cd $D && ls mnist*_seeds.yaml | sed 's/.yaml$//')
 sweep lm16_slowcal lm16_adaptive_slowcal lm16_local_adamw lm16_diloco
+sweep lm16_slowcal_int2_lower  # int2 diverged at 2.15 (train loss nan in round 55): the next rate down
 sweep $(cd $D && ls mnist16_*_state4.yaml | sed 's/.yaml$//')
 sweep lm64_slowcal lm64_adaptive_slowcal lm64_local_adamw lm64_diloco
 "$PY" sweeps/communication/codes.py seeds
