@@ -333,6 +333,30 @@ def figure(found: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def target_table(found: list[dict]) -> list[str]:
+    """Per setting and target: the cell of fewest bytes whose seeds' mean reaches it, and another method's."""
+    lines = [
+        "| setting | target | value | fewest bytes | MB a machine | mean ± std (seeds) | another method's fewest |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting in SETTINGS:
+        M, K = SETTINGS[setting][:2]
+        name = f"{'MNIST' if setting.startswith('mnist') else 'LM'} M = {M}, K = {K}"
+        for what, target in targets(found, setting):
+            first = cheapest(found, setting, target)
+            if not first:
+                lines.append(f"| {name} | {what} | {target:.4f} | none | | | |")
+                continue
+            r = first[0]
+            after = next((o for o in first if o["method"] != r["method"]), None)  # another method's cheapest
+            following = f"{describe(after)}, {after['bytes_per_machine'] / 1e6:.3f} MB, {after['mean']:.4f}" if after else ""
+            lines.append(
+                f"| {name} | {what} | {target:.4f} | {describe(r)} | {r['bytes_per_machine'] / 1e6:.3f} | "
+                f"{r['mean']:.4f} ± {r['std']:.4f} ({r['seeds']}) | {following} |"
+            )
+    return lines
+
+
 def report() -> None:
     found = rows()
     DOCS.mkdir(parents=True, exist_ok=True)
@@ -347,6 +371,7 @@ def report() -> None:
             where = ", ".join(f"{describe(r)} ({r['bytes_per_machine'] / 1e6:.3f} MB, {r['mean']:.4f} ± {r['std']:.4f},"
                               f" {r['seeds']} seeds)" for r in first[:3])  # fmt: skip
             print(f"target {name} = {target:.4f}: {where or 'none'}")
+    print("\n" + "\n".join(target_table(found)))
     for r in found:
         if r["errors"]:
             print(f"failed: {describe(r)} {r['setting']}: {r['errors']}")
