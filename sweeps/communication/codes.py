@@ -168,8 +168,13 @@ def seeds() -> None:
             continue
         lr = chosen(cells, key)
         name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}_seeds"
-        write_sweep(name, f"{LABELS[method]}, {setting}, {code}: seeds 2-3 at the seed-1 rate.", setting, method,
-                    {"seed_everything": [2, 3], "model.lr": [lr], "compression": [code if code != "float32" else "null"]})
+        write_sweep(
+            name,
+            f"{LABELS[method]}, {setting}, {code}: seeds 2-3 at the seed-1 rate.",
+            setting,
+            method,
+            {"seed_everything": [2, 3], "model.lr": [lr], "compression": [code if code != "float32" else "null"]},
+        )
     for setting, codes, seeds_, methods in (("mnist16", ["float32", "int2"], [1, 2, 3], METHODS),
                                             ("lm16", ["float32"], [1], ("slowcal",))):  # fmt: skip
         for method in methods:
@@ -292,7 +297,11 @@ def figure(found: list[dict], path: Path) -> None:
         M, K, _, _, metric = SETTINGS[setting]
         for method in METHODS:
             color = adaptive.COLORS[method]
-            for state, ef, style, fill in ((1, True, "-", True), (STATE_EVERY, True, "--", False), (1, False, ":", False)):
+            for state, ef, style, fill in (
+                (1, True, "-", True),
+                (STATE_EVERY, True, "--", False),
+                (1, False, ":", False),
+            ):
                 rs = sorted((r for r in found if (r["setting"], r["method"], r["state_every"], r["error_feedback"])
                              == (setting, method, state, ef) and math.isfinite(r["mean"])),
                             key=lambda r: r["bytes_per_machine"])  # fmt: skip
@@ -349,7 +358,9 @@ def target_table(found: list[dict]) -> list[str]:
                 continue
             r = first[0]
             after = next((o for o in first if o["method"] != r["method"]), None)  # another method's cheapest
-            following = f"{describe(after)}, {after['bytes_per_machine'] / 1e6:.3f} MB, {after['mean']:.4f}" if after else ""
+            following = (
+                f"{describe(after)}, {after['bytes_per_machine'] / 1e6:.3f} MB, {after['mean']:.4f}" if after else ""
+            )
             lines.append(
                 f"| {name} | {what} | {target:.4f} | {describe(r)} | {r['bytes_per_machine'] / 1e6:.3f} | "
                 f"{r['mean']:.4f} ± {r['std']:.4f} ({r['seeds']}) | {following} |"
