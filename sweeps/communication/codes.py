@@ -292,7 +292,8 @@ def figure(found: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [s for s in SETTINGS if any(r["setting"] == s for r in found)]
-    fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 4.2), squeeze=False)
+    fig, grid = plt.subplots(2, 2, figsize=(11, 10), squeeze=False)
+    axes = [list(grid.flat)]
     for ax, setting in zip(axes[0], shown):
         M, K, _, _, metric = SETTINGS[setting]
         for method in METHODS:
@@ -319,11 +320,14 @@ def figure(found: list[dict], path: Path) -> None:
                 ax.plot([r["bytes_per_machine"] / 1e6 for r in frontier], [r["mean"] for r in frontier], color=color,
                         ls=style, label=label)  # fmt: skip
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("MB a machine sent (ring)")
         ax.set_ylabel({"test_acc": "test accuracy", "test_bpc": "test bits per character"}[metric])
         name = "MNIST" if setting.startswith("mnist") else "language model"
         ax.set_title(f"{name}, M = {M}, K = {K}", fontsize=10)
         ax.grid(True, alpha=0.3)
+        if metric == "test_bpc":  # a diverging run's bpc (up to 2e5) is off the scale: the table has it
+            ax.set_ylim(2.2, 6.5)
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color="grey", marker=m, ls="none", label=c) for c, m in MARKERS.items()]
@@ -337,7 +341,7 @@ def figure(found: list[dict], path: Path) -> None:
     fig.suptitle("Final metric against what a machine sent: float32, int8, int4, int2, TopK 1 % / 3 % at 2 bits\n"
                  "(each point a code at its tuned rate, mean ± std over the seeds; a line: the best so far at no more bytes;\n"
                  "hollow: no error feedback (dotted) or the state every 4 rounds (dashed))", fontsize=10)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.16, 1, 0.9))
+    fig.tight_layout(rect=(0, 0.13, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
