@@ -3,7 +3,7 @@
 # A second run skips the trials the results files hold.
 set -e
 PY=${1:-python}
-for f in main_exact main_compressed mnist_slowcal_exact mnist_slowcal_compressed mnist_local_sgd_exact \
+for f in main_exact main_compressed main_codes mnist_slowcal_exact mnist_slowcal_compressed mnist_local_sgd_exact \
     mnist_local_sgd_compressed mnist_diloco_exact mnist_diloco_compressed; do
   "$PY" -m lit_slowcal sweep sweeps/communication/$f.yaml --results sweeps/results/communication_mnist.jsonl --wandb=false
 done

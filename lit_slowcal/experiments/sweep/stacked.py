@@ -344,8 +344,8 @@ class _Group:
                     s.sent += engine.counted(*(part // n for part in engine.last_parts), self.M).link
                 else:
                     s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
-            elif s.stages_per_sync is not None:
-                s.sent += LinkCounts.of_stages(*s.stages_per_sync, self.M)
+            elif s.stages_per_sync is not None:  # the code's own ring counts: two stages, or a sparse code's gather
+                s.sent += s.averager.engine.state.link_counts(*s.stages_per_sync, self.M)
             else:
                 s.sent += LinkCounts.of_syncs(s.payload_per_sync, self.M)
         if (step + 1) % s.k:

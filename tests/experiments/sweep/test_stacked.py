@@ -122,10 +122,13 @@ def test_every_method_stacked_equals_its_single_runs_bit_for_bit(tmp_path, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [("--compression=int8",), ("--compression=bf16", "--error_feedback=false")])
+@pytest.mark.parametrize(
+    "extra", [("--compression=int8",), ("--compression=bf16", "--error_feedback=false"), ("--compression=topk:0.01:2",)]
+)
 def test_compressed_trials_stacked_equal_their_single_runs_bit_for_bit(tmp_path, monkeypatch, command_line, extra):
     """Compression runs stacked (its blocks never span two tensors, so a trial's bits do not depend on the
-    others'): SLowcal-SGD, Local-SGD and Minibatch-SGD, each trial as its single run, its counts included."""
+    others'): SLowcal-SGD, Local-SGD and Minibatch-SGD, each trial as its single run, its counts included (a
+    sparse code's rounds are gathers: every message to every other machine, as its single run counts them)."""
     monkeypatch.chdir(REPO)
     torch.set_num_threads(1)
     methods = ("slowcal", "local_sgd", "minibatch_sgd")

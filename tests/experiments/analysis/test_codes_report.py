@@ -1,0 +1,58 @@
+"""sweeps/communication/codes.py (docs/communication.md, "Fewer bytes"): the rate chosen per cell on the training
+objective (seed 1, or seeds 1-3 where every rate ran them), the seeds' mean and spread at it, the bytes against
+float32's, and the cheapest cell that reaches a target."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def codes():
+    spec = importlib.util.spec_from_file_location("codes", ROOT / "sweeps" / "communication" / "codes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record(method, lr, seed, objective, acc, sent, compression=None, **extra):
+    params = {"method": "diloco" if method == "local_adamw" else method, "num_machines": 64, "local_steps": 64,
+              "model.lr": lr, "seed_everything": seed, **extra}  # fmt: skip
+    if compression:
+        params["compression"] = compression
+    args = ["fit", "--model.outer=none"] if method == "local_adamw" else ["fit"]
+    metrics = {"train_objective": objective, "test_acc": acc, "ring_bytes_per_machine": sent}
+    return {"params": params, "status": "finished", "metrics": metrics, "args": args}
+
+
+def test_rows_choose_by_seed_one_then_report_every_seed_at_that_rate(codes, tmp_path):
+    recs = [
+        record("local_adamw", 0.001, 1, 0.40, 0.80, 100.0),
+        record("local_adamw", 0.002, 1, 0.30, 0.70, 100.0),  # lower objective, lower accuracy: still chosen
+        record("local_adamw", 0.002, 2, 0.31, 0.72, 100.0),
+        record("local_adamw", 0.002, 1, 0.35, 0.71, 10.0, compression="int2"),
+        record("slowcal", 0.01, 1, 0.20, 0.90, 200.0, compression="int2"),
+        record("slowcal", 0.01, 2, 0.20, 0.88, 200.0, compression="int2"),
+        record("slowcal", 0.02, 1, 0.10, 0.91, 200.0, compression="int2"),  # best on seed 1, not on the mean
+        record("slowcal", 0.02, 2, 0.40, 0.91, 200.0, compression="int2"),
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    found = {(r["method"], r["code"]): r for r in codes.rows(path)}
+    adamw = found["local_adamw", "float32"]
+    assert (adamw["lr"], adamw["seeds"], adamw["lr_at_edge"]) == (0.002, 2, "high")
+    assert adamw["mean"] == pytest.approx(0.71) and adamw["std"] == pytest.approx(math.sqrt(2) * 0.01)
+    assert found["local_adamw", "int2"]["x_float32_bytes"] == pytest.approx(0.1)
+    assert found["slowcal", "int2"]["lr"] == 0.01  # seeds 1-2 ran at both rates: their mean picks
+    assert math.isnan(found["slowcal", "int2"]["x_float32_bytes"])  # no float32 cell to compare with
+    rows = list(found.values())
+    assert codes.targets(rows, "mnist64") == [("float32 Local-SGD with AdamW", pytest.approx(0.709))]  # less 0.1 point
+    first = codes.cheapest(rows, "mnist64", 0.71)
+    assert [(r["method"], r["code"]) for r in first] == [("local_adamw", "int2"), ("local_adamw", "float32"),
+                                                          ("slowcal", "int2")]  # fmt: skip
+    assert codes.better("test_bpc", 2.4, 2.5) and not codes.better("test_acc", 0.7, 0.8)
