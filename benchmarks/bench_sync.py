@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 GOAL = 1.1
@@ -52,9 +53,24 @@ def build_model(numel: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d))
 
 
-def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_place: int, chunk: int, queue) -> None:
-    import torch.distributed as dist
+def slower_ranks_medians(times: dict[str, list[float]], base: str) -> dict[str, Any]:
+    """Every case's reps, the slower of the two ranks' at each (one all-gather a case, on every rank); on rank 0 each
+    case's median time and the median of its reps' ratios to the same rep of ``base``, else ``{}``."""
+    slower: dict[str, list[float]] = {}
+    for name, mine in times.items():
+        everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
+        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
+        slower[name] = [float(v) for v in torch.stack(everyone).max(0).values]
+    if dist.get_rank() != 0:
+        return {}
+    line: dict[str, Any] = {"reps": len(slower[base])}
+    for name, each in slower.items():  # the median time, and the median of the reps' ratios
+        line[name] = statistics.median(each)
+        line[name + "_ratio"] = statistics.median(a / b for a, b in zip(each, slower[base]))
+    return line
 
+
+def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_place: int, chunk: int, queue) -> None:
     from lit_slowcal import PeriodicAverager, SlowcalSGD, _communication
 
     if in_place:
@@ -113,17 +129,9 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                     times[name].append(seconds)
             for t in (flat, *own):
                 t.mul_(0.5)  # bounded values, outside the timing
-        slower: dict[str, list[float]] = {}
-        for name, mine in times.items():
-            everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
-            dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
-            slower[name] = [float(v) for v in torch.stack(everyone).max(0).values]
+        medians = slower_ranks_medians(times, "all_reduce")
         if rank == 0:
-            base = slower["all_reduce"]
-            line: dict[str, Any] = {"size": n, "reps": len(base), "buckets": len(layout)}
-            for name, each in slower.items():  # the median time, and the median of the reps' ratios
-                line[name] = statistics.median(each)
-                line[name + "_ratio"] = statistics.median(a / b for a, b in zip(each, base))
+            line: dict[str, Any] = {"size": n, "buckets": len(layout), **medians}
             if digest:
                 for key, (m, o) in {"digest": (model, optimizer), "views_digest": views[:2]}.items():
                     h = hashlib.sha256()

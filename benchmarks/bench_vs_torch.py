@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sync import _parse_size, build_model  # noqa: E402
+from bench_sync import _parse_size, build_model, slower_ranks_medians  # noqa: E402
 
 GOAL = 1.0
 
@@ -117,17 +117,9 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, parts: bool, dige
                 if i >= warmup:
                     times[name].append(seconds)
             flat.mul_(0.5)
-        slower: dict[str, list[float]] = {}
-        for name, mine in times.items():
-            everyone = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(2)]
-            dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
-            slower[name] = [float(v) for v in torch.stack(everyone).max(0).values]
+        medians = slower_ranks_medians(times, "torch")
         if rank == 0:
-            base = slower["torch"]
-            line: dict[str, Any] = {"size": n, "reps": len(base)}
-            for name, each in slower.items():
-                line[name] = statistics.median(each)
-                line[name + "_ratio"] = statistics.median(a / b for a, b in zip(each, base))
+            line: dict[str, Any] = {"size": n, **medians}
             if digest:
                 for key, m in models.items():
                     h = hashlib.sha256()
