@@ -24,7 +24,6 @@ that average alike print the same digests.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import math
 import os
@@ -81,18 +80,20 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
-    def build(numel: int, bucket_views: bool) -> tuple[nn.Module, SlowcalSGD, PeriodicAverager]:
+    def build(numel: int, bucket_views: bool, check: bool = True) -> tuple[nn.Module, SlowcalSGD, PeriodicAverager]:
         torch.manual_seed(rank)  # every process starts elsewhere: the first average is not trivial
         model = build_model(numel)
         optimizer = SlowcalSGD(model.parameters(), lr=0.1)
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         optimizer.step()  # creates w
-        return model, optimizer, PeriodicAverager(model, optimizer, sync_every=1, bucket_views=bucket_views)
+        averager = PeriodicAverager(model, optimizer, sync_every=1, bucket_views=bucket_views, check_schedule=check)
+        return model, optimizer, averager
 
     for numel in sizes:
         model, optimizer, averager = build(numel, False)
         views = build(numel, True)  # the same model and state, synchronised with bucket_views=True
+        unchecked = build(numel, True, check=False)  # and again, without the schedule check
         n = sum(p.numel() for p in model.parameters())
         flat = torch.randn(2 * n)  # the same bytes as x and w, one tensor
         alone = getattr(_communication, "IN_PLACE_BYTES", None)  # a version of the code without it: no argument
@@ -109,7 +110,6 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
         for i in range(warmup + (reps if n < 20_000_000 else max(5, reps // 2))):
             shuffle.shuffle(order)  # no measurement always follows the same one
             for name in order:
-                views[2].options = dataclasses.replace(views[2].options, check_schedule=name != "unchecked")
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "all_reduce":
@@ -122,6 +122,8 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                         work.wait()
                 elif name == "sync":
                     averager.sync()
+                elif name == "unchecked":
+                    unchecked[2].sync()
                 else:
                     views[2].sync()
                 seconds = time.perf_counter() - start
@@ -140,7 +142,7 @@ def _worker(rank: int, port: int, sizes: list[int], reps: int, digest: bool, in_
                         h.update(o.state[p]["w"].numpy().tobytes())
                     line[key] = h.hexdigest()[:16]
             queue.put(line)
-        del model, optimizer, averager, flat, own, views, floor
+        del model, optimizer, averager, flat, own, views, unchecked, floor
     dist.destroy_process_group()
 
 
