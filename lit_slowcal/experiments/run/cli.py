@@ -59,6 +59,7 @@ from lit_slowcal.experiments.run.options import (
     OneLineErrorParser,
     add_options,
     averaging_options,
+    check_state_keys_held,
     compression_options,
     links_of,
     overlap_options,
@@ -245,6 +246,12 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             check_trains_more(self.setting("ckpt_path"), self._resumed_step, shape, *self._training_limits())
         if self.subcommand == "fit":
             self._check_method_over(self._run_steps(shape))
+            keys = state_options(self.setting)["average_state"]
+            if keys:  # a key the method's optimizer never holds: one line now, not at the first round
+                probe = [torch.zeros(1, requires_grad=True)]
+                check_state_keys_held(
+                    keys, get_method(self.setting("method")).optimizer(probe, self.model.hparams, steps=1)
+                )
             self._note_max_steps(shape)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()

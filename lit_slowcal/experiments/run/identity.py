@@ -148,7 +148,7 @@ SHAPE_KEYS = ("data.steps_per_round", "data.batch_size")
 #: describe is the one from before the setting existed), so that the digests of results files and checkpoints
 #: written before stay the same; any other value is part of it.
 ADDED_AT_DEFAULT: dict[str, Any] = {
-    "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1, "state_every": 1,
+    "compression": None, "error_feedback": None, "overlap_delay": 0, "fragments": 1, "state_every": 1, "average_state": None,
     "model.beta": 1.0, "model.beta2": 0.999, "model.second_moment": "adam", "model.average_second_moment": False,
 }  # fmt: skip
 

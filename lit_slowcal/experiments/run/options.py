@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -215,8 +216,39 @@ def overlap_options(get: Callable[[str], Any]) -> dict[str, Any]:
 
 
 def state_options(get: Callable[[str], Any]) -> dict[str, Any]:
-    """The strategy's ``state_every`` from ``--state_every`` (an integer >= 1; 1: the state every round)."""
-    return {"state_every": check_int("state_every", get("state_every"))}
+    """The strategy's ``state_every`` from ``--state_every`` (an integer >= 1; 1: the state every round) and its
+    ``average_state`` from ``--average_state`` (state keys, comma-separated or a list; unset: none)."""
+    return {
+        "state_every": check_int("state_every", get("state_every")),
+        "average_state": state_keys(get("average_state")),
+    }
+
+
+def state_keys(value: Any) -> tuple[str, ...]:
+    """``--average_state``'s keys: ``"exp_avg,exp_avg_sq"`` or ``["exp_avg", "exp_avg_sq"]`` (unset or empty: none);
+    one line for anything else."""
+    if value is None or value == "":
+        return ()
+    keys = value.split(",") if isinstance(value, str) else value
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k.strip().isidentifier() for k in keys):
+        raise ValueError(
+            f"Invalid average_state: {value!r} (optimizer state keys, comma-separated, e.g. exp_avg,exp_avg_sq)"
+        )
+    return tuple(dict.fromkeys(k.strip() for k in keys))
+
+
+def check_state_keys_held(keys: tuple[str, ...], optimizer: Any) -> None:
+    """One line for a key of ``--average_state`` that ``optimizer`` (the method's, built on a probe parameter) does
+    not hold after a step: refused before training, where the averager would refuse it at the first round."""
+    probe = next(p for group in optimizer.param_groups for p in group["params"])
+    probe.grad = torch.zeros_like(probe)
+    optimizer.step()
+    held = set(optimizer.state[probe])
+    missing = [key for key in keys if key not in held]
+    if missing:
+        raise ValueError(
+            f"Invalid average_state: {missing[0]!r} ({type(optimizer).__name__}'s state keys: {', '.join(sorted(held))})"
+        )
 
 
 def averaging_options(get: Callable[[str], Any]) -> AveragingOptions:
@@ -241,6 +273,9 @@ COMMUNICATION_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--fragments", int, 1, "F: the model's parts that take turns, one round every K / F steps (F divides K)"),
     ("--state_every", int, 1,
      "n: the optimizer state a round averages (SLowcal-SGD's w, ...) goes in every n-th round; 1: every round"),
+    ("--average_state", Optional[Union[str, list[str]]], None,
+     "optimizer state keys a round averages besides the method's own, e.g. exp_avg,exp_avg_sq (AdamW's moments, "
+     "which otherwise stay per machine); they go with --state_every's period"),
 )  # fmt: skip
 
 

@@ -86,6 +86,8 @@ def stackable(config: dict[str, Any]) -> Optional[str]:
         return "overlap_delay or fragments is set (stacking runs blocking rounds)"
     if config.get("state_every", 1) != 1:
         return "state_every is set (stacking averages the state every round)"
+    if config.get("average_state") not in (None, "", []):
+        return "average_state is set (stacking averages the method's own state only)"
     if config.get("method") == "diloco" or model.get("outer") not in (None, "none"):
         return "it takes a server step (diloco, model.outer; stacking takes the plain average)"
     return None

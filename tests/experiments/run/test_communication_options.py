@@ -15,8 +15,8 @@ EXACT, INT8 = 62_800, 2 * 7_978
 RING = (M - 1) * (INT8 / 2 + INT8 / 2) / M + EXACT / 2 * 2 * (M - 1) / M + 3 * (M - 1) * (INT8 + INT8) / M
 
 
-def last_train_row(run_dir):
-    with open(run_dir / RUN / "version_0" / "metrics.csv", newline="") as f:
+def last_train_row(run_dir, run=RUN):
+    with open(run_dir / run / "version_0" / "metrics.csv", newline="") as f:
         return [r for r in csv.DictReader(f) if r["train_loss"]][-1]
 
 
@@ -56,6 +56,11 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
         ),
         (["--state_every=0"], "Invalid state_every: 0 (must be an integer >= 1)"),
         (["--method=scaffold", "--state_every=2"], "Invalid state_every: 2 (Scaffold"),
+        (["--average_state=exp avg"], "Invalid average_state: 'exp avg' (optimizer state keys, comma-separated"),
+        (
+            ["--method=diloco", "--model.outer=none", "--average_state=exp_avg,moment"],
+            "Invalid average_state: 'moment' (AdamW's state keys: exp_avg, exp_avg_sq, step)",
+        ),
     ],
 )
 def test_a_bad_communication_option_is_one_line_before_training(tmp_path, capsys, args, message):
@@ -71,6 +76,41 @@ def test_the_state_on_its_own_period_sends_w_in_every_second_round(tmp_path, cap
     assert code == 0, err
     row = last_train_row(tmp_path / "state")
     assert float(row["ring_bytes_per_machine"]) == (2 * EXACT / 2 + 2 * EXACT) * 2 * (M - 1) / M
+
+
+ADAMW = ("--method=diloco", "--model.outer=none")  # Local-SGD with AdamW: one vector (the model) a round
+ADAMW_RUN = "diloco_M4_K64_b64_seed1"
+PARAMS = 7_850 * 4  # the model's float32 bytes
+
+
+def test_adamw_moments_averaged_on_their_own_period_count_in_closed_form(tmp_path, capsys):
+    """``--average_state=exp_avg,exp_avg_sq --state_every=2`` (DES-LOC): rounds 2 and 4 send the model and its two
+    moments, rounds 1 and 3 the model alone; without the option AdamW's moments never travel."""
+    code, err = command(capsys, *ADAMW, run_dir=tmp_path / "model")
+    assert code == 0, err
+    ring = 2 * (M - 1) / M
+    assert float(last_train_row(tmp_path / "model", ADAMW_RUN)["ring_bytes_per_machine"]) == 4 * PARAMS * ring
+    run = tmp_path / "moments"
+    code, err = command(capsys, *ADAMW, "--average_state=exp_avg,exp_avg_sq", "--state_every=2", run_dir=run)
+    assert code == 0, err
+    assert float(last_train_row(run, ADAMW_RUN)["ring_bytes_per_machine"]) == (2 * PARAMS + 2 * 3 * PARAMS) * ring
+
+
+def test_adamw_moments_averaged_every_round_are_every_machines_mean(tmp_path, capsys):
+    """After the last round the machines hold one mean of each moment with ``--average_state``, and per-machine
+    moments without it (the option reaches the averager; the averaging itself is tested in tests/core)."""
+    import torch
+
+    def moments(run, *args):
+        assert command(capsys, *ADAMW, *args, "--trainer.max_steps=128", run_dir=run)[0] == 0
+        ckpt = torch.load(run / ADAMW_RUN / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+        return ckpt["optimizer_states"][0]["state"][0]
+
+    shared = moments(tmp_path / "shared", "--average_state=exp_avg,exp_avg_sq")
+    own = moments(tmp_path / "own")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(shared[key], shared[key][:1].expand_as(shared[key])), key
+        assert not torch.equal(own[key], own[key][:1].expand_as(own[key])), key
 
 
 def test_an_overlapped_fit_lands_every_round_and_counts_what_it_sent(tmp_path, capsys):

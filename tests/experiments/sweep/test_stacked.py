@@ -342,6 +342,8 @@ def test_trials_of_another_problem_run_one_at_a_time_and_say_why(command_line):
         assert stacked.stackable(config) == "overlap_delay or fragments is set (stacking runs blocking rounds)"
     config = command_line.parse(base + ["--state_every=2"]).fit.as_dict()  # the stack averages the state every round
     assert stacked.stackable(config) == "state_every is set (stacking averages the state every round)"
+    config = command_line.parse(base + ["--average_state=momentum_buffer"]).fit.as_dict()
+    assert stacked.stackable(config) == "average_state is set (stacking averages the method's own state only)"
     assert stacked.stackable(command_line.parse(base + ["--compression=int8"]).fit.as_dict()) is None  # stacked
 
 
