@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lit_slowcal.experiments.sweep.contract import MEASURED
 from lit_slowcal.experiments.train.model import MachinesModel
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce", "gather")
@@ -103,7 +104,7 @@ state = {
     "num_syncs": cli.trainer.strategy.num_syncs,
     "num_rounds": cli.datamodule.shape().rounds,
     "world_size": cli.trainer.world_size,
-    "metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()},
+    "metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k not in MEASURED},
 }
 out.mkdir(parents=True, exist_ok=True)
 torch.save(state, out / f"rank{cli.trainer.global_rank}.pt")

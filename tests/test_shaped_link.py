@@ -219,3 +219,33 @@ def test_main_reports_the_status_of_the_process_that_failed_not_of_those_it_stop
 
     monkeypatch.setattr(shaped_link, "ShapedLink", lambda plan: Net())
     assert shaped_link.main(["--", "true"]) == 3
+
+
+def test_time_to_accuracy_runs_a_sweep_files_trial_on_the_processes_as_nodes(tmp_path):
+    """A run is its sweep file's command and one value a parameter (the seed given, a list's first), extra
+    arguments last; each process a node of one device (RANK as NODE_RANK, LOCAL_RANK 0)."""
+    import bench_time_to_accuracy as tta
+
+    label, fit = tta.trial_command("ddp=sweeps/time_to_accuracy/cnn_ddp.yaml --compression=int8", seed=3)
+    assert label == "ddp"
+    assert fit[:2] == ["--config", "configs/paper.yaml"] and "--model.arch=cnn" in fit
+    assert fit[-7:] == ["--method=minibatch_sgd", "--num_machines=16", "--local_steps=1", "--seed_everything=3",
+                        "--model.lr=0.215", "--eval_every=8", "--compression=int8"]  # fmt: skip
+    assert tta.NODE == 'NODE_RANK=$RANK LOCAL_RANK=0 exec "$@"'
+    with pytest.raises(ValueError, match="Invalid run: 'cnn.yaml'"):
+        tta.trial_command("cnn.yaml", seed=1)
+
+
+def test_time_to_accuracy_counts_the_ring_of_processes_not_of_machines():
+    """M = 16 machines on P = 2 processes: a round's all-reduce of B bytes is 2 (M - 1) / M B and 2 (M - 1) hops on
+    the machines' ring, B and 2 hops on the processes' (closed form)."""
+    import bench_time_to_accuracy as tta
+
+    B = 90_192.0
+    row = {"ring_bytes_per_machine": 3 * 2 * 15 / 16 * B, "ring_hops": 3 * 2 * 15}  # three rounds
+    sent, hops = tta.on_processes(row, machines=16, procs=2)
+    assert sent == pytest.approx(3 * B, rel=1e-15) and hops == pytest.approx(3 * 2, rel=1e-15)
+    assert tta.on_processes(row, machines=16, procs=16) == (row["ring_bytes_per_machine"], row["ring_hops"])
+    assert tta.rate_bits("100mbit") == 1e8 and tta.rate_bits("1gbit") == 1e9
+    with pytest.raises(ValueError, match="Invalid rate: '100mb'"):
+        tta.rate_bits("100mb")

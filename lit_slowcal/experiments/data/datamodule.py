@@ -247,7 +247,14 @@ class ProblemDataModule(pl.LightningDataModule):
                 f"Invalid shape: world_size {shape.world_size} (the trainer runs {self.trainer.world_size} processes; "
                 "give the data module the run's shape over them)"
             )
-        return shape, self.trainer.global_rank
+        rank = self.trainer.global_rank
+        if not 0 <= rank < shape.world_size:  # an outside launcher's rank (RANK, WORLD_SIZE) beyond the trainer's count
+            raise ValueError(
+                f"Invalid trainer.num_nodes / trainer.devices: this process is rank {rank} of the launch, the trainer "
+                f"runs {shape.world_size} process(es) (num_nodes x devices); give the launch's count, e.g. "
+                "--trainer.num_nodes=<nodes> --trainer.devices=<processes a node>"
+            )
+        return shape, rank
 
     def prepare_data(self) -> None:
         """Decompress and check the MNIST files once, before any rank reads them (Lightning calls this on

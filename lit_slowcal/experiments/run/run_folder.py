@@ -61,13 +61,27 @@ def run_version(run_dir: str | Path, name: str) -> tuple[int, bool]:
     Every rank must write to the same version folder: the launching process (rank 0) claims the next
     free one (``claim_version``) and sets ``RUN_VERSION_ENV``; its DDP children, started later,
     inherit it through the environment. The claiming process removes the variable when its run ends.
+    Under an outside launcher the other ranks claim nothing (``launched_rank``): they never write there.
     """
     version = os.environ.get(RUN_VERSION_ENV)
     if version is not None:
         return int(version), False
+    if launched_rank() > 0:  # another launcher's process (torchrun, SLURM): rank 0 claims, this one only looks
+        return CSVLogger(save_dir=str(run_dir), name=name).version, False
     number = claim_version(run_dir, name)
     os.environ[RUN_VERSION_ENV] = str(number)
     return number, True
+
+
+def launched_rank() -> int:
+    """This process's global rank as an outside launcher gives it (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``;
+    0 where neither is set): its processes start at once, each without the version its rank 0 claims. Only rank 0
+    writes into the folder (the loggers, config.yaml, checkpoints), so another rank never makes one."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def run_dir_error(err: OSError, run_dir: Any) -> Optional[OSError]:

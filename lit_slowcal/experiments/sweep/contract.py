@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DIAGNOSTICS", "DIAGNOSTICS_RTOL", "csv_differences", "differences"]
+__all__ = ["DIAGNOSTICS", "DIAGNOSTICS_RTOL", "MEASURED", "csv_differences", "differences"]
 
 #: Metrics computed from a trial's trajectory: equal within ``DIAGNOSTICS_RTOL`` relative; all others bit for bit.
 DIAGNOSTICS = frozenset(
@@ -39,6 +39,10 @@ DIAGNOSTICS = frozenset(
     }
 )
 DIAGNOSTICS_RTOL = 1e-12
+#: Logged metrics that are measured times (``train_s``, the seconds of a fit's rounds), not functions of the
+#: trial's settings: outside the contract. A sweep record keeps them beside its metrics (as ``wall_time_s``); a
+#: stacked trial logs none (its seconds are its stack's).
+MEASURED = frozenset({"train_s"})
 
 
 def _agree(name: str, a: Any, b: Any) -> bool:
@@ -51,9 +55,16 @@ def _agree(name: str, a: Any, b: Any) -> bool:
 
 def differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """The metrics in which ``a`` and ``b`` (two metric dicts of one trial, e.g. records' ``metrics``) break the
-    contract, each as ``name: a != b``; a metric one holds and the other not is one too. Empty: they agree."""
+    contract, each as ``name: a != b``; a metric one holds and the other not is one too (``MEASURED`` ones aside).
+    Empty: they agree."""
+    a, b = ({k: v for k, v in m.items() if k not in MEASURED} for m in (a, b))
     out = [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in sorted(set(a) | set(b)) if k not in a or k not in b]
     return out + [f"{k}: {a[k]!r} != {b[k]!r}" for k in sorted(set(a) & set(b)) if not _agree(k, a[k], b[k])]
+
+
+def _without_measured(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``rows`` without the ``MEASURED`` columns."""
+    return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows]
 
 
 def _cell(text: str) -> Any:
@@ -66,8 +77,10 @@ def _cell(text: str) -> Any:
 def csv_differences(a: str, b: str) -> list[str]:
     """The cells in which two ``metrics.csv`` texts of one trial break the contract (same columns and rows;
     the text of every cell equal, diagnostics' within 1e-12 relative), as ``row N name: a != b``."""
-    ra, rb = list(csv.DictReader(io.StringIO(a))), list(csv.DictReader(io.StringIO(b)))
-    head_a, head_b = a.split("\n", 1)[0], b.split("\n", 1)[0]
+    ra, rb = (_without_measured(list(csv.DictReader(io.StringIO(text)))) for text in (a, b))
+    head_a, head_b = (
+        ",".join(name for name in text.split("\n", 1)[0].split(",") if name not in MEASURED) for text in (a, b)
+    )
     if head_a != head_b or len(ra) != len(rb):
         return [f"columns or rows differ: {head_a!r} ({len(ra)} rows) != {head_b!r} ({len(rb)} rows)"]
     out = []

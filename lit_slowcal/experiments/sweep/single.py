@@ -105,6 +105,7 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from lit_slowcal.experiments.sweep.contract import MEASURED
     from lit_slowcal.experiments.train.rounds import trial_status
 
     trial_cli = _trial_cli()
@@ -136,6 +137,7 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
     trainer = getattr(trial_cli.last, "trainer", None)
     trial_cli.last = trial_cli.given = None
     metrics: dict[str, Optional[float]] = {}
+    measured_now: dict[str, Optional[float]] = {}  # MEASURED: beside the metrics
     run_dir = None
     step_seconds = None
     if trainer is not None:
@@ -144,7 +146,7 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
         for key, value in trainer.callback_metrics.items():
             if getattr(value, "numel", lambda: 1)() == 1:
                 v = float(value)
-                metrics[key] = v if math.isfinite(v) else None  # strict JSON: no NaN
+                (measured_now if key in MEASURED else metrics)[key] = v if math.isfinite(v) else None  # no NaN
         run_dir = next((str(lg.log_dir) for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
     return {
         "status": status,
@@ -153,4 +155,5 @@ def run_trial(args: Sequence[str], parsed: Any = None) -> dict[str, Any]:
         "run_dir": run_dir,
         "wall_time_s": round(wall, 3),
         "step_seconds": step_seconds,
+        **measured_now,
     }

@@ -168,6 +168,7 @@ class MachinesModel(pl.LightningModule):
         self.step_seconds: Optional[float] = None
         self._train_time = (0.0, 0)  # (seconds in the training steps' loops, optimizer steps), measured_step_seconds
         self._resumed_loss_since_log = torch.zeros(2, dtype=torch.float64)  # (sum of round losses, rounds)
+        self._resumed_train_s = 0.0  # train_s before this fit's first round (a resumed run's, from its checkpoint)
 
     def use_shape(self, shape: RunShape) -> None:
         """Train in the run's ``shape`` (the CLI's one shape, the data's and the strategy's): host its machines
@@ -339,10 +340,18 @@ class MachinesModel(pl.LightningModule):
         seconds, steps = self._train_time
         return seconds / (steps * self.machines.num_machines) if steps and self.machines is not None else math.nan
 
+    @property
+    def train_seconds(self) -> float:
+        """Seconds measured in the run's rounds so far, this process's: the local steps and the synchronisations
+        (what a link slows), not data loading, logging or evaluation; a resumed run's go on from its checkpoint."""
+        return self._resumed_train_s + self._train_time[0]
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_loss_since_log"] = self._loss_since_log().clone()
+        checkpoint["train_s"] = self.train_seconds
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._resumed_train_s = float(checkpoint.get("train_s", 0.0)) - self._train_time[0]
         sums = checkpoint.get("train_loss_since_log", torch.zeros(2, dtype=torch.float64))
         self._driver = None
         self._resumed_loss_since_log = sums
@@ -386,6 +395,8 @@ class MachinesModel(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self._swap_output()
+        if self.trainer.state.fn == "fit":  # measured time to this evaluation: the slowest process's
+            self.log("train_s", self.train_seconds, reduce_fx="max", sync_dist=True)
 
     def on_test_epoch_start(self) -> None:
         self._swap_output()

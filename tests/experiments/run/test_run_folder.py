@@ -16,7 +16,15 @@ from lit_slowcal.experiments.run.run_folder import RUN_VERSION_ENV, claim_versio
 
 @pytest.fixture
 def no_wandb_env(monkeypatch, tmp_path):
-    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_INIT_TIMEOUT", RUN_VERSION_ENV):
+    for key in (
+        "WANDB_API_KEY",
+        "WANDB_MODE",
+        "WANDB_BASE_URL",
+        "WANDB_INIT_TIMEOUT",
+        RUN_VERSION_ENV,
+        "RANK",
+        "SLURM_PROCID",
+    ):
         # set, then removed: monkeypatch restores the value before (or its absence) after the test, so what
         # run_version and start_wandb write to os.environ does not reach the tests that follow
         monkeypatch.setenv(key, "")
@@ -31,6 +39,19 @@ def test_run_name_and_versions_claimed_one_each(tmp_path, no_wandb_env):
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["version_0", "version_1", "version_2"]
     assert run_version(tmp_path, "r") == (3, True)  # the launcher claims the next one and passes it on
     assert run_version(tmp_path, "r") == (3, False)  # a DDP child (same environment) reuses it
+
+
+@pytest.mark.parametrize("variable", ["RANK", "SLURM_PROCID"])
+def test_under_an_outside_launcher_only_rank_0_claims_a_version(tmp_path, no_wandb_env, monkeypatch, variable):
+    """torchrun or SLURM start every rank at once, none with the claimed version: a rank > 0 made an empty
+    version folder of its own (and rank 0 then logged into the next one); now it claims nothing."""
+    claim_version(tmp_path, "r")
+    monkeypatch.setenv(variable, "1")
+    assert run_version(tmp_path, "r") == (1, False)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["version_0"]
+    monkeypatch.setenv(variable, "0")
+    assert run_version(tmp_path, "r") == (1, True)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["version_0", "version_1"]
 
 
 def test_without_credentials_w_and_b_logs_offline_and_says_how_to_upload(capsys, no_wandb_env):
