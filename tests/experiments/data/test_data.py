@@ -391,6 +391,13 @@ def test_layout_over_processes(cached_mnist):
     with pytest.raises(ValueError, match="not divisible"):
         uneven.setup("fit")
 
+    # An outside launcher's rank 1 (RANK=1, WORLD_SIZE=2) under a trainer of one process: one line, not an
+    # IndexError of machine ids past the last shard.
+    launched = ProblemDataModule(num_machines=16)
+    launched.trainer = SimpleNamespace(world_size=1, global_rank=1, lightning_module=None)
+    with pytest.raises(ValueError, match=r"^Invalid trainer.num_nodes / trainer.devices: this process is rank 1 of"):
+        launched.setup("fit")
+
 
 def test_partition_plot_is_written(cached_mnist, tmp_path):
     dm = ProblemDataModule(num_machines=16, dirichlet_alpha=0.1)
