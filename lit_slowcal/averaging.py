@@ -391,8 +391,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
 
     def _declared(self) -> Declared:
         """``declared(self.optimizer)``: what the optimizer declares, read once per blocking round (``_sync``)."""
-        held = getattr(self, "_round_protocol", None)
-        return held if held is not None else declared(self.optimizer)
+        return self._round_protocol if self._round_protocol is not None else declared(self.optimizer)
 
     def _tensors(self, state: bool = True) -> Tensors:
         """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
