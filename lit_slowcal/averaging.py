@@ -8,8 +8,8 @@ all M machines: processes of the process group, or machines a ``SimulatedMachine
 ``step()``. Its options are one ``AveragingOptions`` (``lit_slowcal.options``). It keeps the schedule,
 the state and the checks; its parts: the round engines (``_rounds``: exact, coded, overlapped), the
 server's step (``_server``), the overlapped schedule (``_overlap``), the counts (``_counts``), the saved state
-(``_averager_state``), the loop's hooks (``_hooks``), the ranks' checks (``_schedule_check``). docs/architecture.md
-draws them.
+(``_averager_state``), the loop's hooks (``_hooks``), the ranks' checks (``_schedule_check``), what is averaged
+(``_averaged_tensors``). docs/architecture.md draws them.
 
 A round ends after every K-th step. Code that takes the model out of training mid-round (evaluation,
 a checkpoint, the end of training) calls ``close_round()``: every machine then holds the same averaged
@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lit_slowcal import _averager_state, _selection, _server
+from lit_slowcal._averaged_tensors import AveragedTensors
 from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
 from lit_slowcal._collectives import Machines, broadcast_module
 from lit_slowcal._compressed import CompressedAverage
@@ -42,14 +43,14 @@ from lit_slowcal._schedule_check import CHECK_EVERY, ScheduleCheck
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
-from lit_slowcal.protocol import Declared, declared
+from lit_slowcal.protocol import declared
 
 __all__ = [
     "CHECK_EVERY", "COMPRESSION_KEY", "IN_FLIGHT_KEY", "PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process",
 ]  # fmt: skip
 
 
-class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule, ScheduleCheck):
+class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule, ScheduleCheck, AveragedTensors):
     """Average parameters, floating buffers and declared optimizer state over all machines every K steps.
 
     Args:
@@ -128,7 +129,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self._machines: Optional[int] = None  # m, counted once
         self._keys_checked = not self.options.average_state  # average_state's keys found in the optimizer's state
         self._init_checks()  # the set-up and the counts compared by the rounds that check (``ScheduleCheck``)
-        self._round_protocol: Optional[Declared] = None  # what the optimizer declares, during a blocking round
+        self._init_protocol()  # read at each use but during a blocking round (``AveragedTensors``)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -280,13 +281,10 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if self.engine.in_flight is not None:
             self._land()
         check = self._check_due(closing)
-        self._round_protocol = declared(self.optimizer)
-        try:
+        with self._protocol_held():
             self._blocking_round(self._begin_round(None, state, check), state=state)
             if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
                 self._settled_step = self.steps
-        finally:
-            self._round_protocol = None
 
     def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
@@ -367,37 +365,6 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         slice). Only where every machine holds the same values: the strategies call it after their set-up broadcast."""
         if isinstance(self.engine, CodedRound):
             self.engine.anchor_missing(self._tensors())
-
-    # -- what is averaged ---------------------------------------------------------------------
-
-    def _bucket_views(self) -> bool:
-        """``options.bucket_views``, its default (``None``) resolved: on where the averaged tensors are the model's
-        own (no optimizer state averaged: the buffer holds what ``model.state_dict()`` holds, so saving it writes
-        nothing more) and every round is a blocking exact one; off where it is refused or where rounds are coded."""
-        o = self.options
-        if o.bucket_views is not None:
-            return o.bucket_views
-        blocking_exact = o.compressor is None and not o.overlap_delay and o.fragments == 1 and o.state_every == 1
-        return blocking_exact and not self.sharded and not self._averaged_keys()
-
-    def _outer_pairs(self, tensors: Optional[Tensors] = None) -> Tensors:
-        """The optimizer's parameters, each with whether it is stacked (one slice per machine);
-        ``tensors``: ``_tensors()`` where the caller has it already."""
-        return _server.parameters(self.optimizer, self._tensors() if tensors is None else tensors)
-
-    def _averaged_keys(self) -> tuple[str, ...]:
-        """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*self._declared().averaged_state, *self.options.average_state)))
-
-    def _declared(self) -> Declared:
-        """``declared(self.optimizer)``: what the optimizer declares, read once per blocking round (``_sync``)."""
-        return self._round_protocol if self._round_protocol is not None else declared(self.optimizer)
-
-    def _tensors(self, state: bool = True) -> Tensors:
-        """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
-        optimizer's declared state and ``average_state`` (unless ``state=False``), the buffers."""
-        keys = self._averaged_keys() if state else ()
-        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers, self._simulated)
 
     def _sync_every_changed(self, value: int) -> None:
         """K set mid-run: the next blocking round compares the ranks' counts."""
