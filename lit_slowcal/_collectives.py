@@ -1,5 +1,5 @@
 """The process group and the averager's small collectives: ranks, broadcast, gathers, and the check
-that every rank is at the same point.
+that every rank is at the same point; a compressed round's exchanges of parts (``all_to_all_parts``, ``gather_parts``).
 
 Without an initialised process group there is one process, of rank 0 (``world_size``, ``rank``).
 ``check_same_point`` opens each of the averager's collectives (``COLLECTIVES``) with one all-gather
@@ -33,11 +33,13 @@ if dist.is_available():
 
 __all__ = [
     "Machines",
+    "all_to_all_parts",
     "broadcast_module",
     "check_same_point",
     "gather_ints",
     "gather_ints_on",
     "gather_objects",
+    "gather_parts",
     "rank",
     "world_size",
 ]
@@ -101,6 +103,25 @@ def gather_ints_on(device: torch.device, values: Sequence[int], process_group: O
     everyone = [torch.empty_like(mine) for _ in range(world_size(process_group))]
     dist.all_gather(everyone, mine, group=process_group)
     return [tuple(int(v) for v in t.tolist()) for t in everyone]
+
+
+def all_to_all_parts(x: Tensor, widths: list[int], m: int, group: Optional[Any]) -> Tensor:
+    """All-to-all of ``x`` ``[m, sum(widths)]``, its columns cut into ``widths``: process j gets every process's
+    j-th part; returns them as ``[world * m, widths[rank]]`` in machine order."""
+    world, rank = len(widths), dist.get_rank(group)
+    starts = [sum(widths[:j]) for j in range(world + 1)]
+    send = torch.cat([x[:, starts[j] : starts[j + 1]].reshape(-1) for j in range(world)])
+    out = torch.empty(world * m * widths[rank], dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, send, [m * widths[rank]] * world, [m * w for w in widths], group=group)
+    return out.view(world * m, widths[rank])
+
+
+def gather_parts(x: Tensor, widths: list[int], group: Optional[Any]) -> list[Tensor]:
+    """Every process's ``x`` (process j's of ``widths[j]`` values), on every process, in rank order."""
+    x = x.reshape(-1)
+    out = torch.empty(sum(widths), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.repeat(len(widths)), widths, [x.numel()] * len(widths), group=group)
+    return list(out.split(widths))
 
 
 #: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).

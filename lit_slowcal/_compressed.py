@@ -19,7 +19,6 @@ from itertools import accumulate
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lit_slowcal import _collectives
@@ -118,6 +117,27 @@ class _Layout:
             i += hi - lo
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One group's round: its tensors (name, tensor, stacked) on ``device``, averaged in ``acc``, the layouts of their
+    values and codes, this process's ``m`` machines and its ``rank`` of ``world`` in the process ``group``."""
+
+    items: list[tuple[str, Tensor, bool]]
+    layout: _Layout
+    coded: _Layout
+    acc: torch.dtype
+    device: torch.device
+    m: int
+    world: int
+    rank: int
+    group: Optional[Any]
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """The blocks this process reduces, ``b0:b1`` (chunk-major order)."""
+        return self.layout.block_starts[self.rank], self.layout.block_starts[self.rank + 1]
+
+
 class CompressedAverage(Anchored):
     """Anchors, error feedback and the two-stage reduce of one averager (see the module docstring)."""
 
@@ -147,11 +167,10 @@ class CompressedAverage(Anchored):
         for k, (t, s) in zip(names, tensors):
             groups.setdefault((t.device, accumulation_dtype(t.dtype)), []).append((k, t, s))
         first = second = 0
-        for (_, acc), items in groups.items():
+        for (device, acc), items in groups.items():
             layout, coded = self._layout([(t, s) for _, t, s in items], world)
-            a, b = self._average_group(
-                items, layout, coded, acc, participants, machines_per_process, world, rank, process_group, nonnegative
-            )
+            g = _Group(items, layout, coded, acc, device, machines_per_process, world, rank, process_group)
+            a, b = self._average_group(g, participants, nonnegative)
             first, second = first + a, second + b
         return first, second
 
@@ -195,106 +214,128 @@ class CompressedAverage(Anchored):
         return n * codes.element_size() + (nb * per_block.element_size() if per_block is not None else 0)
 
     def _average_group(
-        self,
-        items: list[tuple[str, Tensor, bool]],
-        layout: _Layout,
-        coded: _Layout,
-        acc: torch.dtype,
-        participants: Optional[Tensor],
-        m: int,
-        world: int,
-        rank: int,
-        group: Optional[Any],
-        nonnegative: Collection[str],
+        self, g: _Group, participants: Optional[Tensor], nonnegative: Collection[str]
     ) -> tuple[int, int]:
-        B, NB, code = self.code.block_size, layout.NB, self.code
-        W, C = NB * B, self.code.code_width(B)  # the padded values; the codes of a block
-        device = items[0][1].device
-        mine = None if participants is None else participants[rank * m : (rank + 1) * m]
+        """One group's round, steps 1 to 5 below. Returns the bytes one machine's message has in each stage."""
+        layout, NB, B = g.layout, g.layout.NB, self.code.block_size
         # 1. Every machine's change (with its error feedback) in the padded buffer [m, NB * B], zeros between tensors.
-        changes = torch.zeros(m, W, dtype=acc, device=device)
-        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
+        codes, per_block, decoded = self._code_changes(g, participants)
+        first = self._message_bytes(codes, per_block, g.coded.N, NB)
+
+        # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean. From here on
+        # the blocks lie in chunk-major order (``_Layout``; with one process, as they are).
+        received, codes, per_block = self._exchange(g, codes, per_block, decoded)
+        mean = _mean(received, participants)
+
+        # 4. The mean, encoded again by its chunk's owner (with its error feedback), to every process.
+        if self.code.second_stage:
+            result, second = self._second_stage(g, mean, codes, per_block)
+        else:
+            result, second = self._gather_mean(g, mean)
+        result = layout.from_chunks(result.view(NB, B), 0).reshape(NB * B)
+
+        # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
+        for (k, t, s), st, n in zip(g.items, layout.starts, layout.sizes):
+            self._land(k, t, s, result[st : st + n], k in nonnegative)
+        return first, second
+
+    def _code_changes(self, g: _Group, participants: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor], Tensor]:
+        """Step 1: every machine's change since its anchor, with its error feedback, coded; with error feedback, what
+        the codes lost becomes each machine's buffer (with participation, this process's participants' only).
+        Returns the codes, the per-block values and what they decode to (``[m, NB * B]``)."""
+        m, acc, NB, B = g.m, g.acc, g.layout.NB, self.code.block_size
+        changes = torch.zeros(m, NB * B, dtype=acc, device=g.device)
+        for (k, t, s), st, n in zip(g.items, g.layout.starts, g.layout.sizes):
             value = t.detach().reshape(m if s else 1, n)
             delta = changes[:, st : st + n]
             delta.copy_(value.to(acc) - self.anchors[k].reshape(1, n).to(acc))
             e = self.errors.get(k)
             if e is not None:
                 delta.add_(e.reshape(m, n))
-        codes, per_block = code.encode(changes.view(m, NB, B))
-        decoded = code.decode(codes, per_block, acc).view(m, W)
+        codes, per_block = self.code.encode(changes.view(m, NB, B))
+        decoded = self.code.decode(codes, per_block, acc).view(m, NB * B)
         if self.error_feedback:
-            for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
+            mine = None if participants is None else participants[g.rank * m : (g.rank + 1) * m]
+            for (k, t, s), st, n in zip(g.items, g.layout.starts, g.layout.sizes):
                 lost = changes[:, st : st + n] - decoded[:, st : st + n]
                 e = self.errors.get(k)
                 if e is None:
-                    e = self.errors[k] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=device)
+                    e = self.errors[k] = torch.zeros(t.shape if s else (1, *t.shape), dtype=acc, device=g.device)
                 if mine is None:
                     e.view(m, n).copy_(lost)
                 else:
                     e.view(m, n)[mine] = lost[mine]
-        first = self._message_bytes(codes, per_block, coded.N, NB)
+        return codes, per_block, decoded
 
-        # 2-3. Process `rank` gets every machine's codes of its chunk, decodes them and takes the mean. From here on
-        # the blocks lie in chunk-major order (``_Layout``; with one process, as they are).
-        b0, b1 = layout.block_starts[rank], layout.block_starts[rank + 1]
-        if world == 1:
-            received = decoded
-        else:
-            codes = layout.to_chunks(codes.view(m, NB, C), 1)
-            per_block = None if per_block is None else layout.to_chunks(per_block, 1)
-            sent = torch.cat([coded.real(codes.view(m, NB * C), j) for j in range(world)], dim=1)
-            got = _all_to_all(sent, coded.widths(), m, group)
-            # The padding (never sent) as the codes of zeros, as a process's own padded blocks have them: it decodes
-            # to 0 and leaves the second stage's scales alone.
-            zero = code.encode(torch.zeros(1, 1, B, dtype=acc, device=device))[0].reshape(-1)
-            chunk_codes = zero.repeat(world * m, b1 - b0)
-            coded.place(got, chunk_codes, rank, b0 * C)
-            got_blocks = None
-            if per_block is not None:
-                got_blocks = _all_to_all(per_block, layout.block_widths(), m, group)
-            received = torch.zeros(world * m, 0, dtype=acc, device=device)  # no block here: fewer than processes
-            if b1 > b0:
-                received = code.decode(chunk_codes.view(world * m, b1 - b0, C), got_blocks, acc).view(world * m, -1)
-        mean = _mean(received, participants)
+    def _exchange(
+        self, g: _Group, codes: Tensor, per_block: Optional[Tensor], decoded: Tensor
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Steps 2-3: every machine's values of chunk ``rank``, decoded from the codes an all-to-all brought
+        (``[world * m, its values]``; with one process, ``decoded``), and the codes and per-block values as sent."""
+        if g.world == 1:
+            return decoded, codes, per_block
+        layout, coded, m, world, acc = g.layout, g.coded, g.m, g.world, g.acc
+        B, NB, C = self.code.block_size, layout.NB, self.code.code_width(self.code.block_size)
+        b0, b1 = g.chunk
+        codes = layout.to_chunks(codes.view(m, NB, C), 1)
+        per_block = None if per_block is None else layout.to_chunks(per_block, 1)
+        sent = torch.cat([coded.real(codes.view(m, NB * C), j) for j in range(world)], dim=1)
+        got = _collectives.all_to_all_parts(sent, coded.widths(), m, g.group)
+        # The padding (never sent) as the codes of zeros, as a process's own padded blocks have them: it decodes
+        # to 0 and leaves the second stage's scales alone.
+        zero = self.code.encode(torch.zeros(1, 1, B, dtype=acc, device=g.device))[0].reshape(-1)
+        chunk_codes = zero.repeat(world * m, b1 - b0)
+        coded.place(got, chunk_codes, g.rank, b0 * C)
+        got_blocks = None
+        if per_block is not None:
+            got_blocks = _collectives.all_to_all_parts(per_block, layout.block_widths(), m, g.group)
+        received = torch.zeros(world * m, 0, dtype=acc, device=g.device)  # no block here: fewer than processes
+        if b1 > b0:
+            received = self.code.decode(chunk_codes.view(world * m, b1 - b0, C), got_blocks, acc).view(world * m, -1)
+        return received, codes, per_block
 
-        # 4. The mean, encoded again by its chunk's owner (with its error feedback), to every process.
-        if code.second_stage:
-            owner = self._owner_chunk(items, layout, acc, rank) if self.error_feedback else None
-            if owner is not None:
-                mean.add_(owner)
-            if b1 > b0:
-                codes2, per_block2 = code.encode(mean.view(b1 - b0, B))
-                result = code.decode(codes2, per_block2, acc).view(-1)
-            else:  # no block here: nothing to encode (the first stage's codes, none of them, to gather)
-                codes2, per_block2, result = codes[0, :0], None if per_block is None else per_block[0, :0], mean
-            if owner is not None:
-                self._keep_owner_chunk(items, layout, mean - result, rank)
-            second = self._message_bytes(codes2, per_block2, coded.N, NB)
-            if world > 1:
-                all_codes = code.encode(torch.zeros(1, 1, B, dtype=acc, device=device))[0].reshape(1, C).repeat(1, NB)
-                mine_real = coded.real(codes2.view(1, -1), rank, b0 * C)
-                gathered = _gather(mine_real, coded.widths(), group)
-                for j, part in enumerate(gathered):
-                    coded.place(part.view(1, -1), all_codes, j)
-                blocks2 = None
-                if per_block2 is not None:
-                    blocks2 = torch.cat(_gather(per_block2, layout.block_widths(), group)).view(1, NB)
-                result = code.decode(all_codes.view(1, NB, C), blocks2, acc).view(W)
-        else:
-            second = layout.N * torch.empty(0, dtype=acc).element_size()
-            if world > 1:
-                full = torch.zeros(1, W, dtype=acc, device=device)
-                mine_real = layout.real(mean.view(1, -1), rank, b0 * B)
-                for j, part in enumerate(_gather(mine_real, layout.widths(), group)):
-                    layout.place(part.view(1, -1), full, j)
-                mean = full.view(W)
-            result = mean
-        result = layout.from_chunks(result.view(NB, B), 0).reshape(W)
+    def _second_stage(self, g: _Group, mean: Tensor, codes: Tensor, per_block: Optional[Tensor]) -> tuple[Tensor, int]:
+        """Step 4 with a second stage: chunk ``rank``'s ``mean`` (with the owner's error feedback) coded again, every
+        process's codes gathered and decoded (``codes``, ``per_block``: the first stage's, as ``_exchange`` left
+        them). Returns the mean of every block, chunk-major, and the bytes of this process's message."""
+        layout, coded, code, acc = g.layout, g.coded, self.code, g.acc
+        B, NB, C = code.block_size, layout.NB, code.code_width(code.block_size)
+        b0, b1 = g.chunk
+        owner = self._owner_chunk(g) if self.error_feedback else None
+        if owner is not None:
+            mean.add_(owner)
+        if b1 > b0:
+            codes2, per_block2 = code.encode(mean.view(b1 - b0, B))
+            result = code.decode(codes2, per_block2, acc).view(-1)
+        else:  # no block here: nothing to encode (the first stage's codes, none of them, to gather)
+            codes2, per_block2, result = codes[0, :0], None if per_block is None else per_block[0, :0], mean
+        if owner is not None:
+            self._keep_owner_chunk(g, mean - result)
+        second = self._message_bytes(codes2, per_block2, coded.N, NB)
+        if g.world > 1:
+            all_codes = code.encode(torch.zeros(1, 1, B, dtype=acc, device=g.device))[0].reshape(1, C).repeat(1, NB)
+            mine_real = coded.real(codes2.view(1, -1), g.rank, b0 * C)
+            gathered = _collectives.gather_parts(mine_real, coded.widths(), g.group)
+            for j, part in enumerate(gathered):
+                coded.place(part.view(1, -1), all_codes, j)
+            blocks2 = None
+            if per_block2 is not None:
+                blocks2 = torch.cat(_collectives.gather_parts(per_block2, layout.block_widths(), g.group)).view(1, NB)
+            result = code.decode(all_codes.view(1, NB, C), blocks2, acc).view(NB * B)
+        return result, second
 
-        # 5. Every machine ends the round at anchor + the decoded mean; the anchors move there.
-        for (k, t, s), st, n in zip(items, layout.starts, layout.sizes):
-            self._land(k, t, s, result[st : st + n], k in nonnegative)
-        return first, second
+    def _gather_mean(self, g: _Group, mean: Tensor) -> tuple[Tensor, int]:
+        """Step 4 without a second stage: every process's chunk of the mean gathered as it is. Returns the mean of
+        every block, chunk-major, and the bytes of this process's message."""
+        layout, B = g.layout, self.code.block_size
+        second = layout.N * torch.empty(0, dtype=g.acc).element_size()
+        if g.world > 1:
+            full = torch.zeros(1, layout.NB * B, dtype=g.acc, device=g.device)
+            mine_real = layout.real(mean.view(1, -1), g.rank, g.chunk[0] * B)
+            for j, part in enumerate(_collectives.gather_parts(mine_real, layout.widths(), g.group)):
+                layout.place(part.view(1, -1), full, j)
+            mean = full.view(layout.NB * B)
+        return mean, second
 
     def _land(self, name: str, t: Tensor, stacked: bool, mean: Tensor, nonnegative: bool) -> None:
         """Every machine of ``t`` (``name``'s) ends the round at ``anchor + mean`` (the same bits on all), at
@@ -311,25 +352,21 @@ class CompressedAverage(Anchored):
         a.copy_(value)
         t.detach().copy_(value.unsqueeze(0).expand_as(t) if stacked else value)
 
-    def _owner_chunk(
-        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, acc: torch.dtype, rank: int
-    ) -> Tensor:
+    def _owner_chunk(self, g: _Group) -> Tensor:
         """The second stage's error feedback on chunk ``rank`` (this process's, padded, in chunk-major order)."""
-        b0, b1, B = layout.block_starts[rank], layout.block_starts[rank + 1], self.code.block_size
-        out = torch.zeros((b1 - b0) * B, dtype=acc, device=items[0][1].device)
-        for i, lo, hi, at in layout.pieces[rank]:
-            e = self.owner_errors.get(items[i][0])
+        (b0, b1), B = g.chunk, self.code.block_size
+        out = torch.zeros((b1 - b0) * B, dtype=g.acc, device=g.device)
+        for i, lo, hi, at in g.layout.pieces[g.rank]:
+            e = self.owner_errors.get(g.items[i][0])
             if e is not None:
                 out[at - b0 * B : at - b0 * B + hi - lo] = e.reshape(-1)[lo:hi]
         return out
 
-    def _keep_owner_chunk(
-        self, items: list[tuple[str, Tensor, bool]], layout: _Layout, lost: Tensor, rank: int
-    ) -> None:
+    def _keep_owner_chunk(self, g: _Group, lost: Tensor) -> None:
         """``lost`` (chunk ``rank``'s, as ``_owner_chunk``'s) into each tensor's buffer, on that tensor's run."""
-        at0 = layout.block_starts[rank] * self.code.block_size
-        for i, lo, hi, at in layout.pieces[rank]:
-            k, t, s = items[i]
+        at0 = g.chunk[0] * self.code.block_size
+        for i, lo, hi, at in g.layout.pieces[g.rank]:
+            k, t, s = g.items[i]
             e = self.owner_errors.get(k)
             if e is None:
                 e = self.owner_errors[k] = torch.zeros(
@@ -347,22 +384,3 @@ def _mean(values: Tensor, participants: Optional[Tensor]) -> Tensor:
     for i in rows[1:]:
         total.add_(values[i])
     return total.div_(len(rows))
-
-
-def _all_to_all(x: Tensor, widths: list[int], m: int, group: Optional[Any]) -> Tensor:
-    """All-to-all of ``x`` ``[m, sum(widths)]``, its columns cut into ``widths``: process j gets every process's
-    j-th part; returns them as ``[world * m, widths[rank]]`` in machine order."""
-    world, rank = len(widths), dist.get_rank(group)
-    starts = [sum(widths[:j]) for j in range(world + 1)]
-    send = torch.cat([x[:, starts[j] : starts[j + 1]].reshape(-1) for j in range(world)])
-    out = torch.empty(world * m * widths[rank], dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, send, [m * widths[rank]] * world, [m * w for w in widths], group=group)
-    return out.view(world * m, widths[rank])
-
-
-def _gather(x: Tensor, widths: list[int], group: Optional[Any]) -> list[Tensor]:
-    """Every process's ``x`` (process j's of ``widths[j]`` values), on every process, in rank order."""
-    x = x.reshape(-1)
-    out = torch.empty(sum(widths), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x.repeat(len(widths)), widths, [x.numel()] * len(widths), group=group)
-    return list(out.split(widths))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -68,8 +69,8 @@ def _load_cli_names(module: ModuleType) -> None:
     # --trainer.strategy.sync_every=8` resolve to the class of that name.
     importlib.import_module("lit_slowcal.strategy")
     cli = module.LightningCLI
-    if not getattr(cli.parse_arguments, "_keeps_strategy_init_args", False):
-        cli.parse_arguments = _keeping_strategy_init_args(cli.parse_arguments)
+    if not getattr(cli.parse_arguments, "keeps_strategy_init_args", False):
+        cli.parse_arguments = KeepingStrategyInitArgs(cli.parse_arguments)
 
 
 def _strategy_kind(value: Any) -> Any:
@@ -101,9 +102,9 @@ def _strategy_names(argv: list[str]) -> list[tuple[int, int]]:
     return found
 
 
-def _keeping_strategy_init_args(parse_arguments: Callable[..., None]) -> Callable[..., None]:
+class KeepingStrategyInitArgs:
     """``LightningCLI.parse_arguments``, keeping a config's ``trainer.strategy`` init args when the command line
-    names the same strategy again.
+    names the same strategy again; a method of the class it is set on.
 
     ``Trainer(strategy=...)`` takes a string or a Strategy, and jsonargparse parses a bare name as the string:
     ``--trainer.strategy=periodic_averaging`` replaced a config's ``{class_path: periodic_averaging, init_args:
@@ -112,8 +113,18 @@ def _keeping_strategy_init_args(parse_arguments: Callable[..., None]) -> Callabl
     class the config already has now keeps its init args, as jsonargparse does for a class given by its path.
     """
 
-    def parse(self: Any, parser: Any, args: Any) -> None:
-        parse_arguments(self, parser, args)
+    #: Tells ``LightningCLI.parse_arguments`` is wrapped already, whichever import of this module wrapped it: the
+    #: registration wraps it once.
+    keeps_strategy_init_args = True
+
+    def __init__(self, parse_arguments: Callable[..., None]) -> None:
+        self.wrapped = parse_arguments  # LightningCLI's own
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __call__(self, cli: Any, parser: Any, args: Any) -> None:
+        self.wrapped(cli, parser, args)
         if args is not None and not isinstance(args, (list, tuple)):  # a dict or Namespace: no command line
             return
         argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
@@ -128,10 +139,7 @@ def _keeping_strategy_init_args(parse_arguments: Callable[..., None]) -> Callabl
         subcommand = config.get("subcommand")  # parse_arguments comes before LightningCLI sets self.subcommand
         kept = config.get(f"{subcommand}.trainer.strategy" if subcommand else "trainer.strategy")
         if hasattr(kept, "class_path") and {_strategy_kind(kept)} == kinds:
-            self.config = config  # else the config had no strategy of this kind: the name chooses it, as before
-
-    parse._keeps_strategy_init_args = True  # type: ignore[attr-defined]
-    return parse
+            cli.config = config  # else the config had no strategy of this kind: the name chooses it, as before
 
 
 def _parse_quietly(parser: Any, argv: list[str]) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -224,32 +224,10 @@ def averaged_tensors(
     A tensor is stacked when it is a parameter or buffer of a ``SimulatedMachines`` module, or
     optimizer state of such a parameter with the parameter's shape.
 
-    The units of ``averaged_units`` one after another, without their names (this runs at every round);
-    ``simulated=False``: ``modules`` hold no ``SimulatedMachines`` (``has_simulated``), not looked for again.
+    The units of ``averaged_units`` one after another, without their names (this runs at every round:
+    ``_walk``); ``simulated=False``: ``modules`` hold no ``SimulatedMachines`` (``has_simulated``), not looked for again.
     """
-    stacked_ids = _stacked_ids(modules) if simulated else set()
-    dtensor = _dtensor_type()
-    seen: set[int] = set()
-    out: Tensors = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen and is_averaged(p):
-                seen.add(id(p))
-                out.append((local(p) if dtensor is not None and isinstance(p, dtensor) else p, id(p) in stacked_ids))
-            state = optimizer.state.get(p) if keys else None
-            for key in keys if state else ():
-                t = state[key] if key in state else None
-                if not isinstance(t, Tensor):
-                    continue
-                _check_like(t, p, key)
-                if id(t) not in seen and is_averaged(t):
-                    seen.add(id(t))
-                    out.append((local(t), id(p) in stacked_ids and t.shape == p.shape))
-    for b in buffers if buffers is not None else (b for m in modules for b in m.buffers()):
-        if id(b) not in seen and is_averaged(b):
-            seen.add(id(b))
-            out.append((local(b), id(b) in stacked_ids))
-    return out
+    return [(t, stacked) for _, t, stacked in _walk(modules, optimizer, keys, buffers, simulated)]
 
 
 def has_simulated(modules: Modules) -> bool:
@@ -295,7 +273,10 @@ def averaged_units(
 ) -> list[Tensors]:
     """``averaged_tensors`` in units, in the same order: a parameter with its state under ``keys``, or
     a buffer; each unit's first tensor is its parameter or buffer (units with nothing to average left out)."""
-    return [[(t, s) for _, t, s in unit] for unit in _named_units(modules, optimizer, keys, buffers)]
+    units: dict[tuple[str, int], Tensors] = {}  # by the unit's parameter or buffer: the walk gives a unit in one run
+    for (kind, index, _), t, stacked in _walk(modules, optimizer, keys, buffers):
+        units.setdefault((kind, index), []).append((t, stacked))
+    return list(units.values())
 
 
 def names_of(
@@ -310,7 +291,8 @@ def names_of(
     key"`` (its state under ``key``), ``"buffer j"``."""
     # By storage, shape and dtype: a DTensor's local shard (``local``) is a new object at each call.
     key = lambda t: (t.data_ptr(), tuple(t.shape), t.dtype, 0 if t.numel() else id(t))  # noqa: E731
-    where = {key(t): name for unit in _named_units(modules, optimizer, keys, buffers) for name, t, _ in unit}
+    name = lambda kind, index, state: f"{kind} {index}" if state is None else f"{kind} {index} {state}"  # noqa: E731
+    where = {key(t): name(*position) for position, t, _ in _walk(modules, optimizer, keys, buffers)}
     return [where[key(t)] for t, _ in tensors]
 
 
@@ -320,33 +302,42 @@ def state_key(name: str) -> Optional[str]:
     return parts[2] if len(parts) == 3 and parts[0] == "param" else None
 
 
-def _named_units(
-    modules: Sequence[nn.Module], optimizer: Optimizer, keys: Sequence[str], buffers: Optional[Sequence[Tensor]]
-) -> list[list[tuple[str, Tensor, bool]]]:
-    """``averaged_units``, each tensor with its name (``names_of``)."""
-    stacked_ids = _stacked_ids(modules)
+#: Where ``_walk`` found a tensor: ``("param", i, None)``, the i-th of the optimizer's parameters; ``("param", i,
+#: key)``, its state under ``key``; ``("buffer", j, None)``, the j-th buffer (``names_of`` spells it).
+Position = tuple[str, int, Optional[str]]
+
+
+def _walk(
+    modules: Sequence[nn.Module],
+    optimizer: Optimizer,
+    keys: Sequence[str],
+    buffers: Optional[Sequence[Tensor]],
+    simulated: bool = True,
+) -> Iterator[tuple[Position, Tensor, bool]]:
+    """Every tensor ``averaged_tensors`` gives, once and in its order, with its position and whether it is
+    stacked; of a DTensor, its local shard. ``simulated``: as ``averaged_tensors``'."""
+    stacked_ids = _stacked_ids(modules) if simulated else set()
+    dtensor = _dtensor_type()
+    shard = lambda t: local(t) if dtensor is not None and isinstance(t, dtensor) else t  # noqa: E731
     seen: set[int] = set()
-    out: list[list[tuple[str, Tensor, bool]]] = []
-
-    def add(unit: list[tuple[str, Tensor, bool]], name: str, t: Tensor, owner: Tensor) -> None:
-        if id(t) not in seen and is_averaged(t):
-            seen.add(id(t))
-            unit.append((name, local(t), id(owner) in stacked_ids and t.shape == owner.shape))
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for i, p in enumerate(params):
-        unit: list[tuple[str, Tensor, bool]] = []
-        add(unit, f"param {i}", p, p)
-        state = optimizer.state.get(p, {})
-        for key in keys:
-            if isinstance(state.get(key), Tensor):
-                _check_like(state[key], p, key)
-                add(unit, f"param {i} {key}", state[key], p)
-        out.append(unit)
+        if id(p) not in seen and is_averaged(p):
+            seen.add(id(p))
+            yield ("param", i, None), shard(p), id(p) in stacked_ids
+        state = optimizer.state.get(p) if keys else None
+        for key in keys if state else ():
+            t = state[key] if key in state else None
+            if not isinstance(t, Tensor):
+                continue
+            _check_like(t, p, key)
+            if id(t) not in seen and is_averaged(t):
+                seen.add(id(t))
+                yield ("param", i, key), shard(t), id(p) in stacked_ids and t.shape == p.shape
     for j, b in enumerate(buffers if buffers is not None else (b for m in modules for b in m.buffers())):
-        out.append([])
-        add(out[-1], f"buffer {j}", b, b)
-    return [unit for unit in out if unit]
+        if id(b) not in seen and is_averaged(b):
+            seen.add(id(b))
+            yield ("buffer", j, None), shard(b), id(b) in stacked_ids
 
 
 def _check_like(state: Tensor, p: Tensor, key: str) -> None:

@@ -8,7 +8,8 @@ all M machines: processes of the process group, or machines a ``SimulatedMachine
 ``step()``. Its options are one ``AveragingOptions`` (``lit_slowcal.options``). It keeps the schedule,
 the state and the checks; its parts: the round engines (``_rounds``: exact, coded, overlapped), the
 server's step (``_server``), the overlapped schedule (``_overlap``), the counts (``_counts``), the saved state
-(``_averager_state``), the loop's hooks (``_hooks``). docs/architecture.md draws them.
+(``_averager_state``), the loop's hooks (``_hooks``), the ranks' checks (``_schedule_check``), what is averaged
+(``_averaged_tensors``). docs/architecture.md draws them.
 
 A round ends after every K-th step. Code that takes the model out of training mid-round (evaluation,
 a checkpoint, the end of training) calls ``close_round()``: every machine then holds the same averaged
@@ -28,7 +29,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _averager_state, _collectives, _selection, _server, link
+from lit_slowcal import _averager_state, _selection, _server
+from lit_slowcal._averaged_tensors import AveragedTensors
 from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
 from lit_slowcal._collectives import Machines, broadcast_module
 from lit_slowcal._compressed import CompressedAverage
@@ -37,22 +39,18 @@ from lit_slowcal._hooks import LoopHooks, on_every_backward
 from lit_slowcal._option_access import HoldsOptions
 from lit_slowcal._overlap import OverlappedSchedule
 from lit_slowcal._rounds import CodedRound, Engine, OverlappedRound, engine_for
+from lit_slowcal._schedule_check import CHECK_EVERY, ScheduleCheck
 from lit_slowcal._selection import Modules, Tensors, buffer_owners, machines_per_process
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
-from lit_slowcal.protocol import Declared, declared
-
-#: With ``check_schedule``, a blocking round compares the ranks' counts in rounds 0, n, 2n, ... of this n
-#: (``PeriodicAverager.check_every``), and in every round that closes one, follows a resume, a load or a new K;
-#: the rounds between send their average alone (docs/library.md, "A mismatch is caught").
-CHECK_EVERY = 16
+from lit_slowcal.protocol import declared
 
 __all__ = [
     "CHECK_EVERY", "COMPRESSION_KEY", "IN_FLIGHT_KEY", "PeriodicAverager", "broadcast_module", "buffer_owners", "machines_per_process",
 ]  # fmt: skip
 
 
-class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule):
+class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSchedule, ScheduleCheck, AveragedTensors):
     """Average parameters, floating buffers and declared optimizer state over all machines every K steps.
 
     Args:
@@ -130,14 +128,8 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         self.backward_passes = 0  # counted by a gradient hook; compared in the rounds that check
         self._machines: Optional[int] = None  # m, counted once
         self._keys_checked = not self.options.average_state  # average_state's keys found in the optimizer's state
-        self._setup_checked = False  # the ranks compared their set-up (before the first average)
-        #: n: with ``check_schedule``, the blocking rounds that compare the ranks' counts: those whose index
-        #: (``num_syncs``) n divides, a round closing one, the first after a resume, a load or a new K. Part of
-        #: the set-up every rank must agree on; 1: every round.
-        self._check_every = CHECK_EVERY
-        self._check_next = False  # the next blocking round compares the counts (a boundary: resume, load, new K)
-        self._counts_checked = False  # this round compared the ranks' counts
-        self._round_protocol: Optional[Declared] = None  # what the optimizer declares, during a blocking round
+        self._init_checks()  # the set-up and the counts compared by the rounds that check (``ScheduleCheck``)
+        self._init_protocol()  # read at each use but during a blocking round (``AveragedTensors``)
         # What a rank whose count fell behind should do; the strategies give their own advice.
         self.skip_advice = "call averager.step() once per iteration rather than attaching it to the optimizer"
         self._backward_hook = on_every_backward(optimizer, self._count_backward)
@@ -186,18 +178,6 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         return True
 
     @property
-    def check_every(self) -> int:
-        """n: with ``check_schedule``, the blocking rounds that compare the ranks' counts are those whose index
-        (``num_syncs``) n divides, every ``close_round()`` and the first after a resume, a load or a new K (16,
-        ``CHECK_EVERY``; 1: every round). Set it alike on every rank, before the first synchronisation: it is
-        part of the set-up the ranks compare."""
-        return self._check_every
-
-    @check_every.setter
-    def check_every(self, value: int) -> None:
-        self._check_every = check_int("check_every", value)
-
-    @property
     def in_round(self) -> bool:
         """Whether the machines may differ: a step was taken since the last synchronisation of the whole
         model, or a round is in flight."""
@@ -225,7 +205,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """
         check_int("steps", steps, minimum=0)
         self._refuse_in_flight("resume()")
-        self._check_next = True
+        self._check_at_boundary()
         period = self.sync_every // self.options.fragments
         self.steps = steps
         self.num_syncs = steps // period
@@ -267,7 +247,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         lands at its step with the saved values. One ``ValueError`` line for a state this averager cannot take
         (``lit_slowcal._averager_state``); ``RuntimeError`` while a round of its own is in flight."""
         self._refuse_in_flight("load_state_dict()")
-        self._check_next = True
+        self._check_at_boundary()
         recount = lambda: self._count_from_syncs(floats=False)  # noqa: E731
         loaded = _averager_state.load_state_dict(self, state, self._averaged_keys(), recount)
         self._settled_step = loaded.settled_step
@@ -300,14 +280,11 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         """``sync()``; ``closing``: ``close_round()``'s, whose round always compares the ranks' counts."""
         if self.engine.in_flight is not None:
             self._land()
-        check = closing or self._check_next or self.num_syncs % self._check_every == 0
-        self._round_protocol = declared(self.optimizer)
-        try:
+        check = self._check_due(closing)
+        with self._protocol_held():
             self._blocking_round(self._begin_round(None, state, check), state=state)
             if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
                 self._settled_step = self.steps
-        finally:
-            self._round_protocol = None
 
     def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
@@ -316,9 +293,10 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             try:
                 sent = self.engine.average(tensors, self.participant_weights())
             except RuntimeError as error:  # the backend's, where another rank is in another collective
-                if self._counts_checked or self.world_size == 1 or str(error).startswith("PeriodicAverager"):
+                unreached = self._unreached(error)
+                if unreached is None:
                     raise
-                raise self._unreached(error) from error
+                raise unreached from error
             self._outer_step(tensors, tensors)
         self.counts.add(tensors, sent, self.num_machines, self.participants)
         self._end_round()
@@ -329,13 +307,7 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         Returns the tensors it averages (``fragment``'s, or all; with ``state=False``, no optimizer state).
         ``check``: whether this round compares the ranks' counts (with ``check_schedule``; the set-up is
         compared before the first average whatever it says)."""
-        counts = self.options.check_schedule and check
-        self._counts_checked = False
-        if self.world_size > 1 and (counts or not self._setup_checked):
-            # Every rank at the same step (and, the first time, set up alike), or one error on all.
-            self.check_setup(counts=self.options.check_schedule)
-            self._counts_checked = self.options.check_schedule
-            self._check_next = False
+        self._check_round(check)
         for hook in tuple(self._sync_pre_hooks.values()):
             hook(self)
         if self.sharded:  # resharded (an evaluation's gathered parameters would outlive the average), buffers as one
@@ -347,19 +319,6 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
             self._keys_checked = _selection.check_state_keys(self.optimizer, self.options.average_state)
         tensors = self._tensors() if fragment is None else self._fragments()[fragment]
         return tensors if state else _selection.among(tensors, self._tensors(state=False))
-
-    def _unreached(self, error: RuntimeError) -> RuntimeError:
-        """The one line of a round that did not compare the ranks' counts, whose collective failed (``error``, the
-        backend's: another rank never joined it, the process group's timeout)."""
-        backend = " ".join(str(error).split())
-        return RuntimeError(
-            f"PeriodicAverager: the ranks did not all reach the average of this synchronisation (this rank: "
-            f"{self.steps} steps, {self.backward_passes} backward passes, round {self.num_syncs}, one that does not "
-            f"compare the ranks' counts: they are compared every {self.check_every} rounds, in close_round() and in "
-            f"gather_state_dict(); the backend: {backend}); a rank that called close_round() or gather_state_dict() "
-            "alone, or whose data ended at another step, is elsewhere: every rank calls them alike, give every rank "
-            f"the same number of batches, and {self.skip_advice}."
-        )
 
     def _end_round(self, count: bool = True) -> None:
         """What a round does after its average: ``optimizer.post_sync()`` and, with ``count``, count the
@@ -381,33 +340,6 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         pairs = zip(self.global_params, self._outer_pairs())
         chosen = [(g, averaged[where[key(p)]]) for g, (p, _) in pairs if key(p) in where]
         _server.outer_step(self.outer, [g for g, _ in chosen], [pair for _, pair in chosen])
-
-    def setup_fingerprint(self) -> dict[str, tuple[int, str]]:
-        """What every rank must agree on before anything is averaged: every option (``AveragingOptions.agreement``)
-        and what the model and optimizer make of them, each as (an integer code, its readable value)."""
-        return {
-            **self.options.agreement(),
-            "machines per process": (self.machines_per_process, str(self.machines_per_process)),
-            "check_every": (self.check_every, str(self.check_every)),
-            "participation (S)": (self.participants, str(self.participants)),
-            **_server.fingerprint(self.outer),
-            **_selection.fingerprint(self._tensors(), self._averaged_keys(), self.optimizer),
-        }
-
-    def check_setup(self, counts: bool = False) -> None:
-        """With several processes, check in one small all-gather (a collective: every rank calls it) that every
-        rank built the averager alike (``setup_fingerprint``) and, with ``counts``, is at the same step; else one
-        ``RuntimeError`` on every rank naming what differs with every rank's value. ``sync()`` does it before
-        the first average, the strategies before the first step; its bytes: ``link_counts.check_bytes``."""
-        if self.world_size == 1:
-            return
-        setup = None if self._setup_checked else self.setup_fingerprint()
-        point = (self.steps, self.backward_passes) if counts else (0, 0)
-        _collectives.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
-        self._setup_checked = True
-        # What this process sends in the check's ring all-gather: its int64 values to each other process.
-        sent = (self.world_size - 1) * _collectives.CHECK_VALUES * 8
-        self.counts.link += link.LinkCounts(check_bytes=sent)
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the parameters, buffers and averaged state of group rank ``src``.
@@ -434,41 +366,9 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if isinstance(self.engine, CodedRound):
             self.engine.anchor_missing(self._tensors())
 
-    # -- what is averaged ---------------------------------------------------------------------
-
-    def _bucket_views(self) -> bool:
-        """``options.bucket_views``, its default (``None``) resolved: on where the averaged tensors are the model's
-        own (no optimizer state averaged: the buffer holds what ``model.state_dict()`` holds, so saving it writes
-        nothing more) and every round is a blocking exact one; off where it is refused or where rounds are coded."""
-        o = self.options
-        if o.bucket_views is not None:
-            return o.bucket_views
-        blocking_exact = o.compressor is None and not o.overlap_delay and o.fragments == 1 and o.state_every == 1
-        return blocking_exact and not self.sharded and not self._averaged_keys()
-
-    def _outer_pairs(self, tensors: Optional[Tensors] = None) -> Tensors:
-        """The optimizer's parameters, each with whether it is stacked (one slice per machine);
-        ``tensors``: ``_tensors()`` where the caller has it already."""
-        return _server.parameters(self.optimizer, self._tensors() if tensors is None else tensors)
-
-    def _averaged_keys(self) -> tuple[str, ...]:
-        """The optimizer state keys a synchronisation averages: the optimizer's declared ones and ``average_state``."""
-        return tuple(dict.fromkeys((*self._declared().averaged_state, *self.options.average_state)))
-
-    def _declared(self) -> Declared:
-        """``declared(self.optimizer)``: what the optimizer declares, read once per blocking round (``_sync``)."""
-        held = getattr(self, "_round_protocol", None)
-        return held if held is not None else declared(self.optimizer)
-
-    def _tensors(self, state: bool = True) -> Tensors:
-        """The floating tensors to average (``_selection.averaged_tensors``): the parameters, the
-        optimizer's declared state and ``average_state`` (unless ``state=False``), the buffers."""
-        keys = self._averaged_keys() if state else ()
-        return _selection.averaged_tensors(self.modules, self.optimizer, keys, self.buffers, self._simulated)
-
     def _sync_every_changed(self, value: int) -> None:
         """K set mid-run: the next blocking round compares the ranks' counts."""
-        self._check_next = True
+        self._check_at_boundary()
 
     def __repr__(self) -> str:
         return (

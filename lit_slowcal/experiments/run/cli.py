@@ -18,8 +18,8 @@ per-step movement of query point and iterate (``lit_slowcal.experiments.measure.
 
 The other jobs of a run live in their own modules: where it writes and W&B
 (``lit_slowcal.experiments.run.run_folder``), the checks of a checkpoint it loads (``...resume``), the
-summary it prints (``...summary``) and torch's threads, set from the run's shape before the trainer is
-built (``--threads``, ``auto`` by default; ``...threads``), printed once:
+summary it prints (``...summary``), the strategy's K and options (``...strategy_setup``) and torch's threads,
+set from the run's shape before the trainer is built (``--threads``, ``auto`` by default; ``...threads``), printed once:
 ``threads: 1 (auto: 16 machines x 1 sample x 784 features per step; --threads N to choose)``.
 """
 
@@ -33,7 +33,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,23 +59,19 @@ from lit_slowcal.experiments.run.options import (
     add_options,
     averaging_options,
     check_state_keys_held,
-    compression_options,
     links_of,
-    overlap_options,
     state_options,
     step_seconds_of,
 )
 from lit_slowcal.experiments.run.resume import check_checkpoint, check_trains_more, last_checkpoint
 from lit_slowcal.experiments.run.run_folder import RUN_VERSION_ENV, run_dir_error, run_loggers, run_name, run_version
+from lit_slowcal.experiments.run.strategy_setup import check_init_args, set_up_strategy
 from lit_slowcal.experiments.run.summary import summary_lines
 from lit_slowcal.experiments.run.threads import configure_run_threads, world_size_of
 from lit_slowcal.experiments.train.architectures import get_architecture
 from lit_slowcal.experiments.train.methods import get_method, method_names
 from lit_slowcal.experiments.train.model import MachinesModel
 from lit_slowcal.experiments.train.shape import RunShape
-from lit_slowcal.options import AveragingOptions, check_participation
-from lit_slowcal.protocol import declared
-from lit_slowcal.strategy import PeriodicAveragingStrategy
 
 __all__ = ["SlowcalCLI", "diagnostics_callback", "run"]
 
@@ -170,13 +165,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             links_of(get("link"))
             step_seconds_of(get("step_seconds"))
             averaging_options(get)
-            init = get("trainer.strategy.init_args")
-            if init is not None:  # the strategy's own options and the run's: one line now if both give one
-                ours = {
-                    **compression_options(get), **overlap_options(get), **state_options(get),
-                    "participation": get("participation"),
-                }  # fmt: skip
-                self._settled(lambda name: init.get(name, getattr(AveragingOptions(), name)), ours)
+            check_init_args(get)  # the strategy's own options and the run's: one line now if both give one
         if self.subcommand and get("run_dir") == "":
             raise ValueError("Invalid run_dir: '' (must be a folder; . for the current one)")
         if self.subcommand and get("ckpt_path") == "":
@@ -264,7 +253,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         trainer = self._build_trainer(**kwargs)
         if trainer.world_size != shape.world_size:
             shape = self.shape = shape.on(trainer.world_size)
-        self._set_up_strategy(trainer.strategy, shape)
+        set_up_strategy(trainer.strategy, shape, self.setting, self.model)
         self.model.use_links(links_of(self.setting("link")), step_seconds_of(self.setting("step_seconds")))
         # The batches' K, the model's machines and the strategy's K: all the shape's.
         self.datamodule.use_shape(shape)
@@ -346,58 +335,6 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             raise ValueError(
                 f"This machine cannot meet trainer.accelerator={accelerator}, trainer.devices={devices}: {message} ({advice})"
             ) from err
-
-    def _set_up_strategy(self, strategy: Any, shape: RunShape) -> None:  # noqa: C901 (one check a setting)
-        """The strategy's ``sync_every`` from the run's shape, and its participation options."""
-        if not isinstance(strategy, PeriodicAveragingStrategy):
-            raise ValueError(
-                f"trainer.strategy must be 'periodic_averaging' (or PeriodicAveragingStrategy); got "
-                f"{type(strategy).__name__}. The machines synchronise through it."
-            )
-        if strategy.sync_every not in (1, shape.sync_every):  # 1: the strategy's default, i.e. not given
-            raise ValueError(
-                f"Invalid trainer.strategy.sync_every: {strategy.sync_every} (it follows from method and local_steps: "
-                f"{shape.sync_every} for {self.setting('method')} with local_steps={self.setting('local_steps')}; leave it unset)"
-            )
-        strategy.sync_every = shape.sync_every
-        participation = check_participation(self.setting("participation"), shape.num_machines)
-        if participation is not None:
-            probe = get_method(self.setting("method")).optimizer(
-                [torch.zeros(1, requires_grad=True)], self.model.hparams, steps=1
-            )
-            if not declared(probe).supports_participation:
-                raise ValueError(
-                    f"Invalid participation: {participation!r} with method {self.setting('method')} ({type(probe).__name__} "
-                    "keeps per-machine state that machines outside a round would update; leave participation unset)"
-                )
-        seed = self.setting("seed_everything")
-        ours = {
-            "participation": participation,
-            "participation_seed": seed if isinstance(seed, int) and seed >= 0 else 0,
-            **compression_options(self.setting),
-            **overlap_options(self.setting),
-            **state_options(self.setting),
-        }
-        strategy.options = replace(
-            strategy.options, **self._settled(lambda name: getattr(strategy.options, name), ours)
-        )
-
-    @staticmethod
-    def _settled(own_value: Callable[[str], Any], ours: dict[str, Any]) -> dict[str, Any]:
-        """The run's options (``--participation``, ``--compression``, ...) where set, else the strategy's own
-        (``trainer.strategy.init_args``, read by ``own_value``); one line where both are set and differ."""
-        defaults = AveragingOptions()
-        settled = {}
-        for name, value in ours.items():
-            own, default = own_value(name), getattr(defaults, name)
-            if name == "participation_seed" or value != default:
-                if own not in (default, value) and name != "participation_seed":
-                    raise ValueError(
-                        f"Invalid trainer.strategy.init_args.{name}: {own!r} with --{name}={value!r} (one setting "
-                        f"in two places; give --{name} only)"
-                    )
-                settled[name] = value
-        return settled
 
     def before_fit(self) -> None:
         self._start = time.perf_counter()

@@ -1,0 +1,143 @@
+"""The checks that every rank agrees: its set-up before the first average, its point of the schedule after.
+
+With several processes a blocking round compares, in one small all-gather (``check_setup``), what every rank
+built (``setup_fingerprint``, the first time) and, with ``check_schedule``, its counts of steps and backward
+passes. The counts are compared in rounds 0, n, 2n, ... of n = ``check_every``, in every round that closes
+one (``close_round()``), and in the first after a resume, a load or a new K; the rounds between send their
+average alone, and a collective of theirs that another rank never joined becomes one line (``_unreached``).
+``ScheduleCheck`` is ``PeriodicAverager``'s part that holds when, and does it (docs/library.md, "A mismatch
+is caught").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch.optim import Optimizer
+
+from lit_slowcal import _collectives, _selection, _server, link
+from lit_slowcal._counts import Counts
+from lit_slowcal._selection import Tensors
+from lit_slowcal._validation import check_int
+from lit_slowcal.options import AveragingOptions
+
+__all__ = ["CHECK_EVERY", "ScheduleCheck"]
+
+#: With ``check_schedule``, a blocking round compares the ranks' counts in rounds 0, n, 2n, ... of this n
+#: (``PeriodicAverager.check_every``), and in every round that closes one, follows a resume, a load or a new K;
+#: the rounds between send their average alone (docs/library.md, "A mismatch is caught").
+CHECK_EVERY = 16
+
+
+class ScheduleCheck:
+    """When and how the ranks compare their set-up and counts (mixed into ``PeriodicAverager``; see the module
+    docstring)."""
+
+    options: AveragingOptions
+    optimizer: Optimizer
+    process_group: Optional[Any]
+    outer: Optional[Optimizer]
+    counts: Counts
+    steps: int
+    backward_passes: int
+    num_syncs: int
+    skip_advice: str
+
+    if TYPE_CHECKING:  # what the averager gives its parts
+
+        @property
+        def world_size(self) -> int: ...
+
+        @property
+        def machines_per_process(self) -> int: ...
+
+        @property
+        def participants(self) -> int: ...
+
+        def _tensors(self, state: bool = True) -> Tensors: ...
+
+        def _averaged_keys(self) -> tuple[str, ...]: ...
+
+    def _init_checks(self) -> None:
+        """No check made yet; the counts compared every ``CHECK_EVERY`` rounds."""
+        self._setup_checked = False  # the ranks compared their set-up (before the first average)
+        #: n: with ``check_schedule``, the blocking rounds that compare the ranks' counts: those whose index
+        #: (``num_syncs``) n divides, a round closing one, the first after a resume, a load or a new K. Part of
+        #: the set-up every rank must agree on; 1: every round.
+        self._check_every = CHECK_EVERY
+        self._check_next = False  # the next blocking round compares the counts (a boundary: resume, load, new K)
+        self._counts_checked = False  # this round compared the ranks' counts
+
+    @property
+    def check_every(self) -> int:
+        """n: with ``check_schedule``, the blocking rounds that compare the ranks' counts are those whose index
+        (``num_syncs``) n divides, every ``close_round()`` and the first after a resume, a load or a new K (16,
+        ``CHECK_EVERY``; 1: every round). Set it alike on every rank, before the first synchronisation: it is
+        part of the set-up the ranks compare."""
+        return self._check_every
+
+    @check_every.setter
+    def check_every(self, value: int) -> None:
+        self._check_every = check_int("check_every", value)
+
+    def _check_at_boundary(self) -> None:
+        """A resume, a load or a new K: the next blocking round compares the ranks' counts."""
+        self._check_next = True
+
+    def _check_due(self, closing: bool) -> bool:
+        """Whether ``sync()``'s round compares the ranks' counts (``closing``: ``close_round()``'s, which always does)."""
+        return closing or self._check_next or self.num_syncs % self._check_every == 0
+
+    def _check_round(self, check: bool) -> None:
+        """A round's check before its average: with several processes, the ranks' set-up the first time and,
+        where ``check`` (with ``check_schedule``), their counts; one error on all where they differ."""
+        counts = self.options.check_schedule and check
+        self._counts_checked = False
+        if self.world_size > 1 and (counts or not self._setup_checked):
+            # Every rank at the same step (and, the first time, set up alike), or one error on all.
+            self.check_setup(counts=self.options.check_schedule)
+            self._counts_checked = self.options.check_schedule
+            self._check_next = False
+
+    def _unreached(self, error: RuntimeError) -> Optional[RuntimeError]:
+        """The one line of a round that did not compare the ranks' counts, whose collective failed (``error``, the
+        backend's: another rank never joined it, the process group's timeout); ``None`` where the round compared
+        them, with one process, or where ``error`` is the averager's own (it is raised as it is)."""
+        if self._counts_checked or self.world_size == 1 or str(error).startswith("PeriodicAverager"):
+            return None
+        backend = " ".join(str(error).split())
+        return RuntimeError(
+            f"PeriodicAverager: the ranks did not all reach the average of this synchronisation (this rank: "
+            f"{self.steps} steps, {self.backward_passes} backward passes, round {self.num_syncs}, one that does not "
+            f"compare the ranks' counts: they are compared every {self.check_every} rounds, in close_round() and in "
+            f"gather_state_dict(); the backend: {backend}); a rank that called close_round() or gather_state_dict() "
+            "alone, or whose data ended at another step, is elsewhere: every rank calls them alike, give every rank "
+            f"the same number of batches, and {self.skip_advice}."
+        )
+
+    def setup_fingerprint(self) -> dict[str, tuple[int, str]]:
+        """What every rank must agree on before anything is averaged: every option (``AveragingOptions.agreement``)
+        and what the model and optimizer make of them, each as (an integer code, its readable value)."""
+        return {
+            **self.options.agreement(),
+            "machines per process": (self.machines_per_process, str(self.machines_per_process)),
+            "check_every": (self.check_every, str(self.check_every)),
+            "participation (S)": (self.participants, str(self.participants)),
+            **_server.fingerprint(self.outer),
+            **_selection.fingerprint(self._tensors(), self._averaged_keys(), self.optimizer),
+        }
+
+    def check_setup(self, counts: bool = False) -> None:
+        """With several processes, check in one small all-gather (a collective: every rank calls it) that every
+        rank built the averager alike (``setup_fingerprint``) and, with ``counts``, is at the same step; else one
+        ``RuntimeError`` on every rank naming what differs with every rank's value. ``sync()`` does it before
+        the first average, the strategies before the first step; its bytes: ``link_counts.check_bytes``."""
+        if self.world_size == 1:
+            return
+        setup = None if self._setup_checked else self.setup_fingerprint()
+        point = (self.steps, self.backward_passes) if counts else (0, 0)
+        _collectives.check_same_point(self.optimizer, point, self.process_group, self.skip_advice, setup)
+        self._setup_checked = True
+        # What this process sends in the check's ring all-gather: its int64 values to each other process.
+        sent = (self.world_size - 1) * _collectives.CHECK_VALUES * 8
+        self.counts.link += link.LinkCounts(check_bytes=sent)
