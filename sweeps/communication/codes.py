@@ -11,10 +11,11 @@ loss over the last two rounds). Where a cell's trials stack (SLowcal-SGD and Ada
 three rates run with seeds 1-3 and the seeds' mean picks (as docs/adaptive.md's MNIST grid); elsewhere seed 1's
 three rates pick and seeds 2-3 run at that rate (as its language-model grid). The rates are each method's tuned
 rate (docs/adaptive.md, docs/table1_tuned.csv, docs/time_to_accuracy.md) and its two neighbours on the project's
-10^(1/3) grid. A state_every cell trains at its code's chosen rate with state_every = 1. The language model
-runs one rate, docs/adaptive.md's tuned float32 rate, at every code, seed 1 (the time this host had; the doc says
-so). The codes: every one where MNIST's trials stack; float32, int4, int2 and TopK 1 % elsewhere on MNIST;
-float32, int2 and TopK 1 % on the language model at K = 16, float32 and int2 at K = 64.
+10^(1/3) grid. A state_every cell trains at its code's chosen rate with state_every = 1; so do the cells of Local-SGD with AdamW and
+DiLoCo with AdamW's moments averaged (``--average_state``, every round and every 4th: DES-LOC), methods of their own
+here (``*_moments``). On the language model Local-SGD with AdamW is tuned per cell as on MNIST (seed 1 at three rates,
+seeds 2-3 at the chosen one); the other methods run docs/adaptive.md's tuned float32 rate at every code, seed 1 (the
+time this host had; the doc says so). Every code runs in every setting.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ _spec.loader.exec_module(adaptive)  # method_of, choose, mean, LABELS, COLORS: t
 
 GRID = [0.0000464, 0.0001, 0.000215, 0.000464, 0.001, 0.00215, 0.00464, 0.01, 0.0215, 0.0464, 0.1, 0.215]
 CODES = ["null", "int8", "int4", "int2", "topk:0.01:2", "topk:0.03:2"]
-ONE_AT_A_TIME = ["null", "int4", "int2", "topk:0.01:2"]  # the codes of MNIST's trials that do not stack
-LM_CODES = {"lm16": ["null", "int2", "topk:0.01:2"], "lm64": ["null", "int2"]}
+LM_TUNED = ("local_adamw",)  # the language model's methods tuned per cell (seed 1 at three rates), the others at one
 SPARSE = ["int2", "topk:0.01:2", "topk:0.03:2"]  # the codes also run without error feedback, on NO_EF
 NO_EF = "mnist64"
 STATE_EVERY = 4
@@ -64,14 +64,30 @@ CENTRE = {  # (setting, method): the tuned float32 rate the grid is centred on
 }  # fmt: skip
 MARKERS = {"float32": "o", "int8": "s", "int4": "^", "int2": "v", "topk:0.01:2": "X", "topk:0.03:2": "P"}
 STACKED = ("slowcal", "adaptive_slowcal")  # MNIST trials that train stacked (diloco's server step does not)
-METHODS = ("slowcal", "adaptive_slowcal", "local_adamw", "diloco")
+METHODS = ("slowcal", "adaptive_slowcal", "local_adamw", "diloco", "local_adamw_moments", "diloco_moments")
 LABELS = {"slowcal": "SLowcal-SGD", "adaptive_slowcal": "Adaptive SLowcal", "local_adamw": "Local-SGD with AdamW",
-          "diloco": "DiLoCo"}  # fmt: skip
+          "diloco": "DiLoCo", "local_adamw_moments": "Local-SGD with AdamW, moments averaged",
+          "diloco_moments": "DiLoCo, moments averaged"}  # fmt: skip
+COLORS = {**adaptive.COLORS, "local_adamw_moments": "tab:brown", "diloco_moments": "tab:green"}
+#: AdamW's moments averaged with the model (``--average_state``), every round or every STATE_EVERY-th (DES-LOC):
+#: a method of its own here, at its plain method's chosen rate.
+MOMENTS = "exp_avg,exp_avg_sq"
+MOMENT_CELLS = (("mnist16", ["float32", "int2"], [1, 2, 3]), ("lm16", ["float32"], [1]))
+
+
+def plain(method: str) -> str:
+    """The method a ``*_moments`` method averages the moments of (its rate is that method's)."""
+    return method.removesuffix("_moments")
+
+
+def method_of(record: dict) -> str:
+    """The adaptive study's method name, ``_moments`` added where AdamW's moments are averaged."""
+    return adaptive.method_of(record) + ("_moments" if record["params"].get("average_state") else "")
 
 
 def rates(setting: str, method: str) -> list[float]:
     centre = CENTRE[setting, method]
-    if setting.startswith("lm"):
+    if setting.startswith("lm") and method not in LM_TUNED:
         return [centre]
     i = min(range(len(GRID)), key=lambda j: abs(math.log(GRID[j] / centre)))
     return GRID[i - 1 : i + 2]
@@ -80,9 +96,12 @@ def rates(setting: str, method: str) -> list[float]:
 def write_sweep(name: str, note: str, setting: str, method: str, params: dict) -> Path:
     """A grid sweep file of ``setting`` and ``method`` with ``params`` (name: list of values)."""
     M, K, config, criterion, _ = SETTINGS[setting]
-    base = {"method": ["diloco" if method == "local_adamw" else method], "num_machines": [M], "local_steps": [K]}
-    if method == "local_adamw":
+    named = plain(method)
+    base = {"method": ["diloco" if named == "local_adamw" else named], "num_machines": [M], "local_steps": [K]}
+    if named == "local_adamw":
         base["model.outer"] = ["none"]
+    if method != named:
+        base["average_state"] = [MOMENTS]
     lines = [f"# {line}" for line in note.splitlines()] + [
         "#   sweeps/communication/run_codes.sh",
         f"name: codes-{name}",
@@ -94,7 +113,9 @@ def write_sweep(name: str, note: str, setting: str, method: str, params: dict) -
         "parameters:",
     ]
     for key, values in {**base, **params}.items():
-        shown = ", ".join(json.dumps(v) if isinstance(v, str) and (":" in v or v == "null") else str(v) for v in values)
+        shown = ", ".join(
+            json.dumps(v) if isinstance(v, str) and (":" in v or "," in v or v == "null") else str(v) for v in values
+        )
         lines.append(f"  {key}: {{values: [{shown}]}}")
     command = ["'${env}'", "python", "-m", "lit_slowcal", "fit", "--config", *config, "'${args}'"]
     lines.append(f"command: [{', '.join(command)}]")
@@ -109,14 +130,14 @@ def plan() -> None:
     """The seed-1 grids (seeds 1-3 where the trials stack), error feedback on; then off for the sparse codes."""
     for setting in SETTINGS:
         lm = setting.startswith("lm")
-        for method in METHODS:
+        for method in METHODS[:4]:
             stacked = not lm and method in STACKED
             seeds = [1, 2, 3] if stacked else [1]
             what = "seeds 1-3 (stacked)" if stacked else "seed 1"
             common = {"seed_everything": seeds, "model.lr": rates(setting, method)}
             write_sweep(
                 f"{setting}_{method}", f"{LABELS[method]}, {setting}: every code, {what}, error feedback on.",
-                setting, method, {**common, "compression": LM_CODES[setting] if lm else CODES if stacked else ONE_AT_A_TIME},
+                setting, method, {**common, "compression": CODES},
             )  # fmt: skip
             if setting == NO_EF:
                 write_sweep(
@@ -145,7 +166,10 @@ def load(path: Path = RESULTS) -> dict[tuple, dict[float, dict[int, dict]]]:
             r = json.loads(line)
             p = r["params"]
             ef = str(p.get("error_feedback", "true")).lower() != "false"
-            key = (setting_of(p), adaptive.method_of(r), code_of(p), int(p.get("state_every", 1)), ef)
+            method = method_of(r)
+            if method in ("local_adamw", "diloco") and int(p.get("state_every", 1)) != 1:
+                continue  # without averaged moments an AdamW run has no state to put on a period: the same run
+            key = (setting_of(p), method, code_of(p), int(p.get("state_every", 1)), ef)
             metrics = r["metrics"] if r["status"] == "finished" else {"error": r.get("error")}
             cells[key][float(p["model.lr"])][int(p["seed_everything"])] = metrics
     return cells
@@ -164,7 +188,10 @@ def seeds() -> None:
     cells = load()
     for key in sorted(cells):
         setting, method, code, state, ef = key
-        if state != 1 or not ef or 2 in cells[key][chosen(cells, key)] or setting.startswith("lm"):
+        lm_tuned = setting.startswith("lm") and method in LM_TUNED and len(cells[key]) > 1
+        if state != 1 or not ef or method != plain(method) or 2 in cells[key][chosen(cells, key)]:
+            continue
+        if setting.startswith("lm") and not lm_tuned:
             continue
         lr = chosen(cells, key)
         name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}_seeds"
@@ -175,7 +202,7 @@ def seeds() -> None:
             method,
             {"seed_everything": [2, 3], "model.lr": [lr], "compression": [code if code != "float32" else "null"]},
         )
-    for setting, codes, seeds_, methods in (("mnist16", ["float32", "int2"], [1, 2, 3], METHODS),
+    for setting, codes, seeds_, methods in (("mnist16", ["float32", "int2"], [1, 2, 3], METHODS[:2]),
                                             ("lm16", ["float32"], [1], ("slowcal",))):  # fmt: skip
         for method in methods:
             for code in codes:
@@ -189,6 +216,19 @@ def seeds() -> None:
                     {"seed_everything": seeds_, "model.lr": [lr], "compression": [code if code != "float32" else "null"],
                      "state_every": [STATE_EVERY]},
                 )  # fmt: skip
+    for setting, codes, seeds_ in MOMENT_CELLS:  # AdamW's moments averaged, every round and every STATE_EVERY-th
+        for method in ("local_adamw", "diloco"):
+            for code in codes:
+                key = (setting, method, code, 1, True)
+                if key not in cells:
+                    continue
+                name = f"{setting}_{method}_moments_{code.replace(':', '_').replace('.', '')}"
+                write_sweep(
+                    name, f"{LABELS[method]}, {setting}, {code}: AdamW's moments averaged every round and every "
+                    f"{STATE_EVERY}-th (DES-LOC), at the rate chosen without them.", setting, f"{method}_moments",
+                    {"seed_everything": seeds_, "model.lr": [chosen(cells, key)],
+                     "compression": [code if code != "float32" else "null"], "state_every": [1, STATE_EVERY]},
+                )  # fmt: skip
 
 
 def rows(path: Path = RESULTS) -> list[dict]:
@@ -196,8 +236,10 @@ def rows(path: Path = RESULTS) -> list[dict]:
     cells, out = load(path), []
     for key in sorted(cells, key=lambda k: (list(SETTINGS).index(k[0]), METHODS.index(k[1]), k[3], not k[4], k[2])):
         setting, method, code, state, ef = key
-        if state != 1:  # a state_every cell trains at its code's rate, chosen with the state every round
-            base = (setting, method, code, 1, True)
+        if state != 1 or method != plain(
+            method
+        ):  # at its code's rate, chosen with the plain method's state every round
+            base = (setting, plain(method), code, 1, True)
             lr = chosen(cells, base) if base in cells else min(cells[key])
         else:
             lr = chosen(cells, key)
@@ -297,7 +339,7 @@ def figure(found: list[dict], path: Path) -> None:
     for ax, setting in zip(axes[0], shown):
         M, K, _, _, metric = SETTINGS[setting]
         for method in METHODS:
-            color = adaptive.COLORS[method]
+            color = COLORS[method]
             for state, ef, style, fill in (
                 (1, True, "-", True),
                 (STATE_EVERY, True, "--", False),
@@ -328,6 +370,8 @@ def figure(found: list[dict], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         if metric == "test_bpc":  # a diverging run's bpc (up to 2e5) is off the scale: the table has it
             ax.set_ylim(2.2, 6.5)
+        elif setting == "mnist16":  # AdamW's moments coded at 2 bits blow up (0.04-0.18): the table has them
+            ax.set_ylim(0.7, 0.93)
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color="grey", marker=m, ls="none", label=c) for c, m in MARKERS.items()]
