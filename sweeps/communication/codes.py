@@ -13,9 +13,9 @@ three rates pick and seeds 2-3 run at that rate (as its language-model grid). Th
 rate (docs/adaptive.md, docs/table1_tuned.csv, docs/time_to_accuracy.md) and its two neighbours on the project's
 10^(1/3) grid. A state_every cell trains at its code's chosen rate with state_every = 1; so do the cells of Local-SGD with AdamW and
 DiLoCo with AdamW's moments averaged (``--average_state``, every round and every 4th: DES-LOC), methods of their own
-here (``*_moments``). On the language model Local-SGD with AdamW is tuned per cell as on MNIST (seed 1 at three rates,
-seeds 2-3 at the chosen one); the other methods run docs/adaptive.md's tuned float32 rate at every code, seed 1 (the
-time this host had; the doc says so). Every code runs in every setting.
+here (``*_moments``). On the language model Local-SGD with AdamW and DiLoCo are tuned per cell as on MNIST (seed 1 at
+three rates, seeds 2-3 at the chosen one); the SLowcal methods run docs/adaptive.md's tuned float32 rate at every code,
+seed 1 (the time this host had; the doc says so). Every code runs in every setting.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _spec.loader.exec_module(adaptive)  # method_of, choose, mean, LABELS, COLORS: t
 
 GRID = [0.0000464, 0.0001, 0.000215, 0.000464, 0.001, 0.00215, 0.00464, 0.01, 0.0215, 0.0464, 0.1, 0.215]
 CODES = ["null", "int8", "int4", "int2", "topk:0.01:2", "topk:0.03:2"]
-LM_TUNED = ("local_adamw",)  # the language model's methods tuned per cell (seed 1 at three rates), the others at one
+LM_TUNED = ("local_adamw", "diloco")  # the language model's methods tuned per cell (seed 1 at three rates), the others at one
 SPARSE = ["int2", "topk:0.01:2", "topk:0.03:2"]  # the codes also run without error feedback, on NO_EF
 NO_EF = "mnist64"
 STATE_EVERY = 4

@@ -27,7 +27,7 @@ sweep mnist64_local_adamw_noef mnist64_diloco_noef
 # AdamW's moments averaged (every round, every 4th: DES-LOC), then the language model's Local-SGD with AdamW seeds 2-3
 sweep $(cd $D && ls mnist16_*_moments_*.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py seeds
-sweep $(cd $D && ls lm16_*_moments_*.yaml lm*_local_adamw_*_seeds.yaml | sed 's/.yaml$//')
+sweep $(cd $D && ls lm16_*_moments_*.yaml lm*_local_adamw_*_seeds.yaml lm*_diloco_*_seeds.yaml | sed 's/.yaml$//')
 nice -n 5 "$PY" -m lit_slowcal sweep sweeps/communication/main_codes.yaml --results sweeps/results/communication_mnist.jsonl \
   --workers 1 --threads 1 --wandb=false
 "$PY" sweeps/communication/codes.py
