@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch
-import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -237,10 +236,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
             self._check_method_over(self._run_steps(shape))
             keys = state_options(self.setting)["average_state"]
             if keys:  # a key the method's optimizer never holds: one line now, not at the first round
-                probe = [torch.zeros(1, requires_grad=True)]
-                check_state_keys_held(
-                    keys, get_method(self.setting("method")).optimizer(probe, self.model.hparams, steps=1)
-                )
+                check_state_keys_held(keys, get_method(self.setting("method")).probe(self.model.hparams))
             self._note_max_steps(shape)
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = self._loggers()
@@ -295,9 +291,7 @@ class SlowcalCLI(KeepCommandLineModelArgs, LightningCLI):
         if steps is None:
             return
         try:
-            get_method(self.setting("method")).optimizer(
-                [torch.zeros(1, requires_grad=True)], self.model.hparams, steps=steps
-            )
+            get_method(self.setting("method")).probe(self.model.hparams, steps)
         except ValueError as err:
             raise ValueError(str(err).replace("Invalid ", "Invalid model.", 1)) from None
 

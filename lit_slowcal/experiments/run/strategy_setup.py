@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from lit_slowcal.experiments.run.options import compression_options, overlap_options, state_options
 from lit_slowcal.experiments.train.methods import get_method
 from lit_slowcal.experiments.train.shape import RunShape
@@ -52,7 +50,7 @@ def set_up_strategy(strategy: Any, shape: RunShape, setting: Callable[..., Any],
     strategy.sync_every = shape.sync_every
     participation = check_participation(setting("participation"), shape.num_machines)
     if participation is not None:
-        probe = get_method(setting("method")).optimizer([torch.zeros(1, requires_grad=True)], model.hparams, steps=1)
+        probe = get_method(setting("method")).probe(model.hparams)
         if not declared(probe).supports_participation:
             raise ValueError(
                 f"Invalid participation: {participation!r} with method {setting('method')} ({type(probe).__name__} "

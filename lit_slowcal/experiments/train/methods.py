@@ -85,6 +85,10 @@ class Method:
     options: tuple[str, ...] = ()
     table1: bool = True  # one of the paper's Table 1 methods (its grids: sweeps/table1*.yaml, lr.yaml)
 
+    def probe(self, hparams: Any, steps: Optional[int] = 1) -> Optimizer:
+        """The method's optimizer on one probe parameter: what it declares and refuses, before any model trains."""
+        return self.optimizer([torch.zeros(1, requires_grad=True)], hparams, steps=steps)
+
     def sync_period(self, local_steps: int) -> int:
         """Optimizer steps between synchronisations."""
         return self.steps_per_round(local_steps)
