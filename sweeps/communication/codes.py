@@ -40,7 +40,7 @@ _spec.loader.exec_module(adaptive)  # method_of, choose, mean, LABELS, COLORS: t
 
 GRID = [0.0000464, 0.0001, 0.000215, 0.000464, 0.001, 0.00215, 0.00464, 0.01, 0.0215, 0.0464, 0.1, 0.215]
 CODES = ["null", "int8", "int4", "int2", "topk:0.01:2", "topk:0.03:2"]
-LM_TUNED = ("local_adamw", "diloco")  # the language model's methods tuned per cell (seed 1 at three rates), the others at one
+LM_TUNED = ("local_adamw", "diloco")  # tuned per cell on the language model (seed 1 at three rates); others at one
 SPARSE = ["int2", "topk:0.01:2", "topk:0.03:2"]  # the codes also run without error feedback, on NO_EF
 NO_EF = "mnist64"
 STATE_EVERY = 4
