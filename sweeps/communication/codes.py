@@ -3,6 +3,7 @@ sweeps/communication/run_codes.sh:
 
     python sweeps/communication/codes.py plan     # the seed-1 grids: sweeps/communication/codes/*.yaml
     python sweeps/communication/codes.py seeds    # seeds 2-3 (and the state_every cells) at each chosen rate
+    python sweeps/communication/codes.py edges    # the next rate out where a cell's chosen rate is its grid's edge
     python sweeps/communication/codes.py          # docs/communication/codes.csv, the tables, codes.png
 
 A cell is (setting, method, code, state period, error feedback). Its rate is chosen on the training objective,
@@ -13,9 +14,9 @@ three rates pick and seeds 2-3 run at that rate (as its language-model grid). Th
 rate (docs/adaptive.md, docs/table1_tuned.csv, docs/time_to_accuracy.md) and its two neighbours on the project's
 10^(1/3) grid. A state_every cell trains at its code's chosen rate with state_every = 1; so do the cells of Local-SGD with AdamW and
 DiLoCo with AdamW's moments averaged (``--average_state``, every round and every 4th: DES-LOC), methods of their own
-here (``*_moments``). On the language model Local-SGD with AdamW and DiLoCo are tuned per cell as on MNIST (seed 1 at
-three rates, seeds 2-3 at the chosen one); the SLowcal methods run docs/adaptive.md's tuned float32 rate at every code,
-seed 1 (the time this host had; the doc says so). Every code runs in every setting.
+here (``*_moments``). Every cell is tuned, every code runs in every setting. Where a cell's chosen rate is the lowest
+or highest it searched, ``edges`` writes the grid's next rate out (with the seeds its other rates ran), once; a cell
+still at its edge after that says so in the table's "edge" column.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ _spec = importlib.util.spec_from_file_location("adaptive_figures", ROOT / "sweep
 adaptive = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(adaptive)  # method_of, choose, mean, LABELS, COLORS: the adaptive study's, reused
 
-GRID = [0.0000464, 0.0001, 0.000215, 0.000464, 0.001, 0.00215, 0.00464, 0.01, 0.0215, 0.0464, 0.1, 0.215]
+GRID = [0.0000464, 0.0001, 0.000215, 0.000464, 0.001, 0.00215, 0.00464, 0.01, 0.0215, 0.0464, 0.1, 0.215, 0.464, 1.0,
+        2.15, 4.64]  # fmt: skip
 CODES = ["null", "int8", "int4", "int2", "topk:0.01:2", "topk:0.03:2"]
-LM_TUNED = ("local_adamw", "diloco")  # tuned per cell on the language model (seed 1 at three rates); others at one
 SPARSE = ["int2", "topk:0.01:2", "topk:0.03:2"]  # the codes also run without error feedback, on NO_EF
 NO_EF = "mnist64"
 STATE_EVERY = 4
@@ -87,8 +88,6 @@ def method_of(record: dict) -> str:
 
 def rates(setting: str, method: str) -> list[float]:
     centre = CENTRE[setting, method]
-    if setting.startswith("lm") and method not in LM_TUNED:
-        return [centre]
     i = min(range(len(GRID)), key=lambda j: abs(math.log(GRID[j] / centre)))
     return GRID[i - 1 : i + 2]
 
@@ -188,10 +187,7 @@ def seeds() -> None:
     cells = load()
     for key in sorted(cells):
         setting, method, code, state, ef = key
-        lm_tuned = setting.startswith("lm") and method in LM_TUNED and len(cells[key]) > 1
         if state != 1 or not ef or method != plain(method) or 2 in cells[key][chosen(cells, key)]:
-            continue
-        if setting.startswith("lm") and not lm_tuned:
             continue
         lr = chosen(cells, key)
         name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}_seeds"
@@ -229,6 +225,32 @@ def seeds() -> None:
                     {"seed_everything": seeds_, "model.lr": [chosen(cells, key)],
                      "compression": [code if code != "float32" else "null"], "state_every": [1, STATE_EVERY]},
                 )  # fmt: skip
+
+
+def edges() -> None:
+    """Where a tuned cell's chosen rate is the lowest or highest it searched, the grid's next rate out, at the seeds
+    its other rates ran (one step: a cell's edge sweep is written once)."""
+    cells = load()
+    for key in sorted(cells):
+        setting, method, code, state, ef = key
+        if state != 1 or method != plain(method) or len(cells[key]) < 2:
+            continue
+        searched, lr = sorted(cells[key]), chosen(cells, key)
+        i = GRID.index(min(GRID, key=lambda g: abs(math.log(g / lr))))
+        step = -1 if lr == searched[0] else 1 if lr == searched[-1] else 0
+        name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}{'' if ef else '_noef'}_edge"
+        if not step or not 0 <= i + step < len(GRID) or (OUT / f"{name}.yaml").exists():
+            continue
+        seeds_ = sorted(set.intersection(*(set(runs) for runs in cells[key].values())))
+        params = {"seed_everything": seeds_, "model.lr": [GRID[i + step]],
+                  "compression": [code if code != "float32" else "null"]}  # fmt: skip
+        if not ef:
+            params["error_feedback"] = ["false"]
+        write_sweep(
+            name, f"{LABELS[method]}, {setting}, {code}{'' if ef else ', no error feedback'}: its chosen rate {lr:g} "
+            f"was the {'lowest' if step < 0 else 'highest'} searched, so the grid's next rate out.", setting, method,
+            params,
+        )  # fmt: skip
 
 
 def rows(path: Path = RESULTS) -> list[dict]:
@@ -438,12 +460,14 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="report", choices=["plan", "seeds", "report"])
+    parser.add_argument("what", nargs="?", default="report", choices=["plan", "seeds", "edges", "report"])
     args = parser.parse_args()
     if args.what == "plan":
         plan()
     elif args.what == "seeds":
         seeds()
+    elif args.what == "edges":
+        edges()
     else:
         report()
 

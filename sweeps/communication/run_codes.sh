@@ -4,7 +4,7 @@
 # One process, one thread (the host's two cores are shared); a second run skips the trials the results hold.
 # In order of need, so that a run cut short keeps the most: MNIST's stacked cells, error feedback off (M = K = 64,
 # stacked), MNIST's one-at-a-time seed-1 grids and their seeds 2-3, the language model at K = 16, the state_every
-# cells, K = 64, error feedback off one at a time, the main job's codes.
+# cells, K = 64, error feedback off one at a time, the rates beyond a grid's edge, the main job's codes.
 set -e
 PY=${1:-python}
 export OMP_NUM_THREADS=1
@@ -18,7 +18,6 @@ sweep mnist64_local_adamw mnist64_diloco mnist16_local_adamw mnist16_diloco
 "$PY" sweeps/communication/codes.py seeds
 sweep $(cd $D && ls mnist*_seeds.yaml | sed 's/.yaml$//')
 sweep lm16_slowcal lm16_adaptive_slowcal lm16_local_adamw lm16_diloco
-sweep lm16_slowcal_int2_lower  # int2 diverged at 2.15 (train loss nan in round 55): the next rate down
 sweep $(cd $D && ls mnist16_*_state4.yaml | sed 's/.yaml$//')
 sweep lm64_slowcal lm64_adaptive_slowcal lm64_local_adamw lm64_diloco
 "$PY" sweeps/communication/codes.py seeds
@@ -28,6 +27,11 @@ sweep mnist64_local_adamw_noef mnist64_diloco_noef
 sweep $(cd $D && ls mnist16_*_moments_*.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py seeds
 sweep $(cd $D && ls lm16_*_moments_*.yaml lm*_local_adamw_*_seeds.yaml lm*_diloco_*_seeds.yaml | sed 's/.yaml$//')
+# a chosen rate at its grid's edge: the next rate out (once), then seeds 2-3 wherever a chosen rate moved or is new
+"$PY" sweeps/communication/codes.py edges
+sweep $(cd $D && ls *_edge.yaml | sed 's/.yaml$//')
+"$PY" sweeps/communication/codes.py seeds
+sweep $(cd $D && ls *_seeds.yaml | sed 's/.yaml$//')
 nice -n 5 "$PY" -m lit_slowcal sweep sweeps/communication/main_codes.yaml --results sweeps/results/communication_mnist.jsonl \
   --workers 1 --threads 1 --wandb=false
 "$PY" sweeps/communication/codes.py
