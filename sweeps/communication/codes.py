@@ -121,7 +121,7 @@ def write_sweep(name: str, note: str, setting: str, method: str, params: dict) -
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
-    print(path.relative_to(ROOT))
+    print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
     return path
 
 
@@ -227,10 +227,10 @@ def seeds() -> None:
                 )  # fmt: skip
 
 
-def edges() -> None:
+def edges(path: Path = RESULTS) -> None:
     """Where a tuned cell's chosen rate is the lowest or highest it searched, the grid's next rate out, at the seeds
     its other rates ran (one step: a cell's edge sweep is written once)."""
-    cells = load()
+    cells = load(path)
     for key in sorted(cells):
         setting, method, code, state, ef = key
         if state != 1 or method != plain(method) or len(cells[key]) < 2:

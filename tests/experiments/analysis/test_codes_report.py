@@ -56,3 +56,33 @@ def test_rows_choose_by_seed_one_then_report_every_seed_at_that_rate(codes, tmp_
     assert [(r["method"], r["code"]) for r in first] == [("local_adamw", "int2"), ("local_adamw", "float32"),
                                                           ("slowcal", "int2")]  # fmt: skip
     assert codes.better("test_bpc", 2.4, 2.5) and not codes.better("test_acc", 0.7, 0.8)
+
+
+def test_edges_write_the_next_rate_out_once_and_only_where_the_chosen_rate_is_an_edge(codes, tmp_path, monkeypatch):
+    recs = [  # float32: 0.001 chosen, the highest searched; int2: 0.001 chosen between two others
+        record("local_adamw", 0.000464, 1, 0.40, 0.80, 100.0),
+        record("local_adamw", 0.001, 1, 0.30, 0.81, 100.0),
+        record("local_adamw", 0.001, 2, 0.31, 0.82, 100.0),  # seed 2 at one rate only: the edge runs seed 1
+        record("local_adamw", 0.000464, 1, 0.40, 0.70, 10.0, compression="int2"),
+        record("local_adamw", 0.001, 1, 0.20, 0.71, 10.0, compression="int2"),
+        record("local_adamw", 0.00215, 1, 0.50, 0.60, 10.0, compression="int2"),
+        record("slowcal", 0.01, 1, 0.10, 0.90, 200.0, compression="int2", error_feedback="false"),  # lowest
+        record("slowcal", 0.01, 2, 0.10, 0.90, 200.0, compression="int2", error_feedback="false"),
+        record("slowcal", 0.0215, 1, 0.30, 0.90, 200.0, compression="int2", error_feedback="false"),
+        record("slowcal", 0.0215, 2, 0.30, 0.90, 200.0, compression="int2", error_feedback="false"),
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    monkeypatch.setattr(codes, "OUT", tmp_path / "out")
+    codes.edges(path)
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["mnist64_local_adamw_float32_edge.yaml", "mnist64_slowcal_int2_noef_edge.yaml"]
+    adamw = (tmp_path / "out" / written[0]).read_text()
+    assert "model.lr: {values: [0.00215]}" in adamw and "seed_everything: {values: [1]}" in adamw
+    assert 'compression: {values: ["null"]}' in adamw and "outer: {values: [none]}" in adamw
+    slowcal = (tmp_path / "out" / written[1]).read_text()
+    assert "model.lr: {values: [0.00464]}" in slowcal and "seed_everything: {values: [1, 2]}" in slowcal
+    assert "error_feedback: {values: [false]}" in slowcal
+    (tmp_path / "out" / written[0]).write_text("kept")
+    codes.edges(path)  # once: a written edge sweep is not written again
+    assert (tmp_path / "out" / written[0]).read_text() == "kept"
