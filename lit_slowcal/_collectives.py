@@ -112,7 +112,7 @@ def all_to_all_parts(x: Tensor, widths: list[int], m: int, group: Optional[Any])
     starts = [sum(widths[:j]) for j in range(world + 1)]
     send = torch.cat([x[:, starts[j] : starts[j + 1]].reshape(-1) for j in range(world)])
     out = torch.empty(world * m * widths[rank], dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, send, [m * widths[rank]] * world, [m * w for w in widths], group=group)
+    _exchange(out, send, [m * widths[rank]] * world, [m * w for w in widths], group)
     return out.view(world * m, widths[rank])
 
 
@@ -120,8 +120,47 @@ def gather_parts(x: Tensor, widths: list[int], group: Optional[Any]) -> list[Ten
     """Every process's ``x`` (process j's of ``widths[j]`` values), on every process, in rank order."""
     x = x.reshape(-1)
     out = torch.empty(sum(widths), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x.repeat(len(widths)), widths, [x.numel()] * len(widths), group=group)
+    _exchange(out, x.repeat(len(widths)), widths, [x.numel()] * len(widths), group)
     return list(out.split(widths))
+
+
+#: Over gloo a compressed round's exchanges go in pieces of at most this many bytes from a process (its parts for
+#: all its peers together), every piece in flight at once (the process group's threads carry them in order). One
+#: message of megabytes each way moved at half a shaped link's rate (TCP, both directions of one connection at once),
+#: pieces of 256 KiB at 90-96 % of it (docs/time_to_accuracy.md, "The link model against a shaped link"). NCCL cuts
+#: its own messages: one there.
+PIECE_BYTES = 256 * 1024
+
+
+def _exchange(out: Tensor, send: Tensor, out_splits: list[int], in_splits: list[int], group: Optional[Any]) -> None:
+    """``dist.all_to_all_single(out, send, out_splits, in_splits)``, over gloo in pieces of at most ``PIECE_BYTES``
+    from a process. The pieces: each peer's part cut into n equal runs, n from the longest part and the peers, which
+    every rank's splits must agree on (the callers' widths are every rank's); the same bits as one message."""
+    longest = max(*out_splits, *in_splits) * send.element_size() * max(len(in_splits) - 1, 1)
+    n = -(-longest // PIECE_BYTES)
+    if n <= 1 or dist.get_backend(group) != "gloo":
+        dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+        return
+    in_starts = [sum(in_splits[:j]) for j in range(len(in_splits))]
+    out_starts = [sum(out_splits[:j]) for j in range(len(out_splits))]
+
+    def runs(starts: list[int], splits: list[int], c: int) -> list[tuple[int, int]]:
+        return [(s + length * c // n, s + length * (c + 1) // n) for s, length in zip(starts, splits)]
+
+    works, landed = [], []
+    for c in range(n):
+        sent = runs(in_starts, in_splits, c)
+        wanted = runs(out_starts, out_splits, c)
+        piece = torch.cat([send[a:b] for a, b in sent])
+        got = torch.empty(sum(b - a for a, b in wanted), dtype=out.dtype, device=out.device)
+        sizes = [b - a for a, b in wanted]
+        works.append(dist.all_to_all_single(got, piece, sizes, [b - a for a, b in sent], group=group, async_op=True))
+        landed.append((got, sizes, wanted))
+    for work in works:
+        work.wait()
+    for got, sizes, wanted in landed:
+        for part, (a, b) in zip(got.split(sizes), wanted):
+            out[a:b].copy_(part)
 
 
 #: The averager's collectives, each opened by ``check_same_point`` (its code: the position here).

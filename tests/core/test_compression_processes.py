@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from helpers import finish_rank, spawn_ranks
 from torch import nn
 
-from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD
+from lit_slowcal import PeriodicAverager, SimulatedMachines, SlowcalSGD, _collectives
 
 pytestmark = pytest.mark.slow  # two and three processes
 
@@ -68,11 +68,21 @@ def _train(m: int, first: int, compression: str, participation, feedback: bool) 
     return _result(averager)
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, cases: list) -> None:
+def _worker(rank: int, world: int, init_file: str, out: str, cases: list, piece: int = 0) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    messages = []  # with ``piece``: every all-to-all's largest part for one peer, in bytes
+    if piece:
+        _collectives.PIECE_BYTES = piece
+        exchange = dist.all_to_all_single
+
+        def recorded(out, sent, out_splits=None, in_splits=None, **kwargs):
+            messages.append(max(*out_splits, *in_splits) * sent.element_size())
+            return exchange(out, sent, out_splits, in_splits, **kwargs)
+
+        dist.all_to_all_single = recorded
     results = [_train(M_LOCAL, rank * M_LOCAL, *case) for case in cases]
-    torch.save(results, f"{out}.{rank}")
+    torch.save((results, messages) if piece else results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -90,6 +100,26 @@ def test_processes_end_with_the_bits_of_the_simulated_machines(tmp_path, world):
         simulated = _train(world * M_LOCAL, 0, *case)
         for r in range(world):
             got = ranks[r][c]
+            for k, (a, b) in enumerate(zip(got[:-1], simulated[:-1])):
+                assert torch.equal(a, b[r * M_LOCAL : (r + 1) * M_LOCAL]), (case, r, k)
+            assert int(got[-1]) == int(simulated[-1]), case  # the same bytes counted
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_exchange_in_pieces_ends_with_the_bits_of_the_simulated_machines(tmp_path, world):
+    """Over gloo each exchange goes in pieces of at most PIECE_BYTES from a process, its peers' parts together
+    (here 96 bytes: parts of 1-4 kB cut into 10-90 pieces, uneven with 3 processes), and the pieces land where one
+    message would have put them."""
+    out = str(tmp_path / "run")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), out, CASES, 96), nprocs=world, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(world)]
+    for r, (_, messages) in enumerate(ranks):
+        assert max(messages) * (world - 1) <= 96 and len(messages) > 20 * len(CASES) * ROUNDS, r  # pieces
+    for c, case in enumerate(CASES):
+        simulated = _train(world * M_LOCAL, 0, *case)
+        for r in range(world):
+            got = ranks[r][0][c]
             for k, (a, b) in enumerate(zip(got[:-1], simulated[:-1])):
                 assert torch.equal(a, b[r * M_LOCAL : (r + 1) * M_LOCAL]), (case, r, k)
             assert int(got[-1]) == int(simulated[-1]), case  # the same bytes counted
