@@ -73,7 +73,13 @@ COLORS = {**adaptive.COLORS, "local_adamw_moments": "tab:brown", "diloco_moments
 #: AdamW's moments averaged with the model (``--average_state``), every round or every STATE_EVERY-th (DES-LOC):
 #: a method of its own here, at its plain method's chosen rate.
 MOMENTS = "exp_avg,exp_avg_sq"
-MOMENT_CELLS = (("mnist16", ["float32", "int2"], [1, 2, 3]), ("lm16", ["float32"], [1]))
+EVERY_CODE = ["float32", *CODES[1:]]
+#: (setting, codes, seeds): where the state goes on its own period (the SLowcal methods' w or declared state every
+#: STATE_EVERY-th round; AdamW's moments averaged every round and every STATE_EVERY-th), at each code's chosen rate.
+STATE_CELLS = (
+    ("mnist16", EVERY_CODE, [1, 2, 3]), ("mnist64", EVERY_CODE, [1, 2, 3]),
+    ("lm16", ["float32"], [1, 2, 3]), ("lm64", ["float32"], [1, 2, 3]),
+)  # fmt: skip
 
 
 def plain(method: str) -> str:
@@ -198,9 +204,8 @@ def seeds() -> None:
             method,
             {"seed_everything": [2, 3], "model.lr": [lr], "compression": [code if code != "float32" else "null"]},
         )
-    for setting, codes, seeds_, methods in (("mnist16", ["float32", "int2"], [1, 2, 3], METHODS[:2]),
-                                            ("lm16", ["float32"], [1], ("slowcal",))):  # fmt: skip
-        for method in methods:
+    for setting, codes, seeds_ in STATE_CELLS:
+        for method in METHODS[:2]:
             for code in codes:
                 key = (setting, method, code, 1, True)
                 if key not in cells:
@@ -212,7 +217,7 @@ def seeds() -> None:
                     {"seed_everything": seeds_, "model.lr": [lr], "compression": [code if code != "float32" else "null"],
                      "state_every": [STATE_EVERY]},
                 )  # fmt: skip
-    for setting, codes, seeds_ in MOMENT_CELLS:  # AdamW's moments averaged, every round and every STATE_EVERY-th
+    for setting, codes, seeds_ in STATE_CELLS:  # AdamW's moments averaged, every round and every STATE_EVERY-th
         for method in ("local_adamw", "diloco"):
             for code in codes:
                 key = (setting, method, code, 1, True)

@@ -18,15 +18,15 @@ sweep mnist64_local_adamw mnist64_diloco mnist16_local_adamw mnist16_diloco
 "$PY" sweeps/communication/codes.py seeds
 sweep $(cd $D && ls mnist*_seeds.yaml | sed 's/.yaml$//')
 sweep lm16_slowcal lm16_adaptive_slowcal lm16_local_adamw lm16_diloco
-sweep $(cd $D && ls mnist16_*_state4.yaml | sed 's/.yaml$//')
+sweep $(cd $D && ls mnist*_state4.yaml | sed 's/.yaml$//')
 sweep lm64_slowcal lm64_adaptive_slowcal lm64_local_adamw lm64_diloco
 "$PY" sweeps/communication/codes.py seeds
-sweep $(cd $D && ls lm16_*_state4.yaml | sed 's/.yaml$//')
+sweep $(cd $D && ls lm*_state4.yaml | sed 's/.yaml$//')
 sweep mnist64_local_adamw_noef mnist64_diloco_noef
 # AdamW's moments averaged (every round, every 4th: DES-LOC), then the language model's Local-SGD with AdamW seeds 2-3
-sweep $(cd $D && ls mnist16_*_moments_*.yaml | sed 's/.yaml$//')
+sweep $(cd $D && ls mnist*_moments_*.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py seeds
-sweep $(cd $D && ls lm16_*_moments_*.yaml lm*_local_adamw_*_seeds.yaml lm*_diloco_*_seeds.yaml | sed 's/.yaml$//')
+sweep $(cd $D && ls lm*_moments_*.yaml lm*_local_adamw_*_seeds.yaml lm*_diloco_*_seeds.yaml | sed 's/.yaml$//')
 # a chosen rate at its grid's edge: the next rate out (once), then seeds 2-3 wherever a chosen rate moved or is new
 "$PY" sweeps/communication/codes.py edges
 sweep $(cd $D && ls *_edge.yaml | sed 's/.yaml$//')
