@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, cases: list, piece:
             messages.append(max(*out_splits, *in_splits) * sent.element_size())
             return exchange(out, sent, out_splits, in_splits, **kwargs)
 
-        dist.all_to_all_single = recorded
+        dist.all_to_all_single = recorded  # type: ignore[assignment]  # this spawned process only
     results = [_train(M_LOCAL, rank * M_LOCAL, *case) for case in cases]
     torch.save((results, messages) if piece else results, f"{out}.{rank}")
     dist.barrier()
