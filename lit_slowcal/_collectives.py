@@ -152,8 +152,8 @@ def _exchange(out: Tensor, send: Tensor, out_splits: list[int], in_splits: list[
         sent = runs(in_starts, in_splits, c)
         wanted = runs(out_starts, out_splits, c)
         piece = torch.cat([send[a:b] for a, b in sent])
-        got = torch.empty(sum(b - a for a, b in wanted), dtype=out.dtype, device=out.device)
         sizes = [b - a for a, b in wanted]
+        got = torch.empty(sum(sizes), dtype=out.dtype, device=out.device)
         work = dist.all_to_all_single(got, piece, sizes, [b - a for a, b in sent], group=group, async_op=True)
         assert work is not None  # async_op=True: the work to wait on
         works.append(work)

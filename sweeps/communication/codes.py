@@ -92,9 +92,23 @@ def method_of(record: dict) -> str:
     return adaptive.method_of(record) + ("_moments" if record["params"].get("average_state") else "")
 
 
+def slug(code: str) -> str:
+    """A code as a sweep file's name has it (``topk:0.01:2``: ``topk_001_2``)."""
+    return code.replace(":", "_").replace(".", "")
+
+
+def flag(code: str) -> str:
+    """A code as ``--compression`` takes it (float32: ``null``)."""
+    return "null" if code == "float32" else code
+
+
+def nearest(lr: float) -> int:
+    """The index of the grid's rate nearest ``lr``."""
+    return min(range(len(GRID)), key=lambda j: abs(math.log(GRID[j] / lr)))
+
+
 def rates(setting: str, method: str) -> list[float]:
-    centre = CENTRE[setting, method]
-    i = min(range(len(GRID)), key=lambda j: abs(math.log(GRID[j] / centre)))
+    i = nearest(CENTRE[setting, method])
     return GRID[i - 1 : i + 2]
 
 
@@ -196,13 +210,13 @@ def seeds() -> None:
         if state != 1 or not ef or method != plain(method) or 2 in cells[key][chosen(cells, key)]:
             continue
         lr = chosen(cells, key)
-        name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}_seeds"
+        name = f"{setting}_{method}_{slug(code)}_seeds"
         write_sweep(
             name,
             f"{LABELS[method]}, {setting}, {code}: seeds 2-3 at the seed-1 rate.",
             setting,
             method,
-            {"seed_everything": [2, 3], "model.lr": [lr], "compression": [code if code != "float32" else "null"]},
+            {"seed_everything": [2, 3], "model.lr": [lr], "compression": [flag(code)]},
         )
     for setting, codes, seeds_ in STATE_CELLS:
         for method in METHODS[:2]:
@@ -211,10 +225,10 @@ def seeds() -> None:
                 if key not in cells:
                     continue
                 lr = chosen(cells, key)
-                name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}_state{STATE_EVERY}"
+                name = f"{setting}_{method}_{slug(code)}_state{STATE_EVERY}"
                 write_sweep(
                     name, f"{LABELS[method]}, {setting}, {code}: the state every {STATE_EVERY} rounds.", setting, method,
-                    {"seed_everything": seeds_, "model.lr": [lr], "compression": [code if code != "float32" else "null"],
+                    {"seed_everything": seeds_, "model.lr": [lr], "compression": [flag(code)],
                      "state_every": [STATE_EVERY]},
                 )  # fmt: skip
     for setting, codes, seeds_ in STATE_CELLS:  # AdamW's moments averaged, every round and every STATE_EVERY-th
@@ -223,12 +237,12 @@ def seeds() -> None:
                 key = (setting, method, code, 1, True)
                 if key not in cells:
                     continue
-                name = f"{setting}_{method}_moments_{code.replace(':', '_').replace('.', '')}"
+                name = f"{setting}_{method}_moments_{slug(code)}"
                 write_sweep(
                     name, f"{LABELS[method]}, {setting}, {code}: AdamW's moments averaged every round and every "
                     f"{STATE_EVERY}-th (DES-LOC), at the rate chosen without them.", setting, f"{method}_moments",
                     {"seed_everything": seeds_, "model.lr": [chosen(cells, key)],
-                     "compression": [code if code != "float32" else "null"], "state_every": [1, STATE_EVERY]},
+                     "compression": [flag(code)], "state_every": [1, STATE_EVERY]},
                 )  # fmt: skip
 
 
@@ -241,14 +255,14 @@ def edges(path: Path = RESULTS) -> None:
         if state != 1 or method != plain(method) or len(cells[key]) < 2:
             continue
         searched, lr = sorted(cells[key]), chosen(cells, key)
-        i = GRID.index(min(GRID, key=lambda g: abs(math.log(g / lr))))
+        i = nearest(lr)
         step = -1 if lr == searched[0] else 1 if lr == searched[-1] else 0
-        name = f"{setting}_{method}_{code.replace(':', '_').replace('.', '')}{'' if ef else '_noef'}_edge"
+        name = f"{setting}_{method}_{slug(code)}{'' if ef else '_noef'}_edge"
         if not step or not 0 <= i + step < len(GRID) or (OUT / f"{name}.yaml").exists():
             continue
         seeds_ = sorted(set.intersection(*(set(runs) for runs in cells[key].values())))
         params = {"seed_everything": seeds_, "model.lr": [GRID[i + step]],
-                  "compression": [code if code != "float32" else "null"]}  # fmt: skip
+                  "compression": [flag(code)]}  # fmt: skip
         if not ef:
             params["error_feedback"] = ["false"]
         write_sweep(
