@@ -266,7 +266,8 @@ def measure(procs: int, rate: Optional[str], args: argparse.Namespace, tmp: Path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     start = time.perf_counter()
-    with ShapedLink(Plan(procs, rate, burst=args.burst)) as net:
+    plan = Plan(procs, rate, burst=args.burst, slow_start_after_idle=not args.no_slow_start_after_idle)
+    with ShapedLink(plan) as net:
         codes = net.run(argv, timeout=args.timeout, env=env)
     if any(codes):
         sys.exit(f"bench_shaped_link: the workers failed (P = {procs}, rate {rate}): exit statuses {codes}")
@@ -290,6 +291,11 @@ def main() -> None:
     p.add_argument("--training", default="cnn,lm", help="training rounds: cnn, lm, cnn_int8, lm_int8 ('' for none)")
     p.add_argument("--local-steps", type=int, default=16, help="K of the training rounds (default 16)")
     p.add_argument("--burst", default="256kb", help="tbf's burst (default 256kb)")
+    p.add_argument(
+        "--no-slow-start-after-idle",
+        action="store_true",
+        help="net.ipv4.tcp_slow_start_after_idle=0 in the processes' namespaces (default: the kernel's 1)",
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds one P and rate may take (default 300)")
     args = p.parse_args()
     rates = args.rates.split(",")

@@ -88,6 +88,10 @@ class Plan:
     rate: Optional[str] = "100mbit"
     burst: str = "256kb"
     latency: str = "200ms"
+    #: The kernel's ``net.ipv4.tcp_slow_start_after_idle`` in each process's namespace (a per-namespace setting):
+    #: ``True`` (the kernel's default), a connection idle for longer than its retransmission timeout starts its
+    #: window again; ``False`` (``sysctl ... = 0``), it keeps its window across the compute between two rounds.
+    slow_start_after_idle: bool = True
     name: str = f"slc{os.getpid()}"
     subnet: str = SUBNET
     port: int = PORT
@@ -127,6 +131,8 @@ class Plan:
                 ["ip", "-n", ns, "link", "set", "dev", IFNAME, "up"],
                 ["ip", "-n", ns, "link", "set", "dev", "lo", "up"],
             ]
+            if not self.slow_start_after_idle:
+                cmds.append(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"])
             if self.rate is not None:  # both ends: what the process sends, and what reaches it
                 for where, dev in ((ns, IFNAME), (sw, port)):
                     cmds.append(["ip", "netns", "exec", where, *self.tbf(dev)])

@@ -27,7 +27,7 @@ from torch import Tensor
 from lit_slowcal._collectives import world_size
 from lit_slowcal._selection import Tensors
 
-__all__ = ["Averaging", "FlatPool", "average", "buckets", "start_average"]
+__all__ = ["Averaging", "CountsDiffer", "FlatPool", "average", "buckets", "rides", "start_average"]
 
 
 def average(
@@ -80,6 +80,8 @@ class FlatPool:
         self.bucket_views = bucket_views
         # Per kind: the buffer its tensors live in (``home``), their addresses and sizes there.
         self.homes: dict[tuple[torch.device, torch.dtype], tuple[Tensor, list[int], list[int]]] = {}
+        #: Per kind: its home buffer with the room behind it for the counts a round carries (``rides``).
+        self.spares: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.homed: set[tuple[torch.device, torch.dtype]] = set()  # the kinds this average homed
         self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self.turn: dict[tuple[torch.device, torch.dtype], int] = {}  # the kinds this average used, and whose turn
@@ -127,24 +129,34 @@ class FlatPool:
         sizes = [t.numel() for t in tensors]
         if kept is not None and [t.data_ptr() for t in tensors] == kept[1] and sizes == kept[2]:
             return kept[0]
-        flat = torch.empty(sum(sizes), device=kind[0], dtype=kind[1])
+        # Room behind the tensors for the counts a round carries in its message (``rides``): a few values.
+        spare = RIDE_VALUES if kind[1] in RIDE_DTYPES else 0
+        whole = torch.empty(sum(sizes) + spare, device=kind[0], dtype=kind[1])
+        flat = whole[: sum(sizes)]
         views = [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
         torch._foreach_copy_(views, list(tensors))
         for t, view in zip(tensors, views):
             t.data = view
         self.homes[kind] = (flat, [t.data_ptr() for t in tensors], sizes)
+        self.spares[kind] = whole
         return flat
 
     def keep_used(self) -> None:
         """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
         for kind in set(self.homes) - self.homed:
             del self.homes[kind]
+            self.spares.pop(kind, None)
         self.homed = set()
         for kind in set(self.buffers) - set(self.turn):
             del self.buffers[kind]
         for key in [key for key in self.layouts if key[0] not in self.turn]:
             del self.layouts[key]
         self.turn = {}
+
+
+class CountsDiffer(Exception):
+    """The counts an average carried in its message (``start_average``'s ``counts``) differ between the two
+    processes; the tensors are as they were before it (nothing averaged)."""
 
 
 class Averaging:
@@ -154,12 +166,53 @@ class Averaging:
         # (bucket, its flat copy or None, work, the copy's views shaped as the bucket's tensors or None)
         self.pending: list[tuple[Tensors, Optional[Tensor], Any, Optional[list[Tensor]]]] = []
         self.divide = divide
+        #: With counts carried (``start_average``): their averaged parts, this process's parts, the buffer the
+        #: tensors live in and its values before the round.
+        self.carried: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
 
     def wait(self) -> None:
-        """Wait for every bucket's all-reduce and write the averages back (at once with one process)."""
+        """Wait for every bucket's all-reduce and write the averages back (at once with one process); with counts
+        carried that differ between the processes, put the tensors back and raise ``CountsDiffer``."""
         pending, self.pending = self.pending, []
         for item in pending:
             _finish(*item, self.divide)
+        if self.carried is not None:
+            averaged, mine, flat, before = self.carried
+            self.carried = None
+            if not torch.equal(averaged, mine):  # (a + b) / 2 == a exactly, for these integers, only where b == a
+                flat.copy_(before)
+                raise CountsDiffer
+
+
+#: With two processes a blocking round can carry counts (``start_average``'s ``counts``, two of them) in its own
+#: message, behind the tensors in their bucket-views buffer: each in four 16-bit parts, exact in these dtypes
+#: (their sum and its half too), so the processes compare them without a collective of their own (``rides``).
+RIDE_VALUES = 8
+RIDE_DTYPES = (torch.float32, torch.float64)
+#: The most bytes of tensors a round that carries counts holds: it keeps a copy of them, to put them back
+#: where the counts differ.
+RIDE_BYTES = 4 * 2**20
+
+
+def rides(tensors: Tensors, weights: Optional[Tensor], pool: Optional[FlatPool], process_group: Optional[Any]) -> bool:
+    """Whether an average of ``tensors`` can carry counts in its message (``start_average``'s ``counts``): two
+    processes, no ``weights``, bucket views, every tensor of one kind of ``RIDE_DTYPES`` reduced where it lies (not
+    stacked, contiguous), ``RIDE_BYTES`` at most."""
+    if weights is not None or pool is None or not pool.bucket_views or not tensors or world_size(process_group) != 2:
+        return False
+    first = tensors[0][0]
+    kind = (first.device, first.dtype)
+    return (
+        first.dtype in RIDE_DTYPES
+        and all(_in_place([pair]) and (pair[0].device, pair[0].dtype) == kind for pair in tensors)
+        and sum(t.numel() for t, _ in tensors) * first.element_size() <= RIDE_BYTES
+    )
+
+
+def _count_parts(counts: Sequence[int], like: Tensor) -> Tensor:
+    """``counts`` (each below 2^64) in 16-bit parts, lowest first, as ``like``'s dtype on its device."""
+    parts = [(c >> (16 * k)) & 0xFFFF for c in counts for k in range(RIDE_VALUES // len(counts))]
+    return torch.tensor(parts, dtype=like.dtype, device=like.device)
 
 
 def start_average(
@@ -171,13 +224,17 @@ def start_average(
     bucket_cap_bytes: int,
     flat_in_flight: Optional[int] = None,
     pool: Optional[FlatPool] = None,
+    counts: Optional[Sequence[int]] = None,
 ) -> Averaging:
     """Start ``average``'s all-reduces, every one asynchronous, and return without waiting for them
     (with one process the average is computed at once). ``tensors`` must not be read or written
     until ``wait()``. ``flat_in_flight``: wait for the oldest flattened bucket before starting one
     more than that many (``None``: start them all); ``pool``: flatten into its buffers (needs
-    ``flat_in_flight`` at most 2)."""
+    ``flat_in_flight`` at most 2). ``counts`` (two non-negative integers, where ``rides``): carried behind the
+    tensors in the one all-reduce of their buffer; ``wait()`` raises ``CountsDiffer``, the tensors put back,
+    where the other process's differ."""
     assert pool is None or (flat_in_flight is not None and flat_in_flight <= 2)
+    assert counts is None or (pool is not None and rides(tensors, weights, pool, process_group))
     world = world_size(process_group)
     local = None
     if weights is not None:
@@ -205,6 +262,15 @@ def start_average(
         if local is not None:
             t.mul_(local[0].item() if id(t) in scalar else local[0].to(device=t.device, dtype=t.dtype))
 
+    if counts is not None:  # every tensor in one buffer, the counts behind them: one message
+        assert pool is not None
+        flat = pool.home([t for t, _ in tensors])
+        whole = pool.spares[flat.device, flat.dtype]
+        mine = _count_parts(counts, whole)
+        whole[flat.numel() :].copy_(mine)
+        out.carried = (whole[flat.numel() :], mine, flat, flat.clone())
+        reduce_in_place(whole)
+        return out
     if pool is not None and pool.bucket_views:
         tensors = _home(
             tensors, pool, bucket_cap_bytes if alone is None else None, reduce_in_place, weigh, local is not None

@@ -3,9 +3,10 @@
 ``PeriodicAverager`` keeps the schedule, the state and the checks; it hands a round's tensors to one
 engine, through one small interface:
 
-- ``average(tensors, weights) -> Sent``: replace every tensor by its (weighted) mean over the M
+- ``average(tensors, weights, counts=None) -> Sent``: replace every tensor by its (weighted) mean over the M
   machines, blocking; return what one participant sent (``Sent``: its message's bytes, and its
-  ring counts for ``lit_slowcal.link``);
+  ring counts for ``lit_slowcal.link``); ``counts``, where ``rides(tensors, weights)``: the ranks' counts
+  carried in the round's own message (``_communication.CountsDiffer`` where they differ, nothing averaged);
 - ``sent(tensors, participants) -> Sent``: what such a round sends, without running it (``bytes_per_sync``,
   a resumed schedule's counts);
 - ``settle(tensors, state)``: after the round (the outer step and ``post_sync`` applied): what every machine
@@ -70,16 +71,23 @@ class ExactRound:
         #: The flattened buckets' buffers, kept between rounds; with bucket views, the buffers the tensors live in.
         self.pool = _communication.FlatPool(bucket_views)
 
-    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
+    def average(self, tensors: Tensors, weights: Optional[Tensor], counts: Optional[tuple[int, int]] = None) -> Sent:
         # ``_communication.average``, with what the round sends counted while its collectives are in flight.
         averaging = _communication.start_average(
             tensors, weights, machines_per_process=self.machines_per_process, process_group=self.process_group,
-            bucket_cap_bytes=self.bucket_cap_bytes, flat_in_flight=2, pool=self.pool,
+            bucket_cap_bytes=self.bucket_cap_bytes, flat_in_flight=2, pool=self.pool, counts=counts,
         )  # fmt: skip
         sent = self.sent(tensors, _participants(weights))
-        averaging.wait()
-        self.pool.keep_used()
+        try:
+            averaging.wait()
+        finally:
+            self.pool.keep_used()
         return sent
+
+    def rides(self, tensors: Tensors, weights: Optional[Tensor]) -> bool:
+        """Whether a round of ``tensors`` can carry the ranks' counts in its own message (``average``'s ``counts``:
+        ``_communication.rides``)."""
+        return _communication.rides(tensors, weights, self.pool, self.process_group)
 
     def start_average(self, tensors: Tensors, weights: Optional[Tensor]) -> _communication.Averaging:
         """The average's collectives started, not waited for (``wait()`` on the handle lands it in ``tensors``)."""
@@ -117,7 +125,11 @@ class CodedRound:
         #: The last round's exact bytes and coded stages' bytes (``counted``'s arguments).
         self.last_parts: tuple[int, int, int] = (0, 0, 0)
 
-    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
+    def rides(self, tensors: Tensors, weights: Optional[Tensor]) -> bool:
+        return False  # its rounds' messages are coded
+
+    def average(self, tensors: Tensors, weights: Optional[Tensor], counts: Optional[tuple[int, int]] = None) -> Sent:
+        assert counts is None, "a coded round carries no counts"
         if self.machines == 1:
             return self.exact.average(tensors, weights)
         names = self.names(tensors)
@@ -190,8 +202,11 @@ class OverlappedRound:
         #: The round started and not landed (``lit_slowcal._in_flight.Round``), or ``None``.
         self.in_flight: Optional[Round] = None
 
-    def average(self, tensors: Tensors, weights: Optional[Tensor]) -> Sent:
-        return self.inner.average(tensors, weights)
+    def average(self, tensors: Tensors, weights: Optional[Tensor], counts: Optional[tuple[int, int]] = None) -> Sent:
+        return self.inner.average(tensors, weights, counts)
+
+    def rides(self, tensors: Tensors, weights: Optional[Tensor]) -> bool:
+        return self.inner.rides(tensors, weights)
 
     def sent(self, tensors: Tensors, participants: Optional[int]) -> Sent:
         return self.inner.sent(tensors, participants)

@@ -5,6 +5,8 @@ built (``setup_fingerprint``, the first time) and, with ``check_schedule``, its 
 passes. The counts are compared in rounds 0, n, 2n, ... of n = ``check_every``, in every round that closes
 one (``close_round()``), and in the first after a resume, a load or a new K; the rounds between send their
 average alone, and a collective of theirs that another rank never joined becomes one line (``_unreached``).
+With two processes a periodic check rides in its round's own all-reduce where the tensors allow it (``_carried``):
+no collective of its own; counts that differ put the tensors back and run the all-gather, which names them.
 ``ScheduleCheck`` is ``PeriodicAverager``'s part that holds when, and does it (docs/library.md, "A mismatch
 is caught").
 """
@@ -13,13 +15,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lit_slowcal import _collectives, _selection, _server, link
+from lit_slowcal import _collectives, _communication, _selection, _server, link
 from lit_slowcal._counts import Counts
 from lit_slowcal._selection import Tensors
 from lit_slowcal._validation import check_int
 from lit_slowcal.options import AveragingOptions
+
+if TYPE_CHECKING:
+    from lit_slowcal._rounds import Engine
+    from lit_slowcal.protocol import Declared
 
 __all__ = ["CHECK_EVERY", "ScheduleCheck"]
 
@@ -58,6 +65,12 @@ class ScheduleCheck:
 
         def _averaged_keys(self) -> tuple[str, ...]: ...
 
+        def _declared(self) -> Declared: ...
+
+        def participant_weights(self) -> Optional[Tensor]: ...
+
+        engine: Engine
+
     def _init_checks(self) -> None:
         """No check made yet; the counts compared every ``CHECK_EVERY`` rounds."""
         self._setup_checked = False  # the ranks compared their set-up (before the first average)
@@ -87,6 +100,39 @@ class ScheduleCheck:
     def _check_due(self, closing: bool) -> bool:
         """Whether ``sync()``'s round compares the ranks' counts (``closing``: ``close_round()``'s, which always does)."""
         return closing or self._check_next or self.num_syncs % self._check_every == 0
+
+    def _carried(self, closing: bool, state: bool) -> Optional[tuple[int, int]]:
+        """The counts that a round the check is due in carries in its own average's message, instead of a
+        collective of their own (``None``: it compares them in the check's all-gather, as ``_check_round``): with
+        ``check_schedule``, two processes, the set-up compared, a periodic round of ``check_every`` > 1 (not one
+        that closes a round or follows a resume, a load or a new K, nor every round of ``check_every = 1``: those
+        compare which collective each rank is in too), an optimizer without ``pre_sync``, and an exact round whose
+        tensors all live in one buffer (``_communication.rides``)."""
+        if not (self.options.check_schedule and self._setup_checked and not closing and not self._check_next):
+            return None
+        if self._check_every == 1:
+            return None
+        if self.world_size != 2 or self._declared().pre_sync is not None:
+            return None
+        if not self.engine.rides(self._tensors(state), self.participant_weights()):
+            return None
+        return (self.steps, self.backward_passes)
+
+    def _counts_differ(self) -> None:
+        """A round whose carried counts differed (nothing averaged): the check's all-gather, which names every
+        rank's counts in its error (both ranks take this path: their sums differ alike)."""
+        self.check_setup(counts=True)
+        raise RuntimeError(  # the all-gather found them alike: the message was not what was sent
+            "PeriodicAverager: the counts carried in this synchronisation's message differed between the ranks but "
+            "not in the check's all-gather; nothing was averaged."
+        )
+
+    def _counts_carried(self, tensors: Tensors) -> None:
+        """A round that carried the counts: they were alike; their values' bytes, which each process sends once
+        on the ring of two, counted with the checks' (``link_counts.check_bytes``)."""
+        self._counts_checked = True
+        size = tensors[0][0].element_size()
+        self.counts.link += link.LinkCounts(check_bytes=_communication.RIDE_VALUES * size)
 
     def _check_round(self, check: bool) -> None:
         """A round's check before its average: with several processes, the ranks' set-up the first time and,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lit_slowcal import _averager_state, _selection, _server
+from lit_slowcal import _averager_state, _communication, _selection, _server
 from lit_slowcal._averaged_tensors import AveragedTensors
 from lit_slowcal._averager_state import COMPRESSION_KEY, IN_FLIGHT_KEY
 from lit_slowcal._collectives import Machines, broadcast_module
@@ -281,22 +281,28 @@ class PeriodicAverager(HoldsOptions, Machines, LoopHooks, Counted, OverlappedSch
         if self.engine.in_flight is not None:
             self._land()
         check = self._check_due(closing)
+        counts = self._carried(closing, state) if check else None
         with self._protocol_held():
-            self._blocking_round(self._begin_round(None, state, check), state=state)
+            self._blocking_round(self._begin_round(None, state, check and counts is None), state=state, counts=counts)
             if state or not self._averaged_keys():  # after a round without the optimizer state, it may differ
                 self._settled_step = self.steps
 
-    def _blocking_round(self, tensors: Tensors, state: bool = True) -> None:
+    def _blocking_round(self, tensors: Tensors, state: bool = True, counts: Optional[tuple[int, int]] = None) -> None:
         """A blocking round of ``tensors`` (all of them, or a fragment's): the average (exact, or compressed where
-        every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors."""
+        every tensor has an anchor), the outer step on it, its counts, ``optimizer.post_sync()``, the anchors.
+        ``counts``: the ranks' counts compared in the average's own message (``_carried``)."""
         with torch.no_grad():
             try:
-                sent = self.engine.average(tensors, self.participant_weights())
+                sent = self.engine.average(tensors, self.participant_weights(), counts)
             except RuntimeError as error:  # the backend's, where another rank is in another collective
                 unreached = self._unreached(error)
                 if unreached is None:
                     raise
                 raise unreached from error
+            except _communication.CountsDiffer:  # nothing averaged: the check of its own names every rank's counts
+                self._counts_differ()
+            if counts is not None:
+                self._counts_carried(tensors)
             self._outer_step(tensors, tensors)
         self.counts.add(tensors, sent, self.num_machines, self.participants)
         self._end_round()

@@ -46,6 +46,17 @@ def test_every_link_is_shaped_at_both_ends_and_nothing_is_made_outside_the_names
     assert sorted(c[3] for c in plan.teardown_commands()) == sorted(plan.namespaces())
 
 
+def test_slow_start_after_idle_is_turned_off_in_each_process_namespace_only_when_asked():
+    kept, off = Plan(2, "100mbit", name="t"), Plan(2, "100mbit", name="t", slow_start_after_idle=False)
+    assert not any("sysctl" in c for c in kept.setup_commands())
+    sysctl = [c for c in off.setup_commands() if "sysctl" in c]
+    assert sysctl == [
+        ["ip", "netns", "exec", f"t-{rank}", "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"]
+        for rank in range(2)
+    ]
+    assert all(_ours(off, c) for c in off.setup_commands())
+
+
 def test_an_unshaped_plan_makes_the_same_namespaces_without_tc():
     shaped, unshaped = Plan(4, "1gbit", name="t"), Plan(4, None, name="t")
     assert not any("tc" in c for c in unshaped.setup_commands())

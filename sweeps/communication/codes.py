@@ -78,7 +78,7 @@ EVERY_CODE = ["float32", *CODES[1:]]
 #: STATE_EVERY-th round; AdamW's moments averaged every round and every STATE_EVERY-th), at each code's chosen rate.
 STATE_CELLS = (
     ("mnist16", EVERY_CODE, [1, 2, 3]), ("mnist64", EVERY_CODE, [1, 2, 3]),
-    ("lm16", ["float32"], [1, 2, 3]), ("lm64", ["float32"], [1, 2, 3]),
+    ("lm16", EVERY_CODE, [1, 2, 3]), ("lm64", EVERY_CODE, [1, 2, 3]),
 )  # fmt: skip
 
 

@@ -157,7 +157,9 @@ def test_the_check_is_due_every_check_every_rounds_at_close_round_and_after_a_re
             averager._setup_checked = True
 
         monkeypatch.setattr(averager, "check_setup", check_setup)
-        monkeypatch.setattr(averager.engine, "average", lambda tensors, weights: averager.engine.sent(tensors, None))
+        monkeypatch.setattr(
+            averager.engine, "average", lambda tensors, weights, counts=None: averager.engine.sent(tensors, None)
+        )
         return averager
 
     assert CHECK_EVERY == 16
@@ -216,3 +218,96 @@ def test_bucket_views_are_on_by_default_where_no_optimizer_state_is_averaged_and
         assert not views(sgd(), **settings), settings
     options = PeriodicAverager(model, sgd(), 4).options
     assert options.bucket_views is None and dataclasses.replace(options, bucket_views=True).bucket_views is True
+
+
+# K = 1, check_every = 4, SGD on an nn.Linear (bucket views: its tensors live in one buffer). Every all-gather and
+# all-reduce counted; before each round the parameters kept, to compare with what a round that raised left. Rank 1
+# runs an extra backward pass before step ``part`` (0: never). Each rank prints one JSON line.
+_CARRIED = """
+import datetime, json, os, sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_slowcal import PeriodicAverager
+
+rank, folder, part = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+calls = {"all_gather": 0, "all_reduce": 0}
+for name in calls:
+    def counted(*args, _real=getattr(dist, name), _name=name, **kwargs):
+        calls[_name] += 1
+        return _real(*args, **kwargs)
+    setattr(dist, name, counted)
+torch.manual_seed(rank)
+model = nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+averager = PeriodicAverager(model, optimizer, sync_every=1)
+averager.check_every = 4  # > 1: the periodic checks ride where they can
+out = {}
+try:
+    for step in range(1, 13):
+        optimizer.zero_grad()
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        if rank == 1 and step == part:
+            model(torch.randn(5, 3)).pow(2).mean().backward()  # the mistake: a backward pass rank 0 does not run
+        optimizer.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        averager.step()
+except RuntimeError as e:
+    out["error"] = str(e)
+    out["step"] = step
+    out["as_before"] = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+out.update(calls, syncs=averager.num_syncs, check_bytes=averager.link_counts.check_bytes,
+           parameters=[p.tolist() for p in model.parameters()], before=[b.tolist() for b in before])
+print(json.dumps(out))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _carried(tmp_path, part: int) -> list[dict]:
+    import json
+
+    procs = run_ranks(_CARRIED, str(tmp_path), str(part), timeout=120)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs]
+
+
+@pytest.mark.slow
+def test_with_two_processes_a_periodic_check_rides_in_the_rounds_own_all_reduce(tmp_path):
+    """K = 1, check_every = 4, 12 rounds: the set-up and counts are compared in round 0's all-gather, and rounds 4
+    and 8 carry the counts behind the parameters in their one all-reduce (before: an all-gather of 27 int64 values
+    in each of rounds 0, 4 and 8). Every round is the exact mean: both ranks end with the same parameters, the
+    mean of what each held before the last round."""
+    ranks = _carried(tmp_path, 0)
+    for out in ranks:
+        assert "error" not in out, out
+        assert (out["syncs"], out["all_gather"], out["all_reduce"]) == (12, 1, 12)
+        # Round 0's all-gather sends 27 int64 values to the other process; rounds 4 and 8 each carry 8 float32
+        # values, of which each of the two processes sends all once on the ring.
+        assert out["check_bytes"] == 27 * 8 + 2 * 8 * 4
+    assert ranks[0]["parameters"] == ranks[1]["parameters"]
+    for mine, a, b in zip(ranks[0]["parameters"], ranks[0]["before"], ranks[1]["before"]):
+        expected = (torch.tensor(a, dtype=torch.float64) + torch.tensor(b, dtype=torch.float64)) / 2
+        assert torch.equal(torch.tensor(mine), expected.float())
+
+
+@pytest.mark.slow
+def test_counts_that_part_are_caught_in_the_carrying_round_with_nothing_averaged(tmp_path):
+    """Rank 1's extra backward pass at step 2: round 4 (after step 5) carries the counts, finds them different,
+    puts the parameters back as they were before the round on both ranks, and the check's all-gather names
+    both ranks' counts in the one line that ``check_schedule`` always gave."""
+    ranks = _carried(tmp_path, 2)
+    for out in ranks:
+        assert out["step"] == 5 and out["syncs"] == 4 and out["as_before"], out
+        assert out["error"].startswith(
+            "PeriodicAverager: the ranks reached this synchronisation at different points (rank 0: 5 steps, 5 backward "
+            "passes, rank 1: 5 steps, 6 backward passes)"
+        ), out["error"]
+        # Round 0's all-gather and the one naming the counts; rounds 0-3 and the carrying round 4's all-reduces.
+        assert (out["all_gather"], out["all_reduce"]) == (2, 5), out
+    assert ranks[0]["parameters"] != ranks[1]["parameters"]  # each rank's own, not averaged
