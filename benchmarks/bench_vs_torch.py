@@ -3,13 +3,14 @@
 Each process holds copies of ``bench_sync.py``'s model (four square ``nn.Linear`` layers and a ``LayerNorm``),
 each stepped by ``torch.optim.SGD`` (no state: the sync averages the parameters alone): (a) "ours",
 ``PeriodicAverager(model, SGD, sync_every=1).sync()`` with the default options, as shipped (bucket views on, since
-no optimizer state is averaged; the schedule check in the rounds that ``check_every`` = 16 divides), and (b)
+no optimizer state is averaged; the schedule check in the rounds that ``check_every`` = 16 divides: round 0's an
+all-gather, the later ones carried in the round's own all-reduce), and (b)
 torch's ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager(period=1).average_parameters``
 of its own copy (flatten, divide, all-reduce, the parameters rebound to views of the flat result).
 Per size, in a shuffled order every rep after a warm-up, each process times each after a barrier;
 a rep's time is the slower rank's. The table gives the medians and, per contender, the median of
 the reps' ratios to the same rep's torch averager (the host's drift cancels). Goal: (a) <= 1.0x.
-With ``--parts`` (where the time goes), also: the default with the check in every round (``check_every = 1``),
+With ``--parts`` (where the time goes), also: the default with the check's all-gather in every round (``check_every = 1``),
 with ``check_schedule=False``, with ``bucket_views=False`` (the layout without views: tensors of 512 KiB or more
 reduced in place, the others flattened), the same with every tensor flattened, and one bare ``all_reduce`` of
 the same bytes. ``--runs 3``: three runs in fresh processes, and per size the min / median / max of their medians.
