@@ -4,6 +4,7 @@ sweeps/communication/run_codes.sh:
     python sweeps/communication/codes.py plan     # the seed-1 grids: sweeps/communication/codes/*.yaml
     python sweeps/communication/codes.py seeds    # seeds 2-3 (and the state_every cells) at each chosen rate
     python sweeps/communication/codes.py edges    # the next rate out where a cell's chosen rate is its grid's edge
+    python sweeps/communication/codes.py tune     # the state cells' rates: seed 1 either side, then seeds 2-3
     python sweeps/communication/codes.py          # docs/communication/codes.csv, the tables, codes.png
 
 A cell is (setting, method, code, state period, error feedback). Its rate is chosen on the training objective,
@@ -14,7 +15,8 @@ three rates pick and seeds 2-3 run at that rate (as its language-model grid). Th
 rate (docs/adaptive.md, docs/table1_tuned.csv, docs/time_to_accuracy.md) and its two neighbours on the project's
 10^(1/3) grid. A state_every cell trains at its code's chosen rate with state_every = 1; so do the cells of Local-SGD with AdamW and
 DiLoCo with AdamW's moments averaged (``--average_state``, every round and every 4th: DES-LOC), methods of their own
-here (``*_moments``). Every cell is tuned, every code runs in every setting. Where a cell's chosen rate is the lowest
+here (``*_moments``); ``tune`` then runs seed 1 at the two rates either side of that rate, and seeds 2-3 where seed 1
+chose another. Every cell is tuned, every code runs in every setting. Where a cell's chosen rate is the lowest
 or highest it searched, ``edges`` writes the grid's next rate out (with the seeds its other rates ran), once; a cell
 still at its edge after that says so in the table's "edge" column.
 """
@@ -244,6 +246,52 @@ def seeds() -> None:
                     {"seed_everything": seeds_, "model.lr": [chosen(cells, key)],
                      "compression": [flag(code)], "state_every": [1, STATE_EVERY]},
                 )  # fmt: skip
+
+
+def state_cells(cells: dict) -> list[tuple[tuple, str, dict]]:
+    """Each state cell that ran (``STATE_CELLS``: the SLowcal methods' state every ``STATE_EVERY``-th round, AdamW's
+    moments averaged) as (its key, its sweep files' stem, the parameters besides the rate and seeds that make it)."""
+    out = []
+    for setting, codes, _ in STATE_CELLS:
+        for code in codes:
+            for method in METHODS[:2]:
+                key = (setting, method, code, STATE_EVERY, True)
+                if key in cells:
+                    out.append((key, f"{setting}_{method}_{slug(code)}_state{STATE_EVERY}",
+                                {"compression": [flag(code)], "state_every": [STATE_EVERY]}))  # fmt: skip
+            for method in ("local_adamw_moments", "diloco_moments"):
+                for state in (1, STATE_EVERY):
+                    key = (setting, method, code, state, True)
+                    if key in cells:
+                        out.append((key, f"{setting}_{method}_{slug(code)}_every{state}",
+                                    {"compression": [flag(code)], "state_every": [state]}))  # fmt: skip
+    return out
+
+
+def tune(path: Path = RESULTS) -> None:
+    """The state cells tuned as the seed-1 cells were: seed 1 at the grid's two rates either side of the rate they
+    ran (their plain cell's), once (``*_rates``); then, where seed 1 chose another rate, seeds 2-3 there
+    (``*_rates_seeds``). Their table rows then give the rate they chose."""
+    cells = load(path)
+    for key, stem, params in state_cells(cells):
+        setting, method = key[0], key[1]
+        ran = sorted(cells[key])
+        if len(ran) == 1:
+            i = nearest(ran[0])
+            around = [GRID[j] for j in (i - 1, i + 1) if 0 <= j < len(GRID)]
+            if not (OUT / f"{stem}_rates.yaml").exists():
+                write_sweep(
+                    f"{stem}_rates", f"{LABELS[method]}, {setting}, {key[2]}, state every {key[3]}: seed 1 at the "
+                    f"rates either side of {ran[0]:g}, the rate its plain cell chose.", setting, method,
+                    {"seed_everything": [1], "model.lr": around, **params},
+                )  # fmt: skip
+            continue
+        lr = chosen(cells, key)
+        if 2 not in cells[key][lr]:
+            write_sweep(
+                f"{stem}_rates_seeds", f"{LABELS[method]}, {setting}, {key[2]}, state every {key[3]}: seeds 2-3 at "
+                f"{lr:g}, the rate seed 1 chose.", setting, method, {"seed_everything": [2, 3], "model.lr": [lr], **params},
+            )  # fmt: skip
 
 
 def edges(path: Path = RESULTS) -> None:
@@ -479,7 +527,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="report", choices=["plan", "seeds", "edges", "report"])
+    parser.add_argument("what", nargs="?", default="report", choices=["plan", "seeds", "edges", "tune", "report"])
     args = parser.parse_args()
     if args.what == "plan":
         plan()
@@ -487,6 +535,8 @@ def main() -> None:
         seeds()
     elif args.what == "edges":
         edges()
+    elif args.what == "tune":
+        tune()
     else:
         report()
 

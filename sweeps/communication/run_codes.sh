@@ -32,6 +32,11 @@ sweep $(cd $D && ls lm*_moments_*.yaml lm*_local_adamw_*_seeds.yaml lm*_diloco_*
 sweep $(cd $D && ls *_edge.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py seeds
 sweep $(cd $D && ls *_seeds.yaml | sed 's/.yaml$//')
+# the state cells tuned: seed 1 at the rates either side of their plain cell's, then seeds 2-3 where seed 1 moved
+"$PY" sweeps/communication/codes.py tune
+sweep $(cd $D && ls *_rates.yaml | sed 's/.yaml$//')
+"$PY" sweeps/communication/codes.py tune
+sweep $(cd $D && ls *_rates_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
 nice -n 5 "$PY" -m lit_slowcal sweep sweeps/communication/main_codes.yaml --results sweeps/results/communication_mnist.jsonl \
   --workers 1 --threads 1 --wandb=false
 "$PY" sweeps/communication/codes.py
