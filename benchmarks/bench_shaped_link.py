@@ -28,7 +28,7 @@ shaped time, the case is CPU-bound (the model of a link alone cannot be within 2
 modelled time is above ``--max-seconds`` a rep is left out (said so).
 
     python benchmarks/bench_shaped_link.py [--procs 2,4] [--rates 100mbit,1gbit] [--sizes 1M,10M] [--reps 3]
-        [--training cnn,lm] [--local-steps 16] [--burst 256kb]
+        [--training cnn,lm] [--local-steps 16] [--burst 256kb] [--no-slow-start-after-idle]
 
 Needs root (network namespaces, ``tc``); anywhere else it refuses in one line (``shaped_link.py``).
 """
