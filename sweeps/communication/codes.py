@@ -269,9 +269,10 @@ def state_cells(cells: dict) -> list[tuple[tuple, str, dict]]:
 
 
 def tune(path: Path = RESULTS) -> None:
-    """The state cells tuned as the seed-1 cells were: seed 1 at the grid's two rates either side of the rate they
-    ran (their plain cell's), once (``*_rates``); then, where seed 1 chose another rate, seeds 2-3 there
-    (``*_rates_seeds``). Their table rows then give the rate they chose."""
+    """The state cells tuned as their plain cells were: at the grid's two rates either side of the rate they ran
+    (their plain cell's), once (``*_rates``), seeds 1-3 where the trials stack (the SLowcal methods on MNIST: the
+    seeds' mean picks), else seed 1; then, where seed 1 chose another rate, seeds 2-3 there (``*_rates_seeds``).
+    Their table rows then give the rate they chose."""
     cells = load(path)
     for key, stem, params in state_cells(cells):
         setting, method = key[0], key[1]
@@ -279,11 +280,13 @@ def tune(path: Path = RESULTS) -> None:
         if len(ran) == 1:
             i = nearest(ran[0])
             around = [GRID[j] for j in (i - 1, i + 1) if 0 <= j < len(GRID)]
+            stacked = not setting.startswith("lm") and method in STACKED
             if not (OUT / f"{stem}_rates.yaml").exists():
                 write_sweep(
-                    f"{stem}_rates", f"{LABELS[method]}, {setting}, {key[2]}, state every {key[3]}: seed 1 at the "
-                    f"rates either side of {ran[0]:g}, the rate its plain cell chose.", setting, method,
-                    {"seed_everything": [1], "model.lr": around, **params},
+                    f"{stem}_rates", f"{LABELS[method]}, {setting}, {key[2]}, state every {key[3]}: "
+                    f"{'seeds 1-3' if stacked else 'seed 1'} at the rates either side of {ran[0]:g}, the rate its plain "
+                    "cell chose.", setting, method,
+                    {"seed_everything": [1, 2, 3] if stacked else [1], "model.lr": around, **params},
                 )  # fmt: skip
             continue
         lr = chosen(cells, key)

@@ -91,9 +91,10 @@ def test_edges_write_the_next_rate_out_once_and_only_where_the_chosen_rate_is_an
 def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and_three_where_it_moved(
     codes, tmp_path, monkeypatch
 ):
-    """A state cell (SLowcal-SGD's w every 4th round) ran seeds 1-3 at its plain cell's rate, 0.0215: ``tune`` writes
-    seed 1 at the grid's 0.01 and 0.0464 (once). Once seed 1 chose 0.0464 there, it writes seeds 2-3 at 0.0464; a
-    moments cell (every round) whose seed 1 kept its rate gets nothing more."""
+    """A state cell (SLowcal-SGD's w every 4th round, stacked on MNIST) ran seeds 1-3 at its plain cell's rate,
+    0.0215: ``tune`` writes seeds 1-3 at the grid's 0.01 and 0.0464, and a moments cell (Local-SGD with AdamW, every
+    round) seed 1 at 0.000464 and 0.00215, once. Once the seeds' mean chose 0.0464 for the first, it needs nothing
+    more; once seed 1 chose 0.000464 for the second, seeds 2-3 run there."""
     monkeypatch.setattr(codes, "OUT", tmp_path / "out")
     state = {"compression": "int4", "state_every": 4}
     recs = [record("slowcal", 0.0215, s, 0.30, 0.90, 200.0, **state) for s in (1, 2, 3)]
@@ -105,22 +106,22 @@ def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["mnist64_local_adamw_moments_int4_every1_rates.yaml", "mnist64_slowcal_int4_state4_rates.yaml"]
     slowcal = (tmp_path / "out" / written[1]).read_text()
-    assert "model.lr: {values: [0.01, 0.0464]}" in slowcal and "seed_everything: {values: [1]}" in slowcal
+    assert "model.lr: {values: [0.01, 0.0464]}" in slowcal and "seed_everything: {values: [1, 2, 3]}" in slowcal
     assert "compression: {values: [int4]}" in slowcal and "state_every: {values: [4]}" in slowcal
     adamw = (tmp_path / "out" / written[0]).read_text()
     assert "model.lr: {values: [0.000464, 0.00215]}" in adamw and "average_state" in adamw
     assert "state_every: {values: [1]}" in adamw and "outer: {values: [none]}" in adamw
     for name in written:
         (tmp_path / "out" / name).unlink()
+    recs += [record("slowcal", lr, s, objective, 0.90, 200.0, **state)
+             for lr, objective in ((0.01, 0.40), (0.0464, 0.20)) for s in (1, 2, 3)]  # fmt: skip
     recs += [
-        record("slowcal", 0.01, 1, 0.40, 0.89, 200.0, **state),
-        record("slowcal", 0.0464, 1, 0.20, 0.91, 200.0, **state),  # seed 1's lowest objective: chosen
-        record("local_adamw", 0.000464, 1, 0.50, 0.84, 300.0, **moments),
+        record("local_adamw", 0.000464, 1, 0.20, 0.84, 300.0, **moments),  # seed 1's lowest objective: chosen
         record("local_adamw", 0.00215, 1, 0.60, 0.83, 300.0, **moments),
     ]
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     codes.tune(path)
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert written == ["mnist64_slowcal_int4_state4_rates_seeds.yaml"]
+    assert written == ["mnist64_local_adamw_moments_int4_every1_rates_seeds.yaml"]
     seeds = (tmp_path / "out" / written[0]).read_text()
-    assert "model.lr: {values: [0.0464]}" in seeds and "seed_everything: {values: [2, 3]}" in seeds
+    assert "model.lr: {values: [0.000464]}" in seeds and "seed_everything: {values: [2, 3]}" in seeds
