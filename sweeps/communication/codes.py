@@ -328,13 +328,7 @@ def rows(path: Path = RESULTS) -> list[dict]:
     cells, out = load(path), []
     for key in sorted(cells, key=lambda k: (list(SETTINGS).index(k[0]), METHODS.index(k[1]), k[3], not k[4], k[2])):
         setting, method, code, state, ef = key
-        if state != 1 or method != plain(
-            method
-        ):  # at its code's rate, chosen with the plain method's state every round
-            base = (setting, plain(method), code, 1, True)
-            lr = chosen(cells, base) if base in cells else min(cells[key])
-        else:
-            lr = chosen(cells, key)
+        lr = chosen(cells, key)  # a state cell not yet tuned (``tune``) ran its plain cell's rate alone
         runs = cells[key][lr]
         metric = SETTINGS[setting][4]
         values = [runs[s].get(metric, math.inf) for s in sorted(runs)]
