@@ -78,10 +78,9 @@ class FlatPool:
     def __init__(self, bucket_views: bool = False) -> None:
         #: Whether the tensors of a kind become views of one flat buffer of it where they all can (``home``).
         self.bucket_views = bucket_views
-        # Per kind: the buffer its tensors live in (``home``), their addresses and sizes there.
-        self.homes: dict[tuple[torch.device, torch.dtype], tuple[Tensor, list[int], list[int]]] = {}
-        #: Per kind: its home buffer with the room behind it for the counts a round carries (``rides``).
-        self.spares: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        # Per kind: the buffer its tensors live in (``home``), that buffer with the room behind it for the counts
+        # a round carries (``rides``), and the tensors' addresses and sizes there.
+        self.homes: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor, list[int], list[int]]] = {}
         self.homed: set[tuple[torch.device, torch.dtype]] = set()  # the kinds this average homed
         self.buffers: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self.turn: dict[tuple[torch.device, torch.dtype], int] = {}  # the kinds this average used, and whose turn
@@ -127,7 +126,7 @@ class FlatPool:
         self.homed.add(kind)  # used: kept by keep_used()
         kept = self.homes.get(kind)
         sizes = [t.numel() for t in tensors]
-        if kept is not None and [t.data_ptr() for t in tensors] == kept[1] and sizes == kept[2]:
+        if kept is not None and [t.data_ptr() for t in tensors] == kept[2] and sizes == kept[3]:
             return kept[0]
         # Room behind the tensors for the counts a round carries in its message (``rides``): a few values.
         spare = RIDE_VALUES if kind[1] in RIDE_DTYPES else 0
@@ -137,15 +136,17 @@ class FlatPool:
         torch._foreach_copy_(views, list(tensors))
         for t, view in zip(tensors, views):
             t.data = view
-        self.homes[kind] = (flat, [t.data_ptr() for t in tensors], sizes)
-        self.spares[kind] = whole
+        self.homes[kind] = (flat, whole, [t.data_ptr() for t in tensors], sizes)
         return flat
+
+    def spare(self, flat: Tensor) -> Tensor:
+        """``flat``, a kind's ``home`` buffer, with the room behind it for the counts a round carries."""
+        return self.homes[flat.device, flat.dtype][1]
 
     def keep_used(self) -> None:
         """After an average: drop the buffers of the kinds it did not use; the next starts again with each kind's first."""
         for kind in set(self.homes) - self.homed:
             del self.homes[kind]
-            self.spares.pop(kind, None)
         self.homed = set()
         for kind in set(self.buffers) - set(self.turn):
             del self.buffers[kind]
@@ -234,7 +235,7 @@ def start_average(
     tensors in the one all-reduce of their buffer; ``wait()`` raises ``CountsDiffer``, the tensors put back,
     where the other process's differ."""
     assert pool is None or (flat_in_flight is not None and flat_in_flight <= 2)
-    assert counts is None or (pool is not None and rides(tensors, weights, pool, process_group))
+    assert counts is None or pool is not None  # and ``rides``: the caller's to check (``ScheduleCheck._carried``)
     world = world_size(process_group)
     local = None
     if weights is not None:
@@ -265,7 +266,7 @@ def start_average(
     if counts is not None:  # every tensor in one buffer, the counts behind them: one message
         assert pool is not None
         flat = pool.home([t for t, _ in tensors])
-        whole = pool.spares[flat.device, flat.dtype]
+        whole = pool.spare(flat)
         mine = _count_parts(counts, whole)
         whole[flat.numel() :].copy_(mine)
         out.carried = (whole[flat.numel() :], mine, flat, flat.clone())

@@ -18,7 +18,8 @@ DiLoCo with AdamW's moments averaged (``--average_state``, every round and every
 here (``*_moments``); ``tune`` then runs seed 1 at the two rates either side of that rate, and seeds 2-3 where seed 1
 chose another. Every cell is tuned, every code runs in every setting. Where a cell's chosen rate is the lowest
 or highest it searched, ``edges`` writes the grid's next rate out (with the seeds its other rates ran), once; a cell
-still at its edge after that says so in the table's "edge" column.
+still at its edge after that says so in the table's "edge" column; once ``tune`` has searched a state cell's three
+rates, ``edges`` steps it out the same way.
 """
 
 from __future__ import annotations
@@ -299,27 +300,33 @@ def tune(path: Path = RESULTS) -> None:
 
 def edges(path: Path = RESULTS) -> None:
     """Where a tuned cell's chosen rate is the lowest or highest it searched, the grid's next rate out, at the seeds
-    its other rates ran (one step: a cell's edge sweep is written once)."""
+    its other rates ran (one step: a cell's edge sweep is written once). The plain cells and, once ``tune`` searched
+    their three rates, the state cells alike."""
     cells = load(path)
+    plain_cells = []
     for key in sorted(cells):
         setting, method, code, state, ef = key
-        if state != 1 or method != plain(method) or len(cells[key]) < 2:
+        if state == 1 and method == plain(method):
+            params = {"compression": [flag(code)]} | ({} if ef else {"error_feedback": ["false"]})
+            plain_cells.append((key, f"{setting}_{method}_{slug(code)}{'' if ef else '_noef'}", params))
+    for key, stem, params in [*plain_cells, *state_cells(cells)]:
+        setting, method, code, state, ef = key
+        if len(cells[key]) < 2:
             continue
         searched, lr = sorted(cells[key]), chosen(cells, key)
         i = nearest(lr)
         step = -1 if lr == searched[0] else 1 if lr == searched[-1] else 0
-        name = f"{setting}_{method}_{slug(code)}{'' if ef else '_noef'}_edge"
+        name = f"{stem}_edge"
         if not step or not 0 <= i + step < len(GRID) or (OUT / f"{name}.yaml").exists():
             continue
         seeds_ = sorted(set.intersection(*(set(runs) for runs in cells[key].values())))
-        params = {"seed_everything": seeds_, "model.lr": [GRID[i + step]],
-                  "compression": [flag(code)]}  # fmt: skip
-        if not ef:
-            params["error_feedback"] = ["false"]
+        what = "" if ef else ", no error feedback"
+        what += f", state every {state}" if method in METHODS[:2] and state != 1 else ""
+        what += f", moments every {state}" if method != plain(method) else ""
         write_sweep(
-            name, f"{LABELS[method]}, {setting}, {code}{'' if ef else ', no error feedback'}: its chosen rate {lr:g} "
-            f"was the {'lowest' if step < 0 else 'highest'} searched, so the grid's next rate out.", setting, method,
-            params,
+            name, f"{LABELS[method]}, {setting}, {code}{what}: its chosen rate {lr:g} was the "
+            f"{'lowest' if step < 0 else 'highest'} searched, so the grid's next rate out.", setting, method,
+            {"seed_everything": seeds_, "model.lr": [GRID[i + step]], **params},
         )  # fmt: skip
 
 

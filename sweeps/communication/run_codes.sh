@@ -37,6 +37,11 @@ sweep $(cd $D && ls *_seeds.yaml | sed 's/.yaml$//')
 sweep $(cd $D && ls *_rates.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py tune
 sweep $(cd $D && ls *_rates_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
+# a state cell's chosen rate at its edge: the next rate out (once), then seeds 2-3 where seed 1 moved there
+"$PY" sweeps/communication/codes.py edges
+sweep $(cd $D && ls *_edge.yaml | sed 's/.yaml$//')
+"$PY" sweeps/communication/codes.py tune
+sweep $(cd $D && ls *_rates_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
 nice -n 5 "$PY" -m lit_slowcal sweep sweeps/communication/main_codes.yaml --results sweeps/results/communication_mnist.jsonl \
   --workers 1 --threads 1 --wandb=false
 "$PY" sweeps/communication/codes.py

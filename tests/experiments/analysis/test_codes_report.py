@@ -30,6 +30,18 @@ def record(method, lr, seed, objective, acc, sent, compression=None, **extra):
     return {"params": params, "status": "finished", "metrics": metrics, "args": args}
 
 
+def write(tmp_path, recs):
+    """The records as a results file."""
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return path
+
+
+def written(tmp_path):
+    """The sweep files written (``OUT`` set to ``tmp_path / "out"``)."""
+    return sorted(p.name for p in (tmp_path / "out").iterdir())
+
+
 def test_rows_choose_by_seed_one_then_report_every_seed_at_that_rate(codes, tmp_path):
     recs = [
         record("local_adamw", 0.001, 1, 0.40, 0.80, 100.0),
@@ -41,8 +53,7 @@ def test_rows_choose_by_seed_one_then_report_every_seed_at_that_rate(codes, tmp_
         record("slowcal", 0.02, 1, 0.10, 0.91, 200.0, compression="int2"),  # best on seed 1, not on the mean
         record("slowcal", 0.02, 2, 0.40, 0.91, 200.0, compression="int2"),
     ]
-    path = tmp_path / "r.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    path = write(tmp_path, recs)
     found = {(r["method"], r["code"]): r for r in codes.rows(path)}
     adamw = found["local_adamw", "float32"]
     assert (adamw["lr"], adamw["seeds"], adamw["lr_at_edge"]) == (0.002, 2, "high")
@@ -71,21 +82,43 @@ def test_edges_write_the_next_rate_out_once_and_only_where_the_chosen_rate_is_an
         record("slowcal", 0.0215, 1, 0.30, 0.90, 200.0, compression="int2", error_feedback="false"),
         record("slowcal", 0.0215, 2, 0.30, 0.90, 200.0, compression="int2", error_feedback="false"),
     ]
-    path = tmp_path / "r.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    path = write(tmp_path, recs)
     monkeypatch.setattr(codes, "OUT", tmp_path / "out")
     codes.edges(path)
-    written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert written == ["mnist64_local_adamw_float32_edge.yaml", "mnist64_slowcal_int2_noef_edge.yaml"]
-    adamw = (tmp_path / "out" / written[0]).read_text()
+    names = written(tmp_path)
+    assert names == ["mnist64_local_adamw_float32_edge.yaml", "mnist64_slowcal_int2_noef_edge.yaml"]
+    adamw = (tmp_path / "out" / names[0]).read_text()
     assert "model.lr: {values: [0.00215]}" in adamw and "seed_everything: {values: [1]}" in adamw
     assert 'compression: {values: ["null"]}' in adamw and "outer: {values: [none]}" in adamw
-    slowcal = (tmp_path / "out" / written[1]).read_text()
+    slowcal = (tmp_path / "out" / names[1]).read_text()
     assert "model.lr: {values: [0.00464]}" in slowcal and "seed_everything: {values: [1, 2]}" in slowcal
     assert "error_feedback: {values: [false]}" in slowcal
-    (tmp_path / "out" / written[0]).write_text("kept")
+    (tmp_path / "out" / names[0]).write_text("kept")
     codes.edges(path)  # once: a written edge sweep is not written again
-    assert (tmp_path / "out" / written[0]).read_text() == "kept"
+    assert (tmp_path / "out" / names[0]).read_text() == "kept"
+
+
+def test_edges_step_a_tuned_state_cell_out_and_leave_one_its_three_rates_bracket(codes, tmp_path, monkeypatch):
+    """A state cell is stepped out once ``tune`` has searched its three rates: a moments cell (DiLoCo, every 4th)
+    whose seed 1 chose its highest rate gets the grid's next rate with its own parameters; SLowcal-SGD's w every 4th,
+    whose seeds' mean chose its middle rate, gets nothing; a state cell that ran one rate only is ``tune``'s."""
+    monkeypatch.setattr(codes, "OUT", tmp_path / "out")
+    moments = {"compression": "int8", "state_every": 4, "average_state": codes.MOMENTS}
+    recs = [record("diloco", lr, 1, objective, 0.80, 300.0, **moments)
+            for lr, objective in ((0.0001, 0.50), (0.000215, 0.40), (0.000464, 0.30))]  # fmt: skip
+    recs += [record("diloco", 0.000464, s, 0.30, 0.80, 300.0, **moments) for s in (2, 3)]
+    state = {"compression": "int4", "state_every": 4}
+    recs += [record("slowcal", lr, s, objective, 0.90, 200.0, **state)
+             for lr, objective in ((0.01, 0.40), (0.0215, 0.20), (0.0464, 0.30)) for s in (1, 2, 3)]  # fmt: skip
+    recs += [record("slowcal", 0.0215, s, 0.30, 0.90, 200.0, compression="int2", state_every=4) for s in (1, 2, 3)]
+    codes.edges(write(tmp_path, recs))
+    assert written(tmp_path) == ["mnist64_diloco_moments_int8_every4_edge.yaml"]
+    diloco = (tmp_path / "out" / "mnist64_diloco_moments_int8_every4_edge.yaml").read_text()
+    assert "model.lr: {values: [0.001]}" in diloco and "seed_everything: {values: [1]}" in diloco
+    assert "state_every: {values: [4]}" in diloco and "compression: {values: [int8]}" in diloco
+    assert (
+        "average_state" in diloco and "DiLoCo, moments averaged, mnist64, int8, moments every 4: its chosen" in diloco
+    )
 
 
 def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and_three_where_it_moved(
@@ -100,18 +133,17 @@ def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and
     recs = [record("slowcal", 0.0215, s, 0.30, 0.90, 200.0, **state) for s in (1, 2, 3)]
     moments = {"compression": "int4", "state_every": 1, "average_state": codes.MOMENTS}
     recs += [record("local_adamw", 0.001, s, 0.30, 0.85, 300.0, **moments) for s in (1, 2, 3)]
-    path = tmp_path / "r.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    path = write(tmp_path, recs)
     codes.tune(path)
-    written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert written == ["mnist64_local_adamw_moments_int4_every1_rates.yaml", "mnist64_slowcal_int4_state4_rates.yaml"]
-    slowcal = (tmp_path / "out" / written[1]).read_text()
+    names = written(tmp_path)
+    assert names == ["mnist64_local_adamw_moments_int4_every1_rates.yaml", "mnist64_slowcal_int4_state4_rates.yaml"]
+    slowcal = (tmp_path / "out" / names[1]).read_text()
     assert "model.lr: {values: [0.01, 0.0464]}" in slowcal and "seed_everything: {values: [1, 2, 3]}" in slowcal
     assert "compression: {values: [int4]}" in slowcal and "state_every: {values: [4]}" in slowcal
-    adamw = (tmp_path / "out" / written[0]).read_text()
+    adamw = (tmp_path / "out" / names[0]).read_text()
     assert "model.lr: {values: [0.000464, 0.00215]}" in adamw and "average_state" in adamw
     assert "state_every: {values: [1]}" in adamw and "outer: {values: [none]}" in adamw
-    for name in written:
+    for name in names:
         (tmp_path / "out" / name).unlink()
     recs += [record("slowcal", lr, s, objective, 0.90, 200.0, **state)
              for lr, objective in ((0.01, 0.40), (0.0464, 0.20)) for s in (1, 2, 3)]  # fmt: skip
@@ -119,9 +151,9 @@ def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and
         record("local_adamw", 0.000464, 1, 0.20, 0.84, 300.0, **moments),  # seed 1's lowest objective: chosen
         record("local_adamw", 0.00215, 1, 0.60, 0.83, 300.0, **moments),
     ]
-    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    write(tmp_path, recs)
     codes.tune(path)
-    written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert written == ["mnist64_local_adamw_moments_int4_every1_rates_seeds.yaml"]
-    seeds = (tmp_path / "out" / written[0]).read_text()
+    names = written(tmp_path)
+    assert names == ["mnist64_local_adamw_moments_int4_every1_rates_seeds.yaml"]
+    seeds = (tmp_path / "out" / names[0]).read_text()
     assert "model.lr: {values: [0.000464]}" in seeds and "seed_everything: {values: [2, 3]}" in seeds
