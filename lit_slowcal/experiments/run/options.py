@@ -25,6 +25,7 @@ import torch
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lit_slowcal._selection import check_state_keys
 from lit_slowcal._validation import check_int, check_number, is_int
 from lit_slowcal.compression import NAMES as COMPRESSIONS
 from lit_slowcal.compression import TOPK_SPELLING, compressor
@@ -239,16 +240,11 @@ def state_keys(value: Any) -> tuple[str, ...]:
 
 def check_state_keys_held(keys: tuple[str, ...], optimizer: Any) -> None:
     """One line for a key of ``--average_state`` that ``optimizer`` (the method's, built on a probe parameter) does
-    not hold after a step: refused before training, where the averager would refuse it at the first round."""
+    not hold after a step: refused before training, with the averager's own line for it at the first round."""
     probe = next(p for group in optimizer.param_groups for p in group["params"])
     probe.grad = torch.zeros_like(probe)
     optimizer.step()
-    held = set(optimizer.state[probe])
-    missing = [key for key in keys if key not in held]
-    if missing:
-        raise ValueError(
-            f"Invalid average_state: {missing[0]!r} ({type(optimizer).__name__}'s state keys: {', '.join(sorted(held))})"
-        )
+    check_state_keys(optimizer, keys)
 
 
 def averaging_options(get: Callable[[str], Any]) -> AveragingOptions:

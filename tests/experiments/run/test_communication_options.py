@@ -59,7 +59,7 @@ def test_a_compressed_fit_logs_the_compressed_bytes(tmp_path, capsys):
         (["--average_state=exp avg"], "Invalid average_state: 'exp avg' (optimizer state keys, comma-separated"),
         (
             ["--method=diloco", "--model.outer=none", "--average_state=exp_avg,moment"],
-            "Invalid average_state: 'moment' (AdamW's state keys: exp_avg, exp_avg_sq, step)",
+            "Invalid average_state: 'moment' (no parameter's AdamW state holds it; its state keys: exp_avg, exp_avg_sq, step)",
         ),
     ],
 )
