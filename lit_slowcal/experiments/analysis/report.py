@@ -264,8 +264,8 @@ def _curve_choice(text: Optional[str], excess: dict[tuple[int, int, str], Cell])
     return m, k
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lit_slowcal report RESULTS.jsonl [--out DIR] [--name NAME]``."""
+def _parser() -> argparse.ArgumentParser:
+    """``python -m lit_slowcal report``'s arguments."""
     parser = argparse.ArgumentParser(
         prog="python -m lit_slowcal report",
         description="Plot test accuracy and loss against K (one panel per M, one line per method) and write a "
@@ -307,7 +307,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=[],
         help="only each cell's tuned rate, from `tune`'s CSV (method, M, K, lr; repeat for several); cells none holds: all",
     )
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lit_slowcal report RESULTS.jsonl [--out DIR] [--name NAME]``."""
+    opts = _parser().parse_args(argv)
     name = opts.name or opts.results.stem
     try:
         notes: list[str] = []
@@ -328,6 +333,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not acc:
         print(f"lit_slowcal report: error: no finished trial with test_acc in {opts.results}", file=sys.stderr)
         return 2
+    paths = _write_figures_and_table(records, opts, name, (acc, loss, excess), g_star, curve)
+    for target in targets:
+        command = " ".join(["python -m lit_slowcal report", *(argv if argv is not None else sys.argv[1:])])
+        try:
+            written = write_time_to_target(
+                records, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
+            )
+        except (OSError, ValueError) as err:
+            print(f"lit_slowcal report: error: {err}", file=sys.stderr)
+            return 2
+        paths.extend(written)
+        print(written[-1].read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def _write_figures_and_table(
+    records: list[dict[str, Any]],
+    opts: argparse.Namespace,
+    name: str,
+    cells: tuple[dict[tuple[int, int, str], Cell], ...],
+    g_star: dict[int, Cell],
+    curve: Optional[tuple[int, int]],
+) -> list[Path]:
+    """The accuracy and loss figures, the excess-loss figures where there is an excess loss, and the markdown table
+    (printed too): the paths written, the table last. ``cells``: the accuracy's, the loss's and the excess loss's."""
+    acc, loss, excess = cells
     skipped = [
         f"{r['params'].get('method')} M={r['params'].get('num_machines')} K={r['params'].get('local_steps')} "
         f"seed={r['params'].get(SEED)} {r.get('status')}"
@@ -358,19 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with atomic_write(paths[-1], encoding="utf-8") as f:
         f.write(head + table + tail)
     print(table)
-    for target in targets:
-        command = " ".join(["python -m lit_slowcal report", *(argv if argv is not None else sys.argv[1:])])
-        try:
-            written = write_time_to_target(
-                records, target, links, opts.sample_seconds, opts.scale, opts.out, f"{name}_{target.metric}", command
-            )
-        except (OSError, ValueError) as err:
-            print(f"lit_slowcal report: error: {err}", file=sys.stderr)
-            return 2
-        paths.extend(written)
-        print(written[-1].read_text(encoding="utf-8"))
-    print("wrote " + ", ".join(map(str, paths)))
-    return 0
+    return paths
 
 
 def _time_options(opts: argparse.Namespace) -> tuple[list[Target], list[Link]]:
