@@ -48,9 +48,10 @@ from lit_slowcal.protocol import declared
 __all__ = ["OPTION_NAMES", "AveragingOptions", "check_overlap", "check_participation", "option_keywords"]
 
 OuterFactory = Callable[[Iterable[Tensor]], Optimizer]
-#: S or a fraction of M. Made at import, int first: typing caches a Union by its members, so whichever order
-#: is made first in a process is every later equal Union's, and a parser trying float first reads "4" as 4.0.
-Participation = Optional[Union[int, float]]
+#: S or a fraction of M, int first. Spelled flat: typing caches ``Optional[Union[int, float]]`` by its inner Union,
+#: which equals ``Union[float, int]``, so whichever order a process made first would come back (importing Lightning
+#: makes the float-first one), and a parser trying float first reads "2" as 2.0 and "1" as all machines.
+Participation = Union[int, float, None]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ import dataclasses
 import functools
 import inspect
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from lit_slowcal import (
 )
 from lit_slowcal.compression import Code, Int4
 from lit_slowcal.options import OPTION_NAMES
-from tests.helpers import finish_rank, spawn_ranks
+from tests.helpers import finish_rank, spawn_ranks, subprocess_env
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 MOMENTUM = ("momentum_buffer",)
@@ -212,6 +214,27 @@ def test_the_strategies_list_every_option_by_name_for_lightning_cli_declared_onc
     assert PeriodicAveragingFabricStrategy(options=AveragingOptions(sync_every=16), participation=2).sync_every == 16
     assert ShardedAveragingStrategy(options=AveragingOptions(sync_every=16)).sync_every == 16
     assert PeriodicAveragingStrategy().sync_every == 1 and PeriodicAveragingStrategy(16).sync_every == 16
+
+
+def test_a_participation_count_parses_as_a_count_whatever_union_the_process_made_first():
+    """A process that imported Lightning before the library (Lightning makes a float-first Union, which typing's cache
+    hands back for an equal ``Optional[Union[int, float]]``) still parses ``participation: 2`` as 2 machines, not the
+    fraction 2.0."""
+    code = (
+        "import lightning\n"
+        "from jsonargparse import ArgumentParser\n"
+        "from lit_slowcal import AveragingOptions\n"
+        "parser = ArgumentParser()\n"
+        "parser.add_argument('--options', type=AveragingOptions)\n"
+        "for given in ('2', '0.5'):\n"
+        "    value = parser.parse_args([f'--options.participation={given}']).options.participation\n"
+        "    print(type(value).__name__, value)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["int 2", "float 0.5"]
     fields = [f.name for f in dataclasses.fields(AveragingOptions) if f.init]
     assert list(OPTION_NAMES) == fields and "compression" in fields and "error_feedback" in fields
 

@@ -33,7 +33,7 @@ from lit_slowcal.experiments.run.threads import THREADS_TYPE
 from lit_slowcal.experiments.train.methods import method_names
 from lit_slowcal.experiments.train.shape import check_settings, steps_between_syncs
 from lit_slowcal.link import Link
-from lit_slowcal.options import AveragingOptions, check_overlap
+from lit_slowcal.options import AveragingOptions, Participation, check_overlap
 
 __all__ = [
     "PARSE_LINKS", "PARSE_LINK_SOURCES", "ConfigFile", "OneLineErrorParser", "add_options", "modelled_link", "one_line_message",
@@ -275,80 +275,51 @@ COMMUNICATION_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
 )  # fmt: skip
 
 
+#: The run's options before ``COMMUNICATION_OPTIONS``: (option, type, default, help).
+RUN_OPTIONS: tuple[tuple[str, Any, Any, Optional[str]], ...] = (
+    ("--method", str, "slowcal", None),  # help: the registry's names, when the parser is built
+    ("--num_machines", int, 16, "M, machines over all processes"),
+    ("--local_steps", int, 16, "K, local steps per round"),
+    ("--batch_size", int, 1, "b, samples per machine per local step"),
+    ("--eval_every", int, 10, "rounds between test evaluations"),
+    ("--run_dir", str, "runs", "folder of the CSV and W&B logs"),
+    ("--checkpoint_every", int, 10, "rounds between checkpoints (last.ckpt; 0: epoch ends only)"),
+    ("--wandb", bool, True, "log to Weights & Biases (offline without an account)"),
+    ("--wandb_project", str, "lit_slowcal", None),
+    ("--diagnostics", bool, True,
+     "log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)"),
+    ("--step_every", int, 10,
+     "with --diagnostics: measure the per-step movement of x and w in every N-th round (0: never)"),
+    ("--objective", bool, True,
+     "log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)"),
+    ("--optimum_tol", float, 1e-8,
+     "the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
+     "(MNIST, lambda = 1e-4: 5e-13)"),
+    ("--cache_dir", Optional[str], None,
+     "folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)"),
+    ("--participation", Participation, None,  # int first, whatever Lightning made (lit_slowcal.options)
+     "machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every round from the "
+     "seed; unset: all of them"),
+)  # fmt: skip
+#: The run's options after ``COMMUNICATION_OPTIONS``: (option, type, default, help).
+TIME_OPTIONS: tuple[tuple[str, Any, Any, Optional[str]], ...] = (
+    ("--threads", THREADS_TYPE, "auto",
+     "torch threads: auto (1 for steps this small, see lit_slowcal/experiments/run/threads.py; keeps "
+     "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default"),
+    ("--link", Union[str, list[str]], "10Gbit/s,1ms",
+     'the network link(s) the communication time is modelled at: "<bandwidth>,<latency>", e.g. 1Gbit/s,10ms; '
+     "several: --link '[\"1Gbit/s,10ms\",\"10Gbit/s,1ms\"]' or --link+=... (docs/library.md)"),
+    ("--step_seconds", Optional[float], None,
+     "compute time of one optimizer step of one machine on your hardware, for the modelled wall time "
+     "(compute + communication); unset: measured on this machine"),
+)  # fmt: skip
+
+
 def add_options(parser: LightningArgumentParser) -> None:
     """The experiment's options (``--method``, ``--num_machines``, ...) and the settings linked from them."""
-    parser.add_argument("--method", type=str, default="slowcal", help=", ".join(method_names()))
-    parser.add_argument("--num_machines", type=int, default=16, help="M, machines over all processes")
-    parser.add_argument("--local_steps", type=int, default=16, help="K, local steps per round")
-    parser.add_argument("--batch_size", type=int, default=1, help="b, samples per machine per local step")
-    parser.add_argument("--eval_every", type=int, default=10, help="rounds between test evaluations")
-    parser.add_argument("--run_dir", type=str, default="runs", help="folder of the CSV and W&B logs")
-    parser.add_argument(
-        "--checkpoint_every", type=int, default=10, help="rounds between checkpoints (last.ckpt; 0: epoch ends only)"
-    )
-    parser.add_argument("--wandb", type=bool, default=True, help="log to Weights & Biases (offline without an account)")
-    parser.add_argument("--wandb_project", type=str, default="lit_slowcal")
-    parser.add_argument(
-        "--diagnostics",
-        type=bool,
-        default=True,
-        help="log per-round diagnostics: dispersion before each sync, per-step movement of x (and w)",
-    )
-    parser.add_argument(
-        "--step_every",
-        type=int,
-        default=10,
-        help="with --diagnostics: measure the per-step movement of x and w in every N-th round (0: never)",
-    )
-    parser.add_argument(
-        "--objective",
-        type=bool,
-        default=True,
-        help="log train_objective at every evaluation, and excess_loss, f_star and G_star from x* (float64, cached)",
-    )
-    parser.add_argument(
-        "--optimum_tol",
-        type=float,
-        default=1e-8,
-        help="the solver's tolerance on ||grad f(x*)||; with weight decay lambda, f* is then exact to tol^2 / (2 lambda) "
-        "(MNIST, lambda = 1e-4: 5e-13)",
-    )
-    parser.add_argument(
-        "--cache_dir",
-        type=Optional[str],
-        default=None,
-        help="folder of cached optima (default: $XDG_CACHE_HOME/lit_slowcal or ~/.cache/lit_slowcal)",
-    )
-    parser.add_argument(
-        "--participation",
-        type=Optional[Union[int, float]],
-        default=None,
-        help="machines taking part in each round: a count S (1..M) or a fraction of M in (0, 1], drawn every "
-        "round from the seed; unset: all of them",
-    )
-    for name, kind, default, text in COMMUNICATION_OPTIONS:
+    for name, kind, default, text in (*RUN_OPTIONS, *COMMUNICATION_OPTIONS, *TIME_OPTIONS):
+        text = ", ".join(method_names()) if name == "--method" else text
         parser.add_argument(name, type=kind, default=default, help=text)
-    parser.add_argument(
-        "--threads",
-        type=THREADS_TYPE,
-        default="auto",
-        help="torch threads: auto (1 for steps this small, see lit_slowcal/experiments/run/threads.py; keeps "
-        "OMP_NUM_THREADS or MKL_NUM_THREADS when set), N, or 0 for torch's default",
-    )
-    parser.add_argument(
-        "--link",
-        type=Union[str, list[str]],
-        default="10Gbit/s,1ms",
-        help='the network link(s) the communication time is modelled at: "<bandwidth>,<latency>", e.g. '
-        '1Gbit/s,10ms; several: --link \'["1Gbit/s,10ms","10Gbit/s,1ms"]\' or --link+=... (docs/library.md)',
-    )
-    parser.add_argument(
-        "--step_seconds",
-        type=Optional[float],
-        default=None,
-        help="compute time of one optimizer step of one machine on your hardware, for the modelled wall time "
-        "(compute + communication); unset: measured on this machine",
-    )
     for sources, target, compute_fn in PARSE_LINKS:
         parser.link_arguments(sources, target, compute_fn=compute_fn)
     # The model's shape and loss are the problem's.

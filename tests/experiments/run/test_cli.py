@@ -102,6 +102,14 @@ def test_print_config_shows_the_four_settings_once(tmp_path):
     assert config["model"]["lr"] == 0.1
 
 
+@pytest.mark.parametrize(("given", "parsed"), [("1", 1), ("4", 4), ("1.0", 1.0), ("0.25", 0.25)])
+def test_participation_keeps_a_count_a_count_and_a_fraction_a_fraction(tmp_path, given, parsed):
+    """``--participation=1`` is one machine a round, ``1.0`` all of them: the count must not come back a float."""
+    proc = lit_slowcal(tmp_path, "fit", "--config=configs/slowcal.yaml", f"--participation={given}", "--print_config")
+    value = yaml.safe_load(proc.stdout)["participation"]
+    assert (type(value), value) == (type(parsed), parsed)
+
+
 def corrupt_root(tmp_path: Path, how: str) -> Path:
     """A copy of the shipped MNIST with one decompressed file broken."""
     raw = tmp_path / "mnist" / "MNIST" / "raw"
