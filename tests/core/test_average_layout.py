@@ -70,20 +70,23 @@ def _worker(rank: int, world: int, init_file: str, out: str, weighted: bool) -> 
     gathered_lists: list = [None] * world
     dist.all_gather_object(gathered_lists, [t.clone() for t, _ in tensors])
     pointers = {t.data_ptr(): i for i, (t, _) in enumerate(tensors)}
-    reduced, all_reduce = [], dist.all_reduce
+    reduced, all_reduce, isend = [], dist.all_reduce, dist.isend
 
-    def recording_all_reduce(tensor, *args, **kwargs):
-        reduced.append(pointers.get(tensor.data_ptr(), -tensor.numel() * tensor.element_size()))  # index, or -bytes
-        return all_reduce(tensor, *args, **kwargs)
+    def recording(send):  # an all-reduce, or the send of a two-process exchange (the same tensor, where it lies)
+        def recorded(tensor, *args, **kwargs):
+            reduced.append(pointers.get(tensor.data_ptr(), -tensor.numel() * tensor.element_size()))  # index, or -bytes
+            return send(tensor, *args, **kwargs)
 
-    dist.all_reduce = recording_all_reduce
+        return recorded
+
+    dist.all_reduce, dist.isend = recording(all_reduce), recording(isend)
     try:
         communication.average(
             tensors, WEIGHTS if weighted else None, machines_per_process=M_LOCAL, process_group=None,
             bucket_cap_bytes=CAP,
         )  # fmt: skip
     finally:
-        dist.all_reduce = all_reduce
+        dist.all_reduce, dist.isend = all_reduce, isend
     expected = _reference(gathered_lists, [s for _, s in tensors], world, weighted)
 
     # A SlowcalSGD model with machines simulated in the process: its parameters and w, averaged by sync().

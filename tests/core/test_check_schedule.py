@@ -235,7 +235,7 @@ from lit_slowcal import PeriodicAverager
 rank, folder, part = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rendezvous"), rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=20))
-calls = {"all_gather": 0, "all_reduce": 0}
+calls = {"all_gather": 0, "all_reduce": 0, "isend": 0}  # isend: a round's exchange (two processes, small)
 for name in calls:
     def counted(*args, _real=getattr(dist, name), _name=name, **kwargs):
         calls[_name] += 1
@@ -278,17 +278,17 @@ def _carried(tmp_path, part: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_with_two_processes_a_periodic_check_rides_in_the_rounds_own_all_reduce(tmp_path):
+def test_with_two_processes_a_periodic_check_rides_in_the_rounds_own_message(tmp_path):
     """K = 1, check_every = 4, 12 rounds: the set-up and counts are compared in round 0's all-gather, and rounds 4
-    and 8 carry the counts behind the parameters in their one all-reduce (before: an all-gather of 27 int64 values
-    in each of rounds 0, 4 and 8). Every round is the exact mean: both ranks end with the same parameters, the
+    and 8 carry the counts behind the parameters in their one message, here an exchange (before: an all-gather of
+    27 int64 values in each of rounds 0, 4 and 8). Every round is the exact mean: both ranks end with the same parameters, the
     mean of what each held before the last round."""
     ranks = _carried(tmp_path, 0)
     for out in ranks:
         assert "error" not in out, out
-        assert (out["syncs"], out["all_gather"], out["all_reduce"]) == (12, 1, 12)
+        assert (out["syncs"], out["all_gather"], out["all_reduce"], out["isend"]) == (12, 1, 0, 12)
         # Round 0's all-gather sends 27 int64 values to the other process; rounds 4 and 8 each carry 8 float32
-        # values, of which each of the two processes sends all once on the ring.
+        # values, of which each of the two processes sends all once (on the ring as in the exchange).
         assert out["check_bytes"] == 27 * 8 + 2 * 8 * 4
     assert ranks[0]["parameters"] == ranks[1]["parameters"]
     for mine, a, b in zip(ranks[0]["parameters"], ranks[0]["before"], ranks[1]["before"]):
@@ -308,6 +308,6 @@ def test_counts_that_part_are_caught_in_the_carrying_round_with_nothing_averaged
             "PeriodicAverager: the ranks reached this synchronisation at different points (rank 0: 5 steps, 5 backward "
             "passes, rank 1: 5 steps, 6 backward passes)"
         ), out["error"]
-        # Round 0's all-gather and the one naming the counts; rounds 0-3 and the carrying round 4's all-reduces.
-        assert (out["all_gather"], out["all_reduce"]) == (2, 5), out
+        # Round 0's all-gather and the one naming the counts; rounds 0-3 and the carrying round 4's exchanges.
+        assert (out["all_gather"], out["all_reduce"], out["isend"]) == (2, 0, 5), out
     assert ranks[0]["parameters"] != ranks[1]["parameters"]  # each rank's own, not averaged
