@@ -4,7 +4,7 @@ Each process holds copies of ``bench_sync.py``'s model (four square ``nn.Linear`
 each stepped by ``torch.optim.SGD`` (no state: the sync averages the parameters alone): (a) "ours",
 ``PeriodicAverager(model, SGD, sync_every=1).sync()`` with the default options, as shipped (bucket views on, since
 no optimizer state is averaged; the schedule check in the rounds that ``check_every`` = 16 divides: round 0's an
-all-gather, the later ones carried in the round's own all-reduce), and (b)
+all-gather, the later ones carried in the round's own message: at 100k an exchange), and (b)
 torch's ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager(period=1).average_parameters``
 of its own copy (flatten, divide, all-reduce, the parameters rebound to views of the flat result).
 Per size, in a shuffled order every rep after a warm-up, each process times each after a barrier;
