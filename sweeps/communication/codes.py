@@ -292,9 +292,11 @@ def tune(path: Path = RESULTS) -> None:
             continue
         lr = chosen(cells, key)
         if 2 not in cells[key][lr]:
+            stepped = len(ran) > 3 and lr in (ran[0], ran[-1])  # the rate ``edges`` added: its own file
             write_sweep(
-                f"{stem}_rates_seeds", f"{LABELS[method]}, {setting}, {key[2]}, state every {key[3]}: seeds 2-3 at "
-                f"{lr:g}, the rate seed 1 chose.", setting, method, {"seed_everything": [2, 3], "model.lr": [lr], **params},
+                f"{stem}_{'edge' if stepped else 'rates'}_seeds", f"{LABELS[method]}, {setting}, {key[2]}, state every "
+                f"{key[3]}: seeds 2-3 at {lr:g}, the rate seed 1 chose.", setting, method,
+                {"seed_everything": [2, 3], "model.lr": [lr], **params},
             )  # fmt: skip
 
 

@@ -101,7 +101,8 @@ def test_edges_write_the_next_rate_out_once_and_only_where_the_chosen_rate_is_an
 def test_edges_step_a_tuned_state_cell_out_and_leave_one_its_three_rates_bracket(codes, tmp_path, monkeypatch):
     """A state cell is stepped out once ``tune`` has searched its three rates: a moments cell (DiLoCo, every 4th)
     whose seed 1 chose its highest rate gets the grid's next rate with its own parameters; SLowcal-SGD's w every 4th,
-    whose seeds' mean chose its middle rate, gets nothing; a state cell that ran one rate only is ``tune``'s."""
+    whose seeds' mean chose its middle rate, gets nothing; a state cell that ran one rate only is ``tune``'s. Once the
+    added rate wins on seed 1, ``tune`` runs seeds 2-3 there."""
     monkeypatch.setattr(codes, "OUT", tmp_path / "out")
     moments = {"compression": "int8", "state_every": 4, "average_state": codes.MOMENTS}
     recs = [record("diloco", lr, 1, objective, 0.80, 300.0, **moments)
@@ -119,6 +120,17 @@ def test_edges_step_a_tuned_state_cell_out_and_leave_one_its_three_rates_bracket
     assert (
         "average_state" in diloco and "DiLoCo, moments averaged, mnist64, int8, moments every 4: its chosen" in diloco
     )
+    # Seed 1 does better at the added rate: ``tune`` runs seeds 2-3 there, in a file of its own (the ``*_rates_seeds``
+    # file of an earlier move stays as it ran); the cell that ran one rate gets its two neighbours.
+    recs.append(record("diloco", 0.001, 1, 0.25, 0.80, 300.0, **moments))
+    codes.tune(write(tmp_path, recs))
+    assert written(tmp_path) == [
+        "mnist64_diloco_moments_int8_every4_edge.yaml",
+        "mnist64_diloco_moments_int8_every4_edge_seeds.yaml",
+        "mnist64_slowcal_int2_state4_rates.yaml",
+    ]
+    seeds = (tmp_path / "out" / "mnist64_diloco_moments_int8_every4_edge_seeds.yaml").read_text()
+    assert "model.lr: {values: [0.001]}" in seeds and "seed_everything: {values: [2, 3]}" in seeds
 
 
 def test_tune_runs_seed_one_either_side_of_a_state_cells_rate_then_seeds_two_and_three_where_it_moved(
