@@ -35,13 +35,12 @@ sweep $(cd $D && ls *_seeds.yaml | sed 's/.yaml$//')
 # the state cells tuned: seed 1 at the rates either side of their plain cell's, then seeds 2-3 where seed 1 moved
 "$PY" sweeps/communication/codes.py tune
 sweep $(cd $D && ls *_rates.yaml | sed 's/.yaml$//')
-"$PY" sweeps/communication/codes.py tune
-sweep $(cd $D && ls *_rates_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
-# a state cell's chosen rate at its edge: the next rate out (once), then seeds 2-3 where seed 1 moved there
+# a state cell whose chosen rate is now an edge of its three: the next rate out (once); then seeds 2-3 wherever seed 1
+# moved (*_rates_seeds; *_edge_seeds at the rate edges added)
 "$PY" sweeps/communication/codes.py edges
 sweep $(cd $D && ls *_edge.yaml | sed 's/.yaml$//')
 "$PY" sweeps/communication/codes.py tune
-sweep $(cd $D && ls *_rates_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
+sweep $(cd $D && ls *_rates_seeds.yaml *_edge_seeds.yaml 2>/dev/null | sed 's/.yaml$//')
 nice -n 5 "$PY" -m lit_slowcal sweep sweeps/communication/main_codes.yaml --results sweeps/results/communication_mnist.jsonl \
   --workers 1 --threads 1 --wandb=false
 "$PY" sweeps/communication/codes.py
